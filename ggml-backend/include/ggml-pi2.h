@@ -1,0 +1,54 @@
+// Public interface of the PI2 ggml backend (pi2-gguf).
+//
+// The backend is loaded into stock llama.cpp with ggml_backend_load(); it registers one ACCEL device
+// "PI2" that owns the FFN weights blk.N.ffn_{gate,up,down}.weight and the FFN GLU op.
+// The functions below are extra entry points for tools (Python reads them through ctypes).
+#pragma once
+
+#include <stdint.h>
+
+#include "ggml-backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PI2_MAX_LAYERS 1024
+
+enum pi2_matrix {
+    PI2_MATRIX_GATE = 0,
+    PI2_MATRIX_UP   = 1,
+    PI2_MATRIX_DOWN = 2,
+    PI2_N_MATRIX    = 3,
+};
+
+// What one layer's FFN executed in PI2 since the last reset.
+struct pi2_layer_counters {
+    uint64_t matmul_calls[PI2_N_MATRIX];  // MUL_MAT nodes executed
+    uint64_t matmul_tokens[PI2_N_MATRIX]; // tokens (src1 columns) multiplied
+    uint64_t rows[PI2_N_MATRIX];          // weight rows dotted, summed over tokens
+    uint64_t weight_bytes[PI2_N_MATRIX];  // weight bytes read by those dot products
+    uint64_t glu_calls;                   // GLU nodes executed
+    uint64_t glu_tokens;                  // tokens through the GLU
+};
+
+struct pi2_counters {
+    uint64_t graph_computes;  // graph_compute calls received
+    uint64_t nodes_computed;  // nodes executed (views excluded)
+    uint32_t n_layers;        // highest layer index seen + 1
+    struct pi2_layer_counters layer[PI2_MAX_LAYERS];
+};
+
+GGML_BACKEND_API ggml_backend_reg_t ggml_backend_pi2_reg(void);
+
+// Process-wide counters of the PI2 device (all contexts add to them).
+GGML_BACKEND_API void pi2_counters_read(struct pi2_counters * out);
+GGML_BACKEND_API void pi2_counters_reset(void);
+GGML_BACKEND_API size_t pi2_counters_size(void); // sizeof(struct pi2_counters), for FFI checks
+
+// "pi2 <version>; ggml api <GGML_BACKEND_API_VERSION>; llama-cpp-python <pinned version>"
+GGML_BACKEND_API const char * pi2_build_info(void);
+
+#ifdef __cplusplus
+}
+#endif

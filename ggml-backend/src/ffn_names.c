@@ -1,0 +1,28 @@
+#include "ffn_names.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
+    static const char * const suffix[PI2_N_MATRIX] = {
+        [PI2_MATRIX_GATE] = "ffn_gate.weight",
+        [PI2_MATRIX_UP]   = "ffn_up.weight",
+        [PI2_MATRIX_DOWN] = "ffn_down.weight",
+    };
+    if (name == NULL || strncmp(name, "blk.", 4) != 0) {
+        return false;
+    }
+    char * end = NULL;
+    const long il = strtol(name + 4, &end, 10);
+    if (end == name + 4 || *end != '.' || il < 0 || il >= PI2_MAX_LAYERS) {
+        return false;
+    }
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        if (strcmp(end + 1, suffix[m]) == 0) {
+            *layer  = (int) il;
+            *matrix = (enum pi2_matrix) m;
+            return true;
+        }
+    }
+    return false;
+}

@@ -1,0 +1,11 @@
+// Logging through ggml's logger, so messages reach llama.cpp's log callback like ggml's own.
+#pragma once
+
+#include "ggml.h"
+
+// exported by libggml-base; declared here because its header (ggml-impl.h) is internal to ggml
+GGML_API void ggml_log_internal(enum ggml_log_level level, const char * format, ...);
+
+#define PI2_LOG_ERROR(...) ggml_log_internal(GGML_LOG_LEVEL_ERROR, __VA_ARGS__)
+#define PI2_LOG_WARN(...)  ggml_log_internal(GGML_LOG_LEVEL_WARN, __VA_ARGS__)
+#define PI2_LOG_INFO(...)  ggml_log_internal(GGML_LOG_LEVEL_INFO, __VA_ARGS__)
