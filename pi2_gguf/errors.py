@@ -1,0 +1,23 @@
+"""Errors pi2-gguf raises for bad input; each message names the file or setting at fault."""
+
+from __future__ import annotations
+
+
+class Pi2Error(Exception):
+    """Base class of pi2-gguf's errors."""
+
+
+class ModelFileError(Pi2Error):
+    """A model file is missing, unreadable, not GGUF, or truncated."""
+
+
+class VersionMismatchError(Pi2Error):
+    """The installed llama-cpp-python (or the plugin build) is not the pinned version."""
+
+
+class PluginError(Pi2Error):
+    """The PI2 plugin could not be found or registered."""
+
+
+class ModelFetchError(Pi2Error):
+    """A model could not be fetched from its PyPI packages or failed verification."""

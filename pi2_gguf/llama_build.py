@@ -1,0 +1,153 @@
+"""Build of the pinned llama-cpp-python: sdist download, patches, cached wheel.
+
+Standard library only: tools/bootstrap.py runs it before any virtual environment exists.
+
+The wheel is cached under ~/.cache/pi2-gguf/wheels/<version>-<patch hash>/ and rebuilt only when the
+pinned version or the content of patches/*.patch changes. The same patched source tree provides the
+ggml headers the PI2 plugin is compiled against, so plugin and wheel always agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# the multimodal library is not needed and adds minutes to the build
+BUILD_CMAKE_ARGS = "-DLLAVA_BUILD=OFF"
+
+
+class BuildError(RuntimeError):
+    """The dependency could not be prepared; the message says which step and why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PI2_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pi2-gguf"
+
+
+def patch_files(patches_dir: Path) -> list[Path]:
+    """The patches that apply, in the order they apply (file name order)."""
+    if not patches_dir.is_dir():
+        raise BuildError(f"patches directory {patches_dir} does not exist")
+    return sorted(p for p in patches_dir.iterdir() if p.is_file() and p.suffix == ".patch")
+
+
+def patch_hash(patches_dir: Path) -> str:
+    """12 hex digits over the names and contents of the patches; sha256('')[:12] when there are none."""
+    h = hashlib.sha256()
+    for p in patch_files(patches_dir):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def build_key(patches_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
+    return f"{version}-{patch_hash(patches_dir)}"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_sdist(python: str = sys.executable) -> Path:
+    """The pinned sdist in the cache, downloaded from PyPI once and checked against its sha256."""
+    target = cache_dir() / "sdist" / SDIST_NAME
+    if target.exists() and _sha256_file(target) == SDIST_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / SDIST_NAME
+        if res.returncode != 0 or not got.exists():
+            raise BuildError(f"could not download {SDIST_NAME} from PyPI:\n{res.stderr[-2000:]}")
+        digest = _sha256_file(got)
+        if digest != SDIST_SHA256:
+            raise BuildError(f"{SDIST_NAME} has sha256 {digest}, expected {SDIST_SHA256}")
+        os.replace(got, target)
+    return target
+
+
+def apply_patches(source_root: Path, patches_dir: Path) -> list[str]:
+    """Applies every patch (-p1, relative to the sdist root); returns the names applied."""
+    applied = []
+    for p in patch_files(patches_dir):
+        res = subprocess.run(["patch", "-p1", "--forward", "--batch", "-d", str(source_root), "-i", str(p)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"patch {p.name} does not apply to llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}:\n"
+                             f"{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        applied.append(p.name)
+    return applied
+
+
+def prepare_source(sdist: Path, patches_dir: Path, dest_parent: Path | None = None) -> Path:
+    """The unpacked, patched sdist for this build key (kept in the cache; made atomically)."""
+    key = build_key(patches_dir)
+    parent = dest_parent if dest_parent is not None else cache_dir() / "src"
+    final = parent / key
+    if (final / ".complete").exists():
+        return final / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=parent))
+    try:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
+        root = tmp / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+        if not root.is_dir():
+            raise BuildError(f"{sdist} does not unpack to {root.name}")
+        apply_patches(root, patches_dir)
+        (tmp / ".complete").write_text(key + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+@dataclass(frozen=True)
+class Dependency:
+    key: str
+    wheel: Path
+    ggml_dir: Path  # ggml headers of the same patched source
+
+
+def ensure_wheel(patches_dir: Path, python: str = sys.executable, log=print) -> Dependency:
+    """The cached wheel for the current patches, built once (6-18 minutes here) when missing."""
+    key = build_key(patches_dir)
+    source = prepare_source(ensure_sdist(python), patches_dir)
+    wheel_dir = cache_dir() / "wheels" / key
+    wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl")) if wheel_dir.is_dir() else []
+    if not wheels:
+        log(f"building llama-cpp-python {key} (cached afterwards in {wheel_dir}) ...")
+        wheel_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=wheel_dir.parent, prefix=f".{key}-") as tmp:
+            env = dict(os.environ, CMAKE_ARGS=BUILD_CMAKE_ARGS)
+            res = subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "-w", tmp, str(source)], env=env)
+            built = sorted(Path(tmp).glob("llama_cpp_python-*.whl"))
+            if res.returncode != 0 or not built:
+                raise BuildError(f"pip wheel of llama-cpp-python {key} failed (exit {res.returncode})")
+            staged = Path(tmp) / "out"
+            staged.mkdir()
+            os.replace(built[0], staged / built[0].name)
+            if wheel_dir.exists():
+                shutil.rmtree(wheel_dir)
+            os.replace(staged, wheel_dir)
+        wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
+    return Dependency(key=key, wheel=wheels[0], ggml_dir=source / "vendor" / "llama.cpp" / "ggml")

@@ -1,0 +1,164 @@
+"""Registration of the PI2 backend plugin into llama-cpp-python's ggml, and its counters.
+
+llama-cpp-python never calls ggml_backend_load_all, so the plugin is loaded explicitly through
+llama_cpp/lib/libggml.so.0. Not libggml.so: the wheel ships separate copies of each library and the
+unversioned one holds a second backend registry that llama never consults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PluginError, VersionMismatchError
+from .llama_build import LLAMA_CPP_PYTHON_VERSION
+
+PLUGIN_FILE = "libggml-pi2.so"
+DEVICE_NAME = "PI2"
+MAX_LAYERS = 1024  # PI2_MAX_LAYERS in ggml-backend/include/ggml-pi2.h
+N_MATRIX = 3       # gate, up, down
+
+_lock = threading.Lock()
+_plugin: ctypes.CDLL | None = None
+
+
+class _LayerCounters(ctypes.Structure):
+    _fields_ = [
+        ("matmul_calls", ctypes.c_uint64 * N_MATRIX),
+        ("matmul_tokens", ctypes.c_uint64 * N_MATRIX),
+        ("rows", ctypes.c_uint64 * N_MATRIX),
+        ("weight_bytes", ctypes.c_uint64 * N_MATRIX),
+        ("glu_calls", ctypes.c_uint64),
+        ("glu_tokens", ctypes.c_uint64),
+    ]
+
+
+class _Counters(ctypes.Structure):
+    _fields_ = [
+        ("graph_computes", ctypes.c_uint64),
+        ("nodes_computed", ctypes.c_uint64),
+        ("n_layers", ctypes.c_uint32),
+        ("layer", _LayerCounters * MAX_LAYERS),
+    ]
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What the PI2 device executed since the last reset (process-wide). Arrays are [layer, matrix]
+    with matrix 0 = gate, 1 = up, 2 = down."""
+
+    graph_computes: int
+    nodes_computed: int
+    n_layers: int
+    matmul_calls: np.ndarray
+    matmul_tokens: np.ndarray
+    rows: np.ndarray
+    weight_bytes: np.ndarray
+    glu_calls: np.ndarray
+    glu_tokens: np.ndarray
+
+
+def check_llama_cpp_version() -> str:
+    """Raises VersionMismatchError unless the installed llama-cpp-python is the pinned version."""
+    import llama_cpp
+
+    found = getattr(llama_cpp, "__version__", "unknown")
+    if found != LLAMA_CPP_PYTHON_VERSION:
+        raise VersionMismatchError(
+            f"pi2-gguf needs llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (its plugin is compiled against that "
+            f"version's ggml), but llama-cpp-python {found} is installed; run tools/bootstrap.py to install "
+            f"the pinned build")
+    return found
+
+
+def plugin_path() -> Path:
+    """PI2_PLUGIN if set, else the plugin installed inside this package."""
+    env = os.environ.get("PI2_PLUGIN")
+    p = Path(env) if env else Path(__file__).resolve().parent / "lib" / PLUGIN_FILE
+    if not p.is_file():
+        raise PluginError(f"PI2 plugin not found at {p}; build it with tools/bootstrap.py"
+                          + (" or unset PI2_PLUGIN" if env else ""))
+    return p
+
+
+def _libggml() -> ctypes.CDLL:
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).resolve().parent / "lib" / "libggml.so.0"
+    if not lib.is_file():
+        raise PluginError(f"{lib} not found: this llama-cpp-python install has no shared ggml")
+    g = ctypes.CDLL(str(lib))
+    g.ggml_backend_load.restype = ctypes.c_void_p
+    g.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    g.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    g.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    return g
+
+
+def register() -> Path:
+    """Loads the PI2 plugin into llama-cpp-python's ggml (once; later calls do nothing).
+
+    Call before constructing llama_cpp.Llama; pi2_gguf.Llama does it for you."""
+    global _plugin
+    with _lock:
+        path = plugin_path()
+        if _plugin is not None:
+            return path
+        check_llama_cpp_version()
+        g = _libggml()
+        plugin = ctypes.CDLL(str(path))
+        plugin.pi2_build_info.restype = ctypes.c_char_p
+        plugin.pi2_counters_size.restype = ctypes.c_size_t
+        info = plugin.pi2_build_info().decode()
+        if f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}" not in info:
+            raise VersionMismatchError(f"PI2 plugin {path} was built as '{info}', not for llama-cpp-python "
+                                       f"{LLAMA_CPP_PYTHON_VERSION}; rebuild it with tools/bootstrap.py")
+        if plugin.pi2_counters_size() != ctypes.sizeof(_Counters):
+            raise PluginError(f"PI2 plugin {path} has a different counter layout than this pi2_gguf; rebuild it")
+        if not g.ggml_backend_reg_by_name(DEVICE_NAME.encode()):
+            if not g.ggml_backend_load(str(path).encode()):
+                raise PluginError(f"ggml refused to load the PI2 plugin {path} (see the ggml log above)")
+        plugin.pi2_counters_read.argtypes = [ctypes.POINTER(_Counters)]
+        _plugin = plugin
+        return path
+
+
+def is_registered() -> bool:
+    return _plugin is not None
+
+
+def _require() -> ctypes.CDLL:
+    if _plugin is None:
+        raise PluginError("the PI2 plugin is not registered; call pi2_gguf.register() first")
+    return _plugin
+
+
+def read_counters() -> Counters:
+    raw = _Counters()
+    _require().pi2_counters_read(ctypes.byref(raw))
+    n = int(raw.n_layers)
+    layers = raw.layer[:n]
+
+    def per_matrix(name: str) -> np.ndarray:
+        return np.array([list(getattr(lc, name)) for lc in layers], dtype=np.uint64).reshape(n, N_MATRIX)
+
+    return Counters(
+        graph_computes=int(raw.graph_computes),
+        nodes_computed=int(raw.nodes_computed),
+        n_layers=n,
+        matmul_calls=per_matrix("matmul_calls"),
+        matmul_tokens=per_matrix("matmul_tokens"),
+        rows=per_matrix("rows"),
+        weight_bytes=per_matrix("weight_bytes"),
+        glu_calls=np.array([lc.glu_calls for lc in layers], dtype=np.uint64),
+        glu_tokens=np.array([lc.glu_tokens for lc in layers], dtype=np.uint64),
+    )
+
+
+def reset_counters() -> None:
+    _require().pi2_counters_reset()

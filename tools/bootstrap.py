@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Sets up pi2-gguf in .venv: the pinned llama-cpp-python (from the cached wheel, built once from its
+sdist plus patches/), the Python dependencies, and the PI2 plugin. Re-running does only what changed.
+
+Standard library only: it runs before the virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "scikit-build-core>=0.10",
+           "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"]
+
+
+def _load_llama_build():
+    # loaded by path: importing the pi2_gguf package would need its dependencies already installed
+    spec = importlib.util.spec_from_file_location("pi2_llama_build", ROOT / "pi2_gguf" / "llama_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def _tree_hash(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for base in paths:
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        for f in files:
+            h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--venv", type=Path, default=ROOT / ".venv")
+    args = ap.parse_args()
+
+    lb = _load_llama_build()
+    venv: Path = args.venv
+    py = venv / "bin" / "python"
+    if not py.exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+    stamp_path = venv / "pi2-bootstrap.json"
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+
+    dep = lb.ensure_wheel(ROOT / "patches", python=str(py))
+    if stamp.get("llama") != dep.key or stamp.get("py_deps") != PY_DEPS:
+        _run([str(py), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(dep.wheel)])
+        _run([str(py), "-m", "pip", "install", "-q", *PY_DEPS])
+        stamp = {"llama": dep.key, "py_deps": PY_DEPS}
+        stamp_path.write_text(json.dumps(stamp))
+
+    site = Path(subprocess.run([str(py), "-c", "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    plugin_hash = _tree_hash([ROOT / "pyproject.toml", ROOT / "ggml-backend", ROOT / "pi2_gguf"]) + dep.key
+    if stamp.get("plugin") != plugin_hash:
+        _run([str(py), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+              "-C", f"cmake.define.PI2_GGML_DIR={dep.ggml_dir}",
+              "-C", f"cmake.define.PI2_LLAMA_LIB_DIR={site / 'lib'}",
+              "-C", f"cmake.define.PI2_LLAMA_CPP_PYTHON_VERSION={lb.LLAMA_CPP_PYTHON_VERSION}",
+              str(ROOT)])
+        stamp["plugin"] = plugin_hash
+        stamp_path.write_text(json.dumps(stamp))
+    print(f"pi2-gguf ready in {venv} (llama-cpp-python {dep.key})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
