@@ -6,7 +6,6 @@ import argparse
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 
 from .errors import Pi2Error
@@ -29,6 +28,7 @@ def _peak_rss_mb() -> float:
 def cmd_run(args: argparse.Namespace) -> int:
     import llama_cpp
 
+    from .generate import greedy
     from .gguf_check import check_model_file
 
     path = check_model_file(_resolve_model(args.model))
@@ -42,25 +42,14 @@ def cmd_run(args: argparse.Namespace) -> int:
               seed=args.seed, verbose=args.verbose)
     if not args.no_plugin:
         reset_counters()
-    prompt = llm.tokenize(args.prompt.encode(), add_bos=True)
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    out: list[int] = []
-    for _ in range(args.n_predict):
-        tok = llm.sample(top_k=1, temp=0.0)
-        if llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
-            break
-        out.append(tok)
-        llm.eval([tok])
-    t2 = time.perf_counter()
-    print(args.prompt + llm.detokenize(out).decode(errors="replace"))
+    g = greedy(llm, args.prompt, args.n_predict)
+    print(args.prompt + llm.detokenize(g.tokens).decode(errors="replace"))
     print()
     print(f"model           {path.name}")
     print(f"backend         {'stock llama.cpp' if args.no_plugin else 'pi2 (FFN in PI2 plugin)'}, {args.threads} threads")
-    print(f"prompt          {len(prompt)} tokens, {len(prompt) / (t1 - t0):.1f} tok/s")
-    if out:
-        print(f"decode          {len(out)} tokens, {len(out) / (t2 - t1):.1f} tok/s")
+    print(f"prompt          {g.prompt_tokens} tokens, {g.prompt_tps:.1f} tok/s")
+    if g.tokens:
+        print(f"decode          {len(g.tokens)} tokens, {g.decode_tps:.1f} tok/s")
     print(f"peak RSS        {_peak_rss_mb():.0f} MB")
     if not args.no_plugin:
         from . import read_counters

@@ -8,6 +8,7 @@ unversioned one holds a second backend registry that llama never consults.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import threading
 from dataclasses import dataclass
@@ -77,13 +78,24 @@ def check_llama_cpp_version() -> str:
 
 
 def plugin_path() -> Path:
-    """PI2_PLUGIN if set, else the plugin installed inside this package."""
+    """PI2_PLUGIN if set; else the plugin inside this package; else the one of the installed
+    pi2-gguf distribution (when this package is imported from a source checkout)."""
     env = os.environ.get("PI2_PLUGIN")
-    p = Path(env) if env else Path(__file__).resolve().parent / "lib" / PLUGIN_FILE
-    if not p.is_file():
-        raise PluginError(f"PI2 plugin not found at {p}; build it with tools/bootstrap.py"
-                          + (" or unset PI2_PLUGIN" if env else ""))
-    return p
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise PluginError(f"PI2_PLUGIN={env} is not a file")
+        return p
+    candidates = [Path(__file__).resolve().parent / "lib" / PLUGIN_FILE]
+    try:
+        candidates.append(Path(str(importlib.metadata.distribution("pi2-gguf").locate_file(f"pi2_gguf/lib/{PLUGIN_FILE}"))))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for p in candidates:
+        if p.is_file():
+            return p
+    raise PluginError(f"PI2 plugin {PLUGIN_FILE} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
+                      "build it with tools/bootstrap.py")
 
 
 def _libggml() -> ctypes.CDLL:

@@ -1,0 +1,123 @@
+"""Greedy decoding with timing, shared by the CLI, the benchmarks and the tests.
+
+Run as a module it decodes in a fresh process and prints JSON; that is how stock llama.cpp is run
+beside pi2 (once the plugin is registered, every Llama in the process uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from .llama_params import model_params_override
+
+
+@dataclass
+class Greedy:
+    prompt_tokens: int
+    tokens: list[int]
+    prompt_seconds: float
+    decode_seconds: float
+    logits_first: list[float] = field(default_factory=list)  # logits after the prompt, for numeric checks
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, keep_logits: bool = False,
+           prefix: list[int] | None = None, prompt_limit: int = 0) -> Greedy:
+    """Evaluates the prompt, then samples n tokens greedily. Graph evaluations: one for the prompt
+    (when it fits in n_batch) plus n - 1 single-token ones (the last sampled token is not evaluated)."""
+    llm.reset()
+    toks = llm.tokenize(prompt.encode(), add_bos=True) + list(prefix or [])
+    if prompt_limit > 0:
+        toks = toks[:prompt_limit]  # e.g. 1: every evaluation is a single-token (decode) step
+    t0 = time.perf_counter()
+    llm.eval(toks)
+    t1 = time.perf_counter()
+    logits: list[float] = []
+    if keep_logits:
+        # read from the context: Llama.scores is only filled with logits_all=True
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(float).tolist()
+    out: list[int] = []
+    for i in range(n):
+        tok = llm.sample(top_k=1, temp=0.0)
+        if stop_at_eog and llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
+            break
+        out.append(tok)
+        if i + 1 < n:
+            llm.eval([tok])
+    t2 = time.perf_counter()
+    return Greedy(len(toks), out, t1 - t0, t2 - t1, logits)
+
+
+def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2,
+                         ctx: int = 512, eog_stop: bool = False, repack: bool = True,
+                         keep_prefix: list[int] | None = None, prompt_limit: int = 0,
+                         timeout: float = 1800) -> list[Greedy]:
+    """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin."""
+    cmd = [sys.executable, "-m", "pi2_gguf.generate", "--model", str(model), "-n", str(n), "--logits",
+           "--threads", str(threads), "--ctx", str(ctx)]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    if pi2:
+        cmd.append("--pi2")
+    if not eog_stop:
+        cmd.append("--no-eog-stop")
+    if not repack:
+        cmd.append("--no-repack")
+    if keep_prefix:
+        cmd += ["--prefix", ",".join(map(str, keep_prefix))]
+    if prompt_limit:
+        cmd += ["--prompt-limit", str(prompt_limit)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"greedy decoding of {model} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return [Greedy(**r) for r in json.loads(res.stdout)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="greedy decoding in a fresh process, JSON out")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt", action="append", required=True)
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--pi2", action="store_true", help="register the PI2 plugin first")
+    ap.add_argument("--no-eog-stop", action="store_true")
+    ap.add_argument("--logits", action="store_true")
+    ap.add_argument("--prefix", default="", help="token ids appended to each prompt (comma separated)")
+    ap.add_argument("--prompt-limit", type=int, default=0, help="keep only the first N prompt tokens")
+    ap.add_argument("--no-repack", action="store_true", help="stock CPU path without weight repacking")
+    args = ap.parse_args(argv)
+    if args.pi2:
+        from .plugin import register
+
+        register()
+    with model_params_override(use_extra_bufts=not args.no_repack):
+        llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                              verbose=False)
+    prefix = [int(t) for t in args.prefix.split(",") if t]
+    res = [asdict(greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
+                                  prompt_limit=args.prompt_limit))
+           for p in args.prompt]
+    json.dump(res, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
