@@ -21,3 +21,9 @@ class Llama(llama_cpp.Llama):
         path = check_model_file(model_path)
         register()
         super().__init__(str(path), *args, **kwargs)
+        self._pi2_constructed = True
+
+    def __del__(self) -> None:
+        # a Llama rejected before llama_cpp.Llama.__init__ ran has nothing to close
+        if getattr(self, "_pi2_constructed", False):
+            super().__del__()

@@ -165,6 +165,16 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             continue;
         }
         enum ggml_status st = GGML_STATUS_SUCCESS;
+        if (node->op == GGML_OP_MUL_MAT && i + 2 < n_nodes &&
+            pi2_ffn_fusable(node, ggml_graph_node(cgraph, i + 1), ggml_graph_node(cgraph, i + 2))) {
+            st = pi2_exec_gate_up_glu(ctx, ggml_graph_node(cgraph, i + 2));
+            if (st != GGML_STATUS_SUCCESS) {
+                return st;
+            }
+            pi2_count(&ctx->dev->counters.nodes_computed, 3);
+            i += 2;
+            continue;
+        }
         switch (node->op) {
             case GGML_OP_MUL_MAT:
                 st = pi2_exec_mul_mat(ctx, node);
