@@ -27,6 +27,7 @@ class Greedy:
     prompt_seconds: float
     decode_seconds: float
     logits_first: list[float] = field(default_factory=list)  # logits after the prompt, for numeric checks
+    pi2_matmuls: int = 0  # FFN matmuls PI2 executed (subprocess runs with --pi2)
 
     @property
     def prompt_tps(self) -> float:
@@ -104,17 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-limit", type=int, default=0, help="keep only the first N prompt tokens")
     ap.add_argument("--no-repack", action="store_true", help="stock CPU path without weight repacking")
     args = ap.parse_args(argv)
-    if args.pi2:
-        from .plugin import register
+    from .plugin import read_counters, register, reset_counters
 
+    if args.pi2:
         register()
     with model_params_override(use_extra_bufts=not args.no_repack):
         llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                               verbose=False)
     prefix = [int(t) for t in args.prefix.split(",") if t]
-    res = [asdict(greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
-                                  prompt_limit=args.prompt_limit))
-           for p in args.prompt]
+    res = []
+    for p in args.prompt:
+        if args.pi2:
+            reset_counters()
+        g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
+                   prompt_limit=args.prompt_limit)
+        if args.pi2:
+            g.pi2_matmuls = int(read_counters().matmul_calls.sum())
+        res.append(asdict(g))
     json.dump(res, sys.stdout)
     return 0
 
