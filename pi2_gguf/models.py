@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import ModelFetchError
-from .llama_build import cache_dir
+from .llama_build import cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _is_verified(spec: ModelSpec, path: Path) -> bool:
         stamp = None
     if stamp == {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
         return True
-    if st.st_size != spec.size or _sha256(path) != spec.sha256:
+    if st.st_size != spec.size or sha256_file(path) != spec.sha256:
         return False
     _write_stamp(spec, path)
     return True
@@ -100,14 +100,6 @@ def _write_stamp(spec: ModelSpec, path: Path) -> None:
     tmp = _stamp(path).with_suffix(".tmp")
     tmp.write_text(json.dumps({"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
     os.replace(tmp, _stamp(path))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def model_path(name: str) -> Path:

@@ -31,6 +31,61 @@ static int pi2_threads_for(const struct pi2_backend_ctx * ctx, int64_t units) {
     return units < n ? (int) (units > 0 ? units : 1) : n;
 }
 
+// Work shared by every matmul pass: activations converted to vec_dot_type once (in parallel, in the
+// context's work buffer), then row spans handed out by an atomic counter to the team's threads.
+typedef void (*pi2_span_fn)(void * arg, int64_t r0, int64_t r1);
+
+static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct ggml_tensor * x, enum ggml_type vec_dot_type,
+                                      int64_t n_rows, const char ** xq, size_t * xq_stride, pi2_span_fn fn, void * arg) {
+    const int64_t k        = x->ne[0];
+    const int64_t n_tokens = x->ne[1];
+    const bool    convert  = vec_dot_type != GGML_TYPE_F32;
+    ggml_from_float_t to_vec_dot = NULL;
+    *xq_stride = x->nb[1];
+    *xq        = (const char *) x->data;
+    if (convert) {
+        // the activation converter belongs to vec_dot_type, not to the weight type
+        to_vec_dot = ggml_get_type_traits_cpu(vec_dot_type)->from_float;
+        *xq_stride = ggml_row_size(vec_dot_type, k);
+        if (!pi2_work_reserve(ctx, *xq_stride * (size_t) n_tokens)) {
+            PI2_LOG_ERROR("pi2: out of memory for %lld activation rows\n", (long long) n_tokens);
+            return GGML_STATUS_ALLOC_FAILED;
+        }
+        *xq = ctx->work;
+    }
+    // one token: long spans stream the weights; a batch: short spans keep tiles in cache. Both are
+    // multiples of the GLU's SIMD width, so per-span GLUs match ggml's whole-row vector/tail split.
+    const int64_t span    = n_tokens == 1 ? 64 : 16;
+    const int64_t n_spans = (n_rows + span - 1) / span;
+    const int     nth     = pi2_threads_for(ctx, n_spans);
+    const size_t  stride  = *xq_stride;
+    atomic_llong  next    = 0;
+
+    #pragma omp parallel num_threads(nth)
+    {
+        const int ith = omp_get_thread_num();
+        const int nt  = omp_get_num_threads();
+        if (convert) {
+            pi2_dense_quantize_tokens((const float *) x->data, x->nb[1], k, to_vec_dot, ctx->work, stride,
+                                      n_tokens * ith / nt, n_tokens * (ith + 1) / nt);
+        }
+        #pragma omp barrier
+        for (;;) {
+            const long long s = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
+            if (s >= n_spans) {
+                break;
+            }
+            const int64_t r0 = s * span;
+            fn(arg, r0, r0 + span < n_rows ? r0 + span : n_rows);
+        }
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
+static void pi2_mul_mat_span(void * arg, int64_t r0, int64_t r1) {
+    pi2_dense_rows((const struct pi2_dense_args *) arg, r0, r1);
+}
+
 enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
     const struct ggml_tensor * w = node->src[0];
     const struct ggml_tensor * x = node->src[1];
@@ -41,63 +96,22 @@ enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tens
         PI2_LOG_ERROR("pi2: MUL_MAT on %s, which PI2 does not own\n", w->name);
         return GGML_STATUS_FAILED;
     }
-
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
-    // the activation converter belongs to vec_dot_type, not to the weight type
-    const ggml_from_float_t to_vec_dot = ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float;
-    const int64_t k        = w->ne[0];
-    const int64_t n_rows   = w->ne[1];
-    const int64_t n_tokens = x->ne[1];
-
-    const bool convert = tt->vec_dot_type != GGML_TYPE_F32;
-    size_t x_stride = x->nb[1];
-    if (convert) {
-        x_stride = ggml_row_size(tt->vec_dot_type, k);
-        if (!pi2_work_reserve(ctx, x_stride * (size_t) n_tokens)) {
-            PI2_LOG_ERROR("pi2: out of memory for %lld activation rows\n", (long long) n_tokens);
-            return GGML_STATUS_ALLOC_FAILED;
-        }
-    }
-
-    const struct pi2_dense_args args = {
+    struct pi2_dense_args args = {
         .w          = (const char *) w->data,
         .w_stride   = w->nb[1],
-        .k          = k,
-        .x          = convert ? ctx->work : (const char *) x->data,
-        .x_stride   = x_stride,
-        .n_tokens   = n_tokens,
+        .k          = w->ne[0],
+        .n_tokens   = x->ne[1],
         .dst        = (float *) node->data,
         .dst_stride = (int64_t) (node->nb[1] / sizeof(float)),
         .vec_dot    = tt->vec_dot,
     };
-
-    // one token: long row spans stream the weights; a batch: short spans keep tiles in cache
-    const int64_t span     = n_tokens == 1 ? 64 : 16;
-    const int64_t n_spans  = (n_rows + span - 1) / span;
-    const int     nth      = pi2_threads_for(ctx, n_spans);
-    atomic_llong  next     = 0;
-
-    #pragma omp parallel num_threads(nth)
-    {
-        const int ith = omp_get_thread_num();
-        const int nt  = omp_get_num_threads();
-        if (convert) {
-            pi2_dense_quantize_tokens((const float *) x->data, x->nb[1], k, to_vec_dot, ctx->work, x_stride,
-                                      n_tokens * ith / nt, n_tokens * (ith + 1) / nt);
-        }
-        #pragma omp barrier
-        for (;;) {
-            const long long s = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
-            if (s >= n_spans) {
-                break;
-            }
-            const int64_t r0 = s * span;
-            pi2_dense_rows(&args, r0, r0 + span < n_rows ? r0 + span : n_rows);
-        }
+    // args.x is filled by the runner before any span runs
+    const enum ggml_status st = pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], &args.x, &args.x_stride, pi2_mul_mat_span, &args);
+    if (st == GGML_STATUS_SUCCESS) {
+        pi2_count_matmul(&ctx->dev->counters, w, x->ne[1]);
     }
-
-    pi2_count_matmul(&ctx->dev->counters, w, n_tokens);
-    return GGML_STATUS_SUCCESS;
+    return st;
 }
 
 enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
@@ -175,91 +189,71 @@ static void pi2_count_matmul(struct pi2_counters * c, const struct ggml_tensor *
     pi2_count(&c->layer[layer].weight_bytes[matrix], (uint64_t) w->ne[1] * w->nb[1]);
 }
 
+struct pi2_gate_up_glu {
+    struct pi2_dense_args           gate, up;
+    const struct pi2_glu_tables *   tables;
+    enum ggml_glu_op                op;
+    struct ggml_tensor *            out;
+    const struct ggml_tensor *      gate_t;
+    const struct ggml_tensor *      up_t;
+    atomic_int                      failed;
+};
+
+static void pi2_gate_up_glu_span(void * arg, int64_t r0, int64_t r1) {
+    struct pi2_gate_up_glu * f = arg;
+    struct pi2_dense_args gate = f->gate;
+    gate.x        = f->up.x;  // both read the activations the runner converted once
+    gate.x_stride = f->up.x_stride;
+    pi2_dense_rows(&gate, r0, r1);
+    pi2_dense_rows(&f->up, r0, r1);
+    for (int64_t t = 0; t < f->up.n_tokens; ++t) {
+        float *       y  = (float *) ((char *) f->out->data + t * f->out->nb[1]) + r0;
+        const float * xg = (const float *) ((const char *) f->gate_t->data + t * f->gate_t->nb[1]) + r0;
+        const float * xu = (const float *) ((const char *) f->up_t->data + t * f->up_t->nb[1]) + r0;
+        if (!pi2_glu_span(f->tables, f->op, (int) (r1 - r0), y, xg, xu)) {
+            atomic_store(&f->failed, 1);
+        }
+    }
+}
+
 enum ggml_status pi2_exec_gate_up_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * glu) {
     struct ggml_tensor *       gate = glu->src[0];
     struct ggml_tensor *       up   = glu->src[1];
     const struct ggml_tensor * x    = gate->src[1];
     const struct ggml_tensor * wg   = gate->src[0];
     const struct ggml_tensor * wu   = up->src[0];
-    const enum ggml_glu_op     op   = ggml_get_glu_op(glu);
 
-    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(wg->type);
-    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(wu->type);
-    const ggml_from_float_t to_vec_dot = ggml_get_type_traits_cpu(tg->vec_dot_type)->from_float;
-    const int64_t k        = wg->ne[0];
-    const int64_t n_rows   = wg->ne[1];
-    const int64_t n_tokens = x->ne[1];
-
-    const bool convert = tg->vec_dot_type != GGML_TYPE_F32;
-    size_t x_stride = x->nb[1];
-    if (convert) {
-        x_stride = ggml_row_size(tg->vec_dot_type, k);
-        if (!pi2_work_reserve(ctx, x_stride * (size_t) n_tokens)) {
-            PI2_LOG_ERROR("pi2: out of memory for %lld activation rows\n", (long long) n_tokens);
-            return GGML_STATUS_ALLOC_FAILED;
-        }
-    }
-    const char * xq = convert ? ctx->work : (const char *) x->data;
-    struct pi2_dense_args ag = {
-        .w = (const char *) wg->data, .w_stride = wg->nb[1], .k = k, .x = xq, .x_stride = x_stride,
-        .n_tokens = n_tokens, .dst = (float *) gate->data, .dst_stride = (int64_t) (gate->nb[1] / sizeof(float)),
-        .vec_dot = tg->vec_dot,
+    struct pi2_gate_up_glu f = {
+        .gate = { .w = (const char *) wg->data, .w_stride = wg->nb[1], .k = wg->ne[0], .n_tokens = x->ne[1],
+                  .dst = (float *) gate->data, .dst_stride = (int64_t) (gate->nb[1] / sizeof(float)),
+                  .vec_dot = ggml_get_type_traits_cpu(wg->type)->vec_dot },
+        .up   = { .w = (const char *) wu->data, .w_stride = wu->nb[1], .k = wu->ne[0], .n_tokens = x->ne[1],
+                  .dst = (float *) up->data, .dst_stride = (int64_t) (up->nb[1] / sizeof(float)),
+                  .vec_dot = ggml_get_type_traits_cpu(wu->type)->vec_dot },
+        .tables = &ctx->dev->glu,
+        .op     = ggml_get_glu_op(glu),
+        .out    = glu,
+        .gate_t = gate,
+        .up_t   = up,
     };
-    struct pi2_dense_args au = ag;
-    au.w = (const char *) wu->data;
-    au.w_stride = wu->nb[1];
-    au.dst = (float *) up->data;
-    au.dst_stride = (int64_t) (up->nb[1] / sizeof(float));
-    au.vec_dot = tu->vec_dot;
-
-    // spans are multiples of the GLU's SIMD width, so the GLU of a span matches ggml's whole-row split
-    const int64_t span    = n_tokens == 1 ? 64 : 16;
-    const int64_t n_spans = (n_rows + span - 1) / span;
-    const int     nth     = pi2_threads_for(ctx, n_spans);
-    atomic_llong  next    = 0;
-    atomic_int    failed  = 0;
-
-    #pragma omp parallel num_threads(nth)
-    {
-        const int ith = omp_get_thread_num();
-        const int nt  = omp_get_num_threads();
-        if (convert) {
-            pi2_dense_quantize_tokens((const float *) x->data, x->nb[1], k, to_vec_dot, ctx->work, x_stride,
-                                      n_tokens * ith / nt, n_tokens * (ith + 1) / nt);
-        }
-        #pragma omp barrier
-        for (;;) {
-            const long long s = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
-            if (s >= n_spans) {
-                break;
-            }
-            const int64_t r0 = s * span;
-            const int64_t r1 = r0 + span < n_rows ? r0 + span : n_rows;
-            pi2_dense_rows(&ag, r0, r1);
-            pi2_dense_rows(&au, r0, r1);
-            for (int64_t t = 0; t < n_tokens; ++t) {
-                float *       y  = (float *) ((char *) glu->data + t * glu->nb[1]) + r0;
-                const float * xg = (const float *) ((const char *) gate->data + t * gate->nb[1]) + r0;
-                const float * xu = (const float *) ((const char *) up->data + t * up->nb[1]) + r0;
-                if (!pi2_glu_span(&ctx->dev->glu, op, (int) (r1 - r0), y, xg, xu)) {
-                    atomic_store(&failed, 1);
-                }
-            }
-        }
+    atomic_init(&f.failed, 0);
+    const enum ggml_status st = pi2_run_spans(ctx, x, ggml_get_type_traits_cpu(wg->type)->vec_dot_type, wg->ne[1],
+                                              &f.up.x, &f.up.x_stride, pi2_gate_up_glu_span, &f);
+    if (st != GGML_STATUS_SUCCESS) {
+        return st;
     }
-    if (atomic_load(&failed)) {
-        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(op));
+    if (atomic_load(&f.failed)) {
+        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(f.op));
         return GGML_STATUS_FAILED;
     }
-
     struct pi2_counters * c = &ctx->dev->counters;
-    pi2_count_matmul(c, wg, n_tokens);
-    pi2_count_matmul(c, wu, n_tokens);
+    pi2_count_matmul(c, wg, x->ne[1]);
+    pi2_count_matmul(c, wu, x->ne[1]);
     int layer = 0;
     enum pi2_matrix matrix = PI2_MATRIX_GATE;
     if (pi2_ffn_weight_parse(wg->name, &layer, &matrix)) {
         pi2_count(&c->layer[layer].glu_calls, 1);
-        pi2_count(&c->layer[layer].glu_tokens, (uint64_t) n_tokens);
+        pi2_count(&c->layer[layer].glu_tokens, (uint64_t) x->ne[1]);
     }
     return GGML_STATUS_SUCCESS;
 }
