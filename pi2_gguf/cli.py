@@ -31,13 +31,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .generate import greedy
     from .gguf_check import check_model_file
 
-    path = check_model_file(_resolve_model(args.model))
+    path = _resolve_model(args.model)
     if args.no_plugin:
+        path = check_model_file(path)
         cls = llama_cpp.Llama
     else:
         from . import Llama, reset_counters
 
-        cls = Llama
+        cls = Llama  # validates the file itself
     llm = cls(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
               seed=args.seed, verbose=args.verbose)
     if not args.no_plugin:

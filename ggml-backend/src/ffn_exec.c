@@ -9,8 +9,6 @@
 #include "ffn_names.h"
 #include "pi2_log.h"
 
-static void pi2_count_matmul(struct pi2_counters * c, const struct ggml_tensor * w, int64_t n_tokens);
-
 static bool pi2_work_reserve(struct pi2_backend_ctx * ctx, size_t size) {
     if (ctx->work_size >= size) {
         return true;
@@ -31,34 +29,68 @@ static int pi2_threads_for(const struct pi2_backend_ctx * ctx, int64_t units) {
     return units < n ? (int) (units > 0 ? units : 1) : n;
 }
 
+static void pi2_count_matmul(struct pi2_counters * c, const struct ggml_tensor * w, int64_t n_tokens) {
+    int layer = 0;
+    enum pi2_matrix matrix = PI2_MATRIX_GATE;
+    if (!pi2_ffn_weight_parse(w->name, &layer, &matrix)) {
+        return;
+    }
+    pi2_count_layer_seen(c, layer);
+    pi2_count(&c->layer[layer].matmul_calls[matrix], 1);
+    pi2_count(&c->layer[layer].matmul_tokens[matrix], (uint64_t) n_tokens);
+    pi2_count(&c->layer[layer].rows[matrix], (uint64_t) (w->ne[1] * n_tokens));
+    pi2_count(&c->layer[layer].weight_bytes[matrix], (uint64_t) w->ne[1] * w->nb[1]);
+}
+
+// glu: the GLU node; its first input is the product of the layer's ffn_gate weight
+static void pi2_count_glu(struct pi2_counters * c, const struct ggml_tensor * glu) {
+    const struct ggml_tensor * gate_w = glu->src[0]->src[0];
+    int layer = 0;
+    enum pi2_matrix matrix = PI2_MATRIX_GATE;
+    if (gate_w == NULL || !pi2_ffn_weight_parse(gate_w->name, &layer, &matrix)) {
+        return;
+    }
+    pi2_count(&c->layer[layer].glu_calls, 1);
+    pi2_count(&c->layer[layer].glu_tokens, (uint64_t) ggml_nrows(glu));
+}
+
+// GLU of one token's columns [c0, c1): out = act(gate) * up, the inputs being the GLU node's sources
+static bool pi2_glu_columns(const struct pi2_glu_tables * tables, struct ggml_tensor * glu, int64_t t, int64_t c0, int64_t c1) {
+    const struct ggml_tensor * gate = glu->src[0];
+    const struct ggml_tensor * up   = glu->src[1];
+    float *       y  = (float *) ((char *) glu->data + t * glu->nb[1]) + c0;
+    const float * xg = (const float *) ((const char *) gate->data + t * gate->nb[1]) + c0;
+    const float * xu = (const float *) ((const char *) up->data + t * up->nb[1]) + c0;
+    return pi2_glu_span(tables, ggml_get_glu_op(glu), (int) (c1 - c0), y, xg, xu);
+}
+
 // Work shared by every matmul pass: activations converted to vec_dot_type once (in parallel, in the
 // context's work buffer), then row spans handed out by an atomic counter to the team's threads.
-typedef void (*pi2_span_fn)(void * arg, int64_t r0, int64_t r1);
+typedef void (*pi2_span_fn)(void * arg, const char * xq, size_t xq_stride, int64_t r0, int64_t r1);
 
 static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct ggml_tensor * x, enum ggml_type vec_dot_type,
-                                      int64_t n_rows, const char ** xq, size_t * xq_stride, pi2_span_fn fn, void * arg) {
+                                      int64_t n_rows, pi2_span_fn fn, void * arg) {
     const int64_t k        = x->ne[0];
     const int64_t n_tokens = x->ne[1];
     const bool    convert  = vec_dot_type != GGML_TYPE_F32;
     ggml_from_float_t to_vec_dot = NULL;
-    *xq_stride = x->nb[1];
-    *xq        = (const char *) x->data;
+    size_t       xq_stride = x->nb[1];
+    const char * xq        = (const char *) x->data;
     if (convert) {
         // the activation converter belongs to vec_dot_type, not to the weight type
         to_vec_dot = ggml_get_type_traits_cpu(vec_dot_type)->from_float;
-        *xq_stride = ggml_row_size(vec_dot_type, k);
-        if (!pi2_work_reserve(ctx, *xq_stride * (size_t) n_tokens)) {
+        xq_stride  = ggml_row_size(vec_dot_type, k);
+        if (!pi2_work_reserve(ctx, xq_stride * (size_t) n_tokens)) {
             PI2_LOG_ERROR("pi2: out of memory for %lld activation rows\n", (long long) n_tokens);
             return GGML_STATUS_ALLOC_FAILED;
         }
-        *xq = ctx->work;
+        xq = ctx->work;
     }
     // one token: long spans stream the weights; a batch: short spans keep tiles in cache. Both are
     // multiples of the GLU's SIMD width, so per-span GLUs match ggml's whole-row vector/tail split.
     const int64_t span    = n_tokens == 1 ? 64 : 16;
     const int64_t n_spans = (n_rows + span - 1) / span;
     const int     nth     = pi2_threads_for(ctx, n_spans);
-    const size_t  stride  = *xq_stride;
     atomic_llong  next    = 0;
 
     #pragma omp parallel num_threads(nth)
@@ -66,7 +98,7 @@ static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct
         const int ith = omp_get_thread_num();
         const int nt  = omp_get_num_threads();
         if (convert) {
-            pi2_dense_quantize_tokens((const float *) x->data, x->nb[1], k, to_vec_dot, ctx->work, stride,
+            pi2_dense_quantize_tokens((const float *) x->data, x->nb[1], k, to_vec_dot, ctx->work, xq_stride,
                                       n_tokens * ith / nt, n_tokens * (ith + 1) / nt);
         }
         #pragma omp barrier
@@ -76,14 +108,17 @@ static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct
                 break;
             }
             const int64_t r0 = s * span;
-            fn(arg, r0, r0 + span < n_rows ? r0 + span : n_rows);
+            fn(arg, xq, xq_stride, r0, r0 + span < n_rows ? r0 + span : n_rows);
         }
     }
     return GGML_STATUS_SUCCESS;
 }
 
-static void pi2_mul_mat_span(void * arg, int64_t r0, int64_t r1) {
-    pi2_dense_rows((const struct pi2_dense_args *) arg, r0, r1);
+static void pi2_mul_mat_span(void * arg, const char * xq, size_t xq_stride, int64_t r0, int64_t r1) {
+    struct pi2_dense_args a = *(const struct pi2_dense_args *) arg;
+    a.x        = xq;
+    a.x_stride = xq_stride;
+    pi2_dense_rows(&a, r0, r1);
 }
 
 enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
@@ -106,8 +141,7 @@ enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tens
         .dst_stride = (int64_t) (node->nb[1] / sizeof(float)),
         .vec_dot    = tt->vec_dot,
     };
-    // args.x is filled by the runner before any span runs
-    const enum ggml_status st = pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], &args.x, &args.x_stride, pi2_mul_mat_span, &args);
+    const enum ggml_status st = pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], pi2_mul_mat_span, &args);
     if (st == GGML_STATUS_SUCCESS) {
         pi2_count_matmul(&ctx->dev->counters, w, x->ne[1]);
     }
@@ -115,9 +149,7 @@ enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tens
 }
 
 enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
-    const struct ggml_tensor * gate = node->src[0];
-    const struct ggml_tensor * up   = node->src[1];
-    const enum ggml_glu_op     op   = ggml_get_glu_op(node);
+    const enum ggml_glu_op op = ggml_get_glu_op(node);
 
     const int64_t nc = node->ne[0];
     const int64_t nr = ggml_nrows(node);
@@ -138,10 +170,7 @@ enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor *
         const int64_t row = u / units_per_row;
         const int64_t c0  = (u % units_per_row) * span;
         const int64_t c1  = c0 + span < nc ? c0 + span : nc;
-        float *       y   = (float *) ((char *) node->data + row * node->nb[1]) + c0;
-        const float * xg  = (const float *) ((const char *) gate->data + row * gate->nb[1]) + c0;
-        const float * xu  = (const float *) ((const char *) up->data + row * up->nb[1]) + c0;
-        if (!pi2_glu_span(&ctx->dev->glu, op, (int) (c1 - c0), y, xg, xu)) {
+        if (!pi2_glu_columns(&ctx->dev->glu, node, row, c0, c1)) {
             atomic_store(&failed, 1);
         }
     }
@@ -149,14 +178,7 @@ enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor *
         PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(op));
         return GGML_STATUS_FAILED;
     }
-
-    int layer = 0;
-    enum pi2_matrix matrix = PI2_MATRIX_GATE;
-    if (gate->src[0] != NULL && pi2_ffn_weight_parse(gate->src[0]->name, &layer, &matrix)) {
-        struct pi2_counters * c = &ctx->dev->counters;
-        pi2_count(&c->layer[layer].glu_calls, 1);
-        pi2_count(&c->layer[layer].glu_tokens, (uint64_t) nr);
-    }
+    pi2_count_glu(&ctx->dev->counters, node);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -176,41 +198,23 @@ bool pi2_ffn_fusable(const struct ggml_tensor * a, const struct ggml_tensor * b,
            (glu->flags & GGML_TENSOR_FLAG_COMPUTE) && (a->flags & GGML_TENSOR_FLAG_COMPUTE) && (b->flags & GGML_TENSOR_FLAG_COMPUTE);
 }
 
-static void pi2_count_matmul(struct pi2_counters * c, const struct ggml_tensor * w, int64_t n_tokens) {
-    int layer = 0;
-    enum pi2_matrix matrix = PI2_MATRIX_GATE;
-    if (!pi2_ffn_weight_parse(w->name, &layer, &matrix)) {
-        return;
-    }
-    pi2_count_layer_seen(c, layer);
-    pi2_count(&c->layer[layer].matmul_calls[matrix], 1);
-    pi2_count(&c->layer[layer].matmul_tokens[matrix], (uint64_t) n_tokens);
-    pi2_count(&c->layer[layer].rows[matrix], (uint64_t) (w->ne[1] * n_tokens));
-    pi2_count(&c->layer[layer].weight_bytes[matrix], (uint64_t) w->ne[1] * w->nb[1]);
-}
-
 struct pi2_gate_up_glu {
-    struct pi2_dense_args           gate, up;
-    const struct pi2_glu_tables *   tables;
-    enum ggml_glu_op                op;
-    struct ggml_tensor *            out;
-    const struct ggml_tensor *      gate_t;
-    const struct ggml_tensor *      up_t;
-    atomic_int                      failed;
+    struct pi2_dense_args         gate, up; // x is set per span from the runner's activations
+    const struct pi2_glu_tables * tables;
+    struct ggml_tensor *          glu;
+    atomic_int                    failed;
 };
 
-static void pi2_gate_up_glu_span(void * arg, int64_t r0, int64_t r1) {
+static void pi2_gate_up_glu_span(void * arg, const char * xq, size_t xq_stride, int64_t r0, int64_t r1) {
     struct pi2_gate_up_glu * f = arg;
     struct pi2_dense_args gate = f->gate;
-    gate.x        = f->up.x;  // both read the activations the runner converted once
-    gate.x_stride = f->up.x_stride;
+    struct pi2_dense_args up   = f->up;
+    gate.x = up.x = xq;  // both read the activations the runner converted once
+    gate.x_stride = up.x_stride = xq_stride;
     pi2_dense_rows(&gate, r0, r1);
-    pi2_dense_rows(&f->up, r0, r1);
-    for (int64_t t = 0; t < f->up.n_tokens; ++t) {
-        float *       y  = (float *) ((char *) f->out->data + t * f->out->nb[1]) + r0;
-        const float * xg = (const float *) ((const char *) f->gate_t->data + t * f->gate_t->nb[1]) + r0;
-        const float * xu = (const float *) ((const char *) f->up_t->data + t * f->up_t->nb[1]) + r0;
-        if (!pi2_glu_span(f->tables, f->op, (int) (r1 - r0), y, xg, xu)) {
+    pi2_dense_rows(&up, r0, r1);
+    for (int64_t t = 0; t < up.n_tokens; ++t) {
+        if (!pi2_glu_columns(f->tables, f->glu, t, r0, r1)) {
             atomic_store(&f->failed, 1);
         }
     }
@@ -231,29 +235,21 @@ enum ggml_status pi2_exec_gate_up_glu(struct pi2_backend_ctx * ctx, struct ggml_
                   .dst = (float *) up->data, .dst_stride = (int64_t) (up->nb[1] / sizeof(float)),
                   .vec_dot = ggml_get_type_traits_cpu(wu->type)->vec_dot },
         .tables = &ctx->dev->glu,
-        .op     = ggml_get_glu_op(glu),
-        .out    = glu,
-        .gate_t = gate,
-        .up_t   = up,
+        .glu    = glu,
     };
     atomic_init(&f.failed, 0);
     const enum ggml_status st = pi2_run_spans(ctx, x, ggml_get_type_traits_cpu(wg->type)->vec_dot_type, wg->ne[1],
-                                              &f.up.x, &f.up.x_stride, pi2_gate_up_glu_span, &f);
+                                              pi2_gate_up_glu_span, &f);
     if (st != GGML_STATUS_SUCCESS) {
         return st;
     }
     if (atomic_load(&f.failed)) {
-        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(f.op));
+        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(glu)));
         return GGML_STATUS_FAILED;
     }
     struct pi2_counters * c = &ctx->dev->counters;
     pi2_count_matmul(c, wg, x->ne[1]);
     pi2_count_matmul(c, wu, x->ne[1]);
-    int layer = 0;
-    enum pi2_matrix matrix = PI2_MATRIX_GATE;
-    if (pi2_ffn_weight_parse(wg->name, &layer, &matrix)) {
-        pi2_count(&c->layer[layer].glu_calls, 1);
-        pi2_count(&c->layer[layer].glu_tokens, (uint64_t) x->ne[1]);
-    }
+    pi2_count_glu(c, glu);
     return GGML_STATUS_SUCCESS;
 }
