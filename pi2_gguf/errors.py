@@ -21,3 +21,8 @@ class PluginError(Pi2Error):
 
 class ModelFetchError(Pi2Error):
     """A model could not be fetched from its PyPI packages or failed verification."""
+
+
+class SidecarError(Pi2Error):
+    """A pi2 sidecar is missing, unreadable, not of this format version, inconsistent, or made for
+    another model (the message is the C reader's: "sidecar PATH: problem")."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PluginError, VersionMismatchError
+from .errors import PluginError, SidecarError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
 
 PLUGIN_FILE = "libggml-pi2.so"
@@ -26,6 +26,8 @@ N_MATRIX = 3       # gate, up, down
 
 _lock = threading.Lock()
 _plugin: ctypes.CDLL | None = None
+_tools: ctypes.CDLL | None = None
+_ERR_LEN = 2048
 
 
 class _LayerCounters(ctypes.Structure):
@@ -174,3 +176,82 @@ def read_counters() -> Counters:
 
 def reset_counters() -> None:
     _require().pi2_counters_reset()
+
+
+# --- the plugin's tool entry points (sidecar reader, fingerprints): no registration into llama needed ---
+
+def _tools_lib() -> ctypes.CDLL:
+    """The plugin opened for its sidecar and fingerprint functions (ggml-pi2.h)."""
+    global _tools
+    with _lock:
+        if _tools is not None:
+            return _tools
+        import llama_cpp  # noqa: F401  loads the libggml-base.so.0 the plugin links to by soname
+
+        path = plugin_path()
+        lib = ctypes.CDLL(str(path))
+        try:
+            lib.pi2_sidecar_validate.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.pi2_sidecar_validate.restype = ctypes.c_int
+            lib.pi2_sidecar_summary.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
+                                                ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t]
+            lib.pi2_sidecar_summary.restype = ctypes.c_int
+            lib.pi2_sidecar_check_weight.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t,
+                                                     ctypes.c_char_p, ctypes.c_size_t]
+            lib.pi2_sidecar_check_weight.restype = ctypes.c_int
+            lib.pi2_fingerprint_tensor.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                   ctypes.c_size_t]
+            lib.pi2_fingerprint_tensor.restype = ctypes.c_uint64
+            lib.pi2_fingerprint_model.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+            lib.pi2_fingerprint_model.restype = ctypes.c_uint64
+        except AttributeError as e:
+            raise PluginError(f"PI2 plugin {path} has no sidecar reader ({e}); rebuild it with tools/bootstrap.py") from e
+        _tools = lib
+        return lib
+
+
+def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def validate_sidecar_c(path: str | os.PathLike[str]) -> None:
+    """Checks a sidecar with the plugin's C reader; raises SidecarError with its message if it refuses."""
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _tools_lib().pi2_sidecar_validate(os.fsencode(path), err, _ERR_LEN) != 0:
+        raise SidecarError(err.value.decode("utf-8", "replace"))
+
+
+def sidecar_summary_c(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(pi2.n_layer, pi2.source.fingerprint) of a sidecar the C reader accepts."""
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    n_layer = ctypes.c_uint32()
+    fp = ctypes.c_uint64()
+    if _tools_lib().pi2_sidecar_summary(os.fsencode(path), ctypes.byref(n_layer), ctypes.byref(fp), err, _ERR_LEN) != 0:
+        raise SidecarError(err.value.decode("utf-8", "replace"))
+    return int(n_layer.value), int(fp.value)
+
+
+def check_sidecar_weight_c(path: str | os.PathLike[str], layer: int, matrix: int, qtype: int, ne0: int, ne1: int,
+                           data: np.ndarray | bytes) -> None:
+    """Raises SidecarError unless blk.<layer>.ffn_{gate,up,down}.weight (matrix 0, 1, 2) with these bytes is
+    the weight the sidecar was made from."""
+    raw = _raw_bytes(data)
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _tools_lib().pi2_sidecar_check_weight(os.fsencode(path), layer, matrix, int(qtype), ne0, ne1,
+                                             raw.ctypes.data_as(ctypes.c_void_p), raw.nbytes, err, _ERR_LEN) != 0:
+        raise SidecarError(err.value.decode("utf-8", "replace"))
+
+
+def fingerprint_tensor_c(qtype: int, ne0: int, ne1: int, data: np.ndarray | bytes) -> int:
+    """The C fingerprint of one FFN weight tensor from its raw bytes (docs/FORMAT.md, "Fingerprint")."""
+    raw = _raw_bytes(data)
+    return int(_tools_lib().pi2_fingerprint_tensor(int(qtype), ne0, ne1, raw.ctypes.data_as(ctypes.c_void_p), raw.nbytes))
+
+
+def fingerprint_model_c(tensor_fps: list[int]) -> int:
+    """The C model fingerprint over 3 * n_layer tensor fingerprints."""
+    arr = (ctypes.c_uint64 * len(tensor_fps))(*tensor_fps)
+    return int(_tools_lib().pi2_fingerprint_model(arr, len(tensor_fps)))

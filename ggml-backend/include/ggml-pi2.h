@@ -5,6 +5,7 @@
 // The functions below are extra entry points for tools (Python reads them through ctypes).
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ggml-backend.h"
@@ -48,6 +49,21 @@ GGML_BACKEND_API size_t pi2_counters_size(void); // sizeof(struct pi2_counters),
 
 // "pi2 <version>; ggml api <GGML_BACKEND_API_VERSION>; llama-cpp-python <pinned version>"
 GGML_BACKEND_API const char * pi2_build_info(void);
+
+// The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
+// "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.
+GGML_BACKEND_API int pi2_sidecar_validate(const char * path, char * err, size_t errlen);
+// n_layer and pi2.source.fingerprint of a valid sidecar
+GGML_BACKEND_API int pi2_sidecar_summary(const char * path, uint32_t * n_layer, uint64_t * fingerprint, char * err, size_t errlen);
+// 0 if the weight blk.<layer>.ffn_{gate,up,down}.weight (matrix = enum pi2_matrix; type = enum ggml_type)
+// with these bytes is the one the sidecar was made from; -1 explains what differs
+GGML_BACKEND_API int pi2_sidecar_check_weight(const char * path, int layer, int matrix, int type, int64_t ne0, int64_t ne1,
+                                              const void * data, size_t nbytes, char * err, size_t errlen);
+
+// Fingerprint of one FFN weight tensor (FORMAT.md "Fingerprint"), and of a model from its 3 * n_layer
+// tensor fingerprints (gate, up, down of layer 0, then layer 1, ...)
+GGML_BACKEND_API uint64_t pi2_fingerprint_tensor(int type, int64_t ne0, int64_t ne1, const void * data, size_t nbytes);
+GGML_BACKEND_API uint64_t pi2_fingerprint_model(const uint64_t * tensor_fps, size_t n);
 
 #ifdef __cplusplus
 }

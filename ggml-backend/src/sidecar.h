@@ -1,0 +1,76 @@
+// The pi2 sidecar reader (docs/FORMAT.md). pi2_sidecar_open reads the file through ggml's GGUF reader,
+// refuses anything FORMAT.md says readers must refuse, and keeps what decode needs in memory: per-layer
+// metadata and the small tensors (predictor, frequencies, order). Bundles stay on disk; only their
+// file offset is kept, for the bundle reader. A pi2_sidecar is immutable once opened.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml-pi2.h"
+#include "ggml.h"
+
+enum pi2_activation {
+    PI2_ACT_SILU,
+    PI2_ACT_GELU,
+    PI2_ACT_GELU_ERF,
+    PI2_ACT_RELU,
+    PI2_ACT_DRELU,
+};
+
+enum pi2_sparsity_method {
+    PI2_SPARSITY_METHOD_CATS, // active iff |act(gate_i . x)| > threshold
+    PI2_SPARSITY_METHOD_RELU, // active iff act(gate_i . x) > 0
+};
+
+struct pi2_sidecar_layer {
+    uint32_t n_ff;
+    uint32_t rank;           // r, hidden width of the predictor
+    uint32_t hot_count;      // bundle slots [0, hot_count) hold the hot neurons
+    float    threshold;      // pi2.sparsity.thresholds
+    float    cutoff;         // neuron i is predicted active iff z_i > cutoff
+
+    // bundle slot j (neuron order[j]) is at bundles_offset + j * bundle_size in the file
+    uint32_t       bundle_size;
+    enum ggml_type gate_type;
+    enum ggml_type up_type;
+    enum ggml_type down_type;
+    size_t         up_offset;      // parts within a bundle: gate row at 0, then up row, then down column
+    size_t         down_offset;
+    size_t         data_end;       // zero padding from here to bundle_size
+    uint64_t       bundles_offset; // absolute file offset of blk.N.pi2_bundles, a multiple of PI2_BUNDLE_ALIGN
+
+    uint64_t tensor_fp[PI2_N_MATRIX]; // fingerprints of the model's gate, up, down weights
+
+    // small tensors, malloc'd, bytes as in the file
+    ggml_fp16_t * pred_w1; // [rank][n_embd]
+    float *       pred_b1; // [rank]
+    ggml_fp16_t * pred_w2; // [n_ff][rank]
+    float *       pred_b2; // [n_ff]
+    float *       freq;    // [n_ff]
+    int32_t *     order;   // [n_ff], a permutation of 0..n_ff-1
+};
+
+struct pi2_sidecar {
+    char *   path;
+    uint64_t file_size;
+    uint32_t n_layer;
+    uint32_t n_embd;
+    uint64_t fingerprint; // pi2.source.fingerprint
+    char *   source_arch;
+    char *   source_name;
+
+    enum pi2_activation      activation;
+    enum pi2_sparsity_method sparsity_method;
+
+    struct pi2_sidecar_layer * layer; // [n_layer]
+};
+
+// 0 and *out set on success; -1 with err filled ("sidecar PATH: problem") otherwise. err may be NULL.
+int  pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, size_t errlen);
+void pi2_sidecar_free(struct pi2_sidecar * sc);
+
+// 0 if the model's weight blk.<layer>.ffn_{gate,up,down}.weight (matrix = enum pi2_matrix) is the one
+// the sidecar was made from; -1 with err explaining which tensor differs otherwise.
+int pi2_sidecar_check_tensor(const struct pi2_sidecar * sc, int layer, int matrix, enum ggml_type type,
+                             int64_t ne0, int64_t ne1, const void * data, size_t nbytes, char * err, size_t errlen);

@@ -1,0 +1,387 @@
+"""The C sidecar reader (ggml-backend/src/sidecar.c) against sidecars written with gguf.GGUFWriter as
+docs/FORMAT.md says: a valid one is accepted by it and by gguf.GGUFReader, and each error FORMAT.md
+lists is refused with a message naming the sidecar and the problem. The C fingerprint is checked
+against the Python one and against a direct transcription of FORMAT.md."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType
+
+from pi2_gguf import sidecar_format as sf
+from pi2_gguf.errors import SidecarError
+from pi2_gguf.plugin import (check_sidecar_weight_c, fingerprint_model_c, fingerprint_tensor_c, sidecar_summary_c,
+                             validate_sidecar_c)
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+import sidecar_factory as factory  # noqa: E402
+
+
+def _refused(path: Path) -> str:
+    with pytest.raises(SidecarError) as e:
+        validate_sidecar_c(path)
+    msg = str(e.value)
+    assert msg.startswith(f"sidecar {path}: "), msg
+    return msg
+
+
+_CHILD = """
+import json, sys
+from pi2_gguf.errors import SidecarError
+from pi2_gguf.plugin import validate_sidecar_c
+out = []
+for p in sys.argv[1:]:
+    try:
+        validate_sidecar_c(p)
+        out.append("OK")
+    except SidecarError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def _validate_in_child(paths: list[Path]) -> list[str]:
+    """The C validator on each file in a separate process, so a crash fails the test instead of pytest."""
+    r = subprocess.run([sys.executable, "-c", _CHILD, *map(str, paths)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"validator process died (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture()
+def valid(tmp_path: Path) -> tuple[factory.Sidecar, Path]:
+    sc = factory.build()
+    return sc, factory.write(sc, tmp_path / "valid.pi2.gguf")
+
+
+# --- the valid sidecar -------------------------------------------------------------------------
+
+
+def test_valid_sidecar_passes_c_reader(valid: tuple[factory.Sidecar, Path]) -> None:
+    sc, path = valid
+    validate_sidecar_c(path)
+    n_layer, fp = sidecar_summary_c(path)
+    assert n_layer == 2
+    assert fp == sc.get("pi2.source.fingerprint") == sf.model_fingerprint(sc.get("pi2.source.tensor_fingerprints"))
+
+
+def test_valid_sidecar_reads_with_gguf_py(valid: tuple[factory.Sidecar, Path]) -> None:
+    sc, path = valid
+    r = GGUFReader(path)
+    assert r.fields["general.architecture"].contents() == "pi2"
+    assert r.fields["general.alignment"].contents() == 4096
+    scalar = {sf.KT.U32: GGUFValueType.UINT32, sf.KT.U64: GGUFValueType.UINT64, sf.KT.F32: GGUFValueType.FLOAT32,
+              sf.KT.STR: GGUFValueType.STRING}
+    element = {sf.KT.U32_ARR: GGUFValueType.UINT32, sf.KT.U64_ARR: GGUFValueType.UINT64,
+               sf.KT.F32_ARR: GGUFValueType.FLOAT32}
+    for key, kt in sf.KEYS.items():
+        f = r.fields[key]
+        if kt in scalar:
+            assert f.types == [scalar[kt]], key
+        else:
+            assert f.types == [GGUFValueType.ARRAY, element[kt]], key
+            assert len(f.data) == (3 if key == "pi2.source.tensor_fingerprints" else 1) * 2, key
+    assert r.fields["pi2.n_ff"].contents() == [96, 128]
+    assert r.fields["pi2.source.tensor_fingerprints"].contents() == sc.get("pi2.source.tensor_fingerprints")
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 2 * len(sf.TENSORS)
+    for t in r.tensors:
+        assert t.data_offset % 4096 == 0, t.name
+    b = tensors["blk.1.pi2_bundles"]
+    assert [int(x) for x in b.shape] == [4096, 128]  # ggml order (bundle size, n_ff)
+    assert b.tensor_type.name == "I8"
+    w1 = tensors["blk.1.pi2_pred_w1"]
+    assert [int(x) for x in w1.shape] == [64, 16] and w1.tensor_type.name == "F16"
+    # bundle slot 0 holds neuron order[0]: its gate row, up row, down column, then zeros
+    order = np.asarray(tensors["blk.1.pi2_order"].data)
+    gate, up, down = sc.weights[1]
+    slot = np.asarray(b.data)[0].view(np.uint8)
+    i = int(order[0])
+    assert slot[:128].tobytes() == gate[i].tobytes()
+    assert slot[128:256].tobytes() == up[i].tobytes()
+    assert slot[256:384].tobytes() == np.ascontiguousarray(down[:, i]).tobytes()
+    assert not slot[384:].any()
+
+
+def test_check_weight_accepts_the_source_model_and_refuses_another(valid: tuple[factory.Sidecar, Path]) -> None:
+    sc, path = valid
+    for il, nf in enumerate(sc.n_ff):
+        for m, w in enumerate(sc.weights[il]):
+            check_sidecar_weight_c(path, il, m, factory.F16, *factory.weight_shape(m, 64, nf), w)
+
+    other = sc.weights[1][1].copy()
+    other[0, 0] += 1  # byte 0 is in the first sample
+    with pytest.raises(SidecarError) as e:
+        check_sidecar_weight_c(path, 1, 1, factory.F16, 64, 128, other)
+    msg = str(e.value)
+    assert msg.startswith(f"sidecar {path}: was made for another model (fingerprint of blk.1.ffn_up.weight differs: ")
+    assert f"0x{sf.tensor_fingerprint(factory.F16, 64, 128, other):016x} in the model" in msg
+    assert f"0x{sc.get('pi2.source.tensor_fingerprints')[4]:016x} in the sidecar" in msg
+
+    with pytest.raises(SidecarError, match=r"blk\.0\.ffn_down\.weight is 100 x 64 in the model, 96 x 64 in the llama model"):
+        check_sidecar_weight_c(path, 0, 2, factory.F16, 100, 64, np.zeros((64, 100), np.float16))
+    with pytest.raises(SidecarError, match=r"fingerprint of blk\.0\.ffn_gate\.weight differs: .* in the model \(q8_0\)"):
+        check_sidecar_weight_c(path, 0, 0, 8, 64, 96, sc.weights[0][0])  # same bytes, other type
+    with pytest.raises(SidecarError, match=r"it has 2 FFN layers; the model has blk\.2\.ffn_gate\.weight"):
+        check_sidecar_weight_c(path, 2, 0, factory.F16, 64, 96, sc.weights[0][0])
+
+
+# --- fingerprint --------------------------------------------------------------------------------
+
+
+def _fnv(data: bytes, h: int = 0xCBF29CE484222325) -> int:
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) % 2**64
+    return h
+
+
+def _fingerprint_from_doc(qtype: int, ne0: int, ne1: int, raw: bytes) -> int:
+    """FORMAT.md "Fingerprint", transcribed directly: header, then the 16 samples concatenated."""
+    n = len(raw)
+    s = min(256, n)
+    stream = struct.pack("<IQQQ", qtype, ne0, ne1, n)
+    stream += b"".join(raw[k * (n - s) // 15:k * (n - s) // 15 + s] for k in range(16))
+    return _fnv(stream)
+
+
+def test_fnv_reference_vectors() -> None:
+    # published FNV-1a 64 test vectors, so the transcription above is itself checked
+    assert _fnv(b"") == 0xCBF29CE484222325
+    assert _fnv(b"a") == 0xAF63DC4C8601EC8C
+    assert _fnv(b"foobar") == 0x85944171F73967E8
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 15, 100, 255, 256, 257, 3839, 3840, 3841, 4096 + 13, 1 << 20])
+@pytest.mark.parametrize("qtype", [0, 1, 8, 12, 30])
+def test_c_fingerprint_equals_python_and_doc(nbytes: int, qtype: int) -> None:
+    rng = np.random.default_rng(nbytes * 31 + qtype)
+    raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    ne0, ne1 = int(rng.integers(1, 1 << 40)), int(rng.integers(1, 1 << 20))
+    c = fingerprint_tensor_c(qtype, ne0, ne1, raw)
+    assert c == sf.tensor_fingerprint(qtype, ne0, ne1, raw)
+    assert c == _fingerprint_from_doc(qtype, ne0, ne1, raw.tobytes())
+
+
+def test_fingerprint_small_tensor_hashes_all_bytes_16_times() -> None:
+    raw = bytes(range(7))
+    expected = _fnv(struct.pack("<IQQQ", 1, 7, 1, 7) + raw * 16)
+    assert fingerprint_tensor_c(1, 7, 1, raw) == expected == sf.tensor_fingerprint(1, 7, 1, np.frombuffer(raw, np.uint8))
+
+
+def test_fingerprint_sees_header_and_samples_only() -> None:
+    raw = np.zeros(256 + 15 * 1024, dtype=np.uint8)  # samples of 256 bytes every 1024 bytes
+    base = fingerprint_tensor_c(1, 10, 20, raw)
+    assert fingerprint_tensor_c(1, 10, 21, raw) != base
+    assert fingerprint_tensor_c(2, 10, 20, raw) != base
+    changed = raw.copy()
+    changed[1024 * 3 + 255] = 1  # last byte of sample 3
+    assert fingerprint_tensor_c(1, 10, 20, changed) != base
+    changed = raw.copy()
+    changed[1024 * 3 + 256] = 1  # between samples 3 and 4
+    assert fingerprint_tensor_c(1, 10, 20, changed) == base
+
+
+def test_c_model_fingerprint_equals_python() -> None:
+    fps = [int(x) for x in np.random.default_rng(5).integers(0, 2**63, 30, dtype=np.uint64) * 2 + 1]
+    assert fingerprint_model_c(fps) == sf.model_fingerprint(fps)
+    assert fingerprint_model_c([]) == 0xCBF29CE484222325
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "cannot open: No such file or directory" in _refused(tmp_path / "nope.pi2.gguf")
+
+
+def test_not_gguf_and_truncated_files_in_a_child(valid: tuple[factory.Sidecar, Path], tmp_path: Path) -> None:
+    _, path = valid
+    data = path.read_bytes()
+    data_start = GGUFReader(path).tensors[0].data_offset
+    last = GGUFReader(path).tensors[-1]
+    cases = {
+        "text": b"this is not a gguf file\n" * 10,
+        "empty": b"",
+        "cut_in_header": data[:200],
+        "cut_after_header": data[:data_start - 1000],
+        "cut_in_data": data[:last.data_offset + 100],
+        "cut_one_byte": data[:-1],
+    }
+    paths = []
+    for name, blob in cases.items():
+        p = tmp_path / f"{name}.pi2.gguf"
+        p.write_bytes(blob)
+        paths.append(p)
+    msgs = dict(zip(cases, _validate_in_child(paths)))
+    for name, p in zip(cases, paths):
+        assert msgs[name].startswith(f"sidecar {p}: "), msgs[name]
+    assert "is not a GGUF file" in msgs["text"] and "is not a GGUF file" in msgs["empty"]
+    assert "is not a readable GGUF file: its header is corrupt or truncated" in msgs["cut_in_header"]
+    assert "is not a readable GGUF file" in msgs["cut_after_header"]
+    assert f"is truncated: tensor blk.1.pi2_bundles needs bytes up to {len(data)} but the file has " \
+           f"{last.data_offset + 100} bytes" in msgs["cut_in_data"]
+    assert f"is truncated: tensor blk.1.pi2_bundles needs bytes up to {len(data)} but the file has {len(data) - 1} bytes" \
+        in msgs["cut_one_byte"]
+
+
+def test_corrupted_headers_never_crash(valid: tuple[factory.Sidecar, Path], tmp_path: Path) -> None:
+    _, path = valid
+    data = path.read_bytes()
+    header_len = GGUFReader(path).tensors[0].data_offset
+    rng = np.random.default_rng(7)
+    paths = []
+    for i in range(60):
+        b = bytearray(data[:header_len])
+        for pos in rng.integers(4, header_len, int(rng.integers(1, 4))):
+            b[pos] = int(rng.integers(0, 256))
+        p = tmp_path / f"fuzz{i}.pi2.gguf"
+        p.write_bytes(bytes(b) + data[header_len:])
+        paths.append(p)
+    msgs = _validate_in_child(paths)
+    for p, m in zip(paths, msgs):
+        assert m == "OK" or m.startswith(f"sidecar {p}: "), m
+    assert sum(m != "OK" for m in msgs) >= 10  # most byte flips in a header break something
+
+
+def test_model_file_is_not_a_sidecar(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.arch = "llama"
+    msg = _refused(factory.write(sc, tmp_path / "model.gguf"))
+    assert "is not a pi2 sidecar: general.architecture is 'llama', not 'pi2'" in msg
+
+
+def test_format_version_2(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.set("pi2.format_version", 2)
+    msg = _refused(factory.write(sc, tmp_path / "v2.pi2.gguf"))
+    assert "has format version 2 (pi2.format_version), but this reader reads only version 1" in msg
+
+
+@pytest.mark.parametrize("key", list(sf.KEYS))
+def test_missing_key(tmp_path: Path, key: str) -> None:
+    sc = factory.build()
+    del sc.kv[key]
+    msg = _refused(factory.write(sc, tmp_path / "k.pi2.gguf"))
+    doc_type = {"u32[]": "u32[n_layer]", "f32[]": "f32[n_layer]", "u64[]": "u64[3 * n_layer]"}.get(sf.KEYS[key].value,
+                                                                                                    sf.KEYS[key].value)
+    assert msg.endswith(f"key {key} ({doc_type}) is missing")
+
+
+@pytest.mark.parametrize(("key", "value", "vtype", "sub", "expected"), [
+    ("pi2.format_version", 1, GGUFValueType.INT32, None, "key pi2.format_version is i32, expected u32"),
+    ("pi2.n_embd", 64, GGUFValueType.UINT64, None, "key pi2.n_embd is u64, expected u32"),
+    ("pi2.calib.date", [1, 2], GGUFValueType.ARRAY, GGUFValueType.UINT32,
+     "key pi2.calib.date is an array of u32, expected string"),
+    # what GGUFWriter.add_array makes of a list of Python ints
+    ("pi2.n_ff", [96, 128], GGUFValueType.ARRAY, GGUFValueType.INT32,
+     "key pi2.n_ff is an array of i32, expected u32[n_layer]"),
+    ("pi2.sparsity.thresholds", 0.5, GGUFValueType.FLOAT32, None,
+     "key pi2.sparsity.thresholds is a single f32, expected f32[n_layer]"),
+])
+def test_wrong_key_type(tmp_path: Path, key: str, value, vtype, sub, expected: str) -> None:
+    sc = factory.build()
+    sc.set_raw(key, value, vtype, sub)
+    assert _refused(factory.write(sc, tmp_path / "t.pi2.gguf")).endswith(expected)
+
+
+@pytest.mark.parametrize(("key", "length", "expected"), [
+    ("pi2.n_ff", 1, "key pi2.n_ff has 1 elements, expected u32[n_layer] = 2 (pi2.n_layer is 2)"),
+    ("pi2.predictor.cutoff", 3, "key pi2.predictor.cutoff has 3 elements, expected f32[n_layer] = 2"),
+    ("pi2.source.tensor_fingerprints", 2,
+     "key pi2.source.tensor_fingerprints has 2 elements, expected u64[3 * n_layer] = 6"),
+])
+def test_per_layer_array_of_wrong_length(tmp_path: Path, key: str, length: int, expected: str) -> None:
+    sc = factory.build()
+    v = sc.get(key)
+    sc.set(key, (v * 2)[:length])
+    assert expected in _refused(factory.write(sc, tmp_path / "len.pi2.gguf"))
+
+
+def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
+    sc = factory.build(bundle_size=[4096, 4000])
+    msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))
+    assert msg.endswith("pi2.bundle.size[1] is 4000, not a multiple of pi2.bundle.align = 4096")
+
+
+def test_bundle_size_smaller_than_its_parts(tmp_path: Path) -> None:
+    # n_embd 2048 in F16: gate, up and down rows of 4096 bytes each need a 12288-byte bundle
+    sc = factory.build(n_embd=2048, n_ff=(16,), rank=(4,), bundle_size=[8192])
+    msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))
+    assert msg.endswith("pi2.bundle.size[0] is 8192, smaller than its three parts: 12288 bytes "
+                        "(gate f16 4096 + up f16 4096 + down f16 4096 for n_embd = 2048)")
+
+
+def test_bundle_part_type_must_divide_n_embd(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.set("pi2.bundle.down_type", [1, 12])  # Q4_K: blocks of 256 > n_embd 64
+    msg = _refused(factory.write(sc, tmp_path / "q.pi2.gguf"))
+    assert msg.endswith("pi2.bundle.down_type[1] is q4_K, whose blocks of 256 values do not divide n_embd = 64")
+    sc.set("pi2.bundle.down_type", [1, 4])  # GGML_TYPE_Q4_2, removed from ggml
+    assert _refused(factory.write(sc, tmp_path / "q.pi2.gguf")).endswith("pi2.bundle.down_type[1] is 4, not a ggml type")
+
+
+def test_order_not_a_permutation(tmp_path: Path) -> None:
+    sc = factory.build()
+    order = sc.tensors["blk.1.pi2_order"].copy()
+    order[5] = order[2]
+    sc.tensors["blk.1.pi2_order"] = order
+    msg = _refused(factory.write(sc, tmp_path / "o.pi2.gguf"))
+    assert msg.endswith(f"blk.1.pi2_order is not a permutation of 0..n_ff-1: neuron {order[2]} is in slots 2 and 5")
+    order[5] = 128
+    msg = _refused(factory.write(sc, tmp_path / "o.pi2.gguf"))
+    assert msg.endswith("blk.1.pi2_order is not a permutation of 0..n_ff-1: slot 5 holds 128 (n_ff = 128)")
+
+
+@pytest.mark.parametrize("suffix", list(sf.TENSORS))
+def test_missing_tensor(tmp_path: Path, suffix: str) -> None:
+    sc = factory.build()
+    del sc.tensors[sf.tensor_name(1, suffix)]
+    assert _refused(factory.write(sc, tmp_path / "m.pi2.gguf")).endswith(f"tensor blk.1.{suffix} is missing")
+
+
+def test_tensor_of_wrong_type_or_shape(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.tensors["blk.0.pi2_freq"] = sc.tensors["blk.0.pi2_freq"].astype(np.float16)
+    assert _refused(factory.write(sc, tmp_path / "t.pi2.gguf")).endswith("tensor blk.0.pi2_freq is f16, expected f32")
+
+    sc = factory.build()
+    sc.tensors["blk.1.pi2_pred_w1"] = np.zeros((15, 64), np.float16)  # r is 16
+    assert _refused(factory.write(sc, tmp_path / "s.pi2.gguf")).endswith(
+        "tensor blk.1.pi2_pred_w1 has shape (64, 15, 1, 1), expected (n_embd, r) = (64, 16)")
+
+    sc = factory.build()
+    sc.tensors["blk.0.pi2_bundles"] = sc.tensors["blk.0.pi2_bundles"][:, :2048]
+    assert _refused(factory.write(sc, tmp_path / "b.pi2.gguf")).endswith(
+        "tensor blk.0.pi2_bundles has shape (2048, 96, 1, 1), expected (bundle size, n_ff) = (4096, 96)")
+
+
+def test_tensors_not_4096_aligned(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.alignment = 32
+    msg = _refused(factory.write(sc, tmp_path / "a.pi2.gguf"))
+    assert "starts at file offset" in msg and "not a multiple of 4096 (general.alignment is 32, must be 4096)" in msg
+
+
+def test_inconsistent_fingerprint_and_enums(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.set("pi2.source.fingerprint", sc.get("pi2.source.fingerprint") ^ 1)
+    assert "is inconsistent: pi2.source.fingerprint is 0x" in _refused(factory.write(sc, tmp_path / "f.pi2.gguf"))
+
+    sc = factory.build()
+    sc.set("pi2.activation", "swish")
+    assert _refused(factory.write(sc, tmp_path / "a.pi2.gguf")).endswith(
+        "pi2.activation is 'swish', not one of silu, gelu, gelu_erf, relu, drelu")
+
+    sc = factory.build()
+    sc.set("pi2.hot_count", [96, 129])
+    assert _refused(factory.write(sc, tmp_path / "h.pi2.gguf")).endswith("pi2.hot_count[1] is 129, more than n_ff = 128")
+
+    sc = factory.build()
+    sc.set("pi2.bundle.align", 512)
+    assert _refused(factory.write(sc, tmp_path / "al.pi2.gguf")).endswith("pi2.bundle.align is 512, expected 4096")
