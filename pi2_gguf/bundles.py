@@ -1,0 +1,129 @@
+"""Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron,
+padded to a multiple of 4 KiB. Gate/up rows are copied byte for byte; down columns are dequantized,
+transposed and quantized again with ggml's own quantizer (libggml-base ggml_quantize_chunk, which
+covers every type, K-quants included), in the smallest type that keeps the model type's own error."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from . import sidecar_format as fmt
+from .model_ffn import FfnTensor
+
+TOLERANCE_SLACK = 1.05
+# types ggml quantizes without an importance matrix, considered for down columns
+CANDIDATES = (QT.Q2_K, QT.Q3_K, QT.IQ4_XS, QT.Q4_0, QT.IQ4_NL, QT.Q4_K, QT.Q4_1, QT.Q5_0, QT.Q5_K, QT.Q5_1,
+              QT.Q6_K, QT.Q8_0, QT.BF16, QT.F16, QT.F32)
+
+
+def bits_per_weight(t: QT) -> float:
+    block, nbytes = GGML_QUANT_SIZES[t]
+    return 8.0 * nbytes / block
+
+
+def fits(t: QT, n: int) -> bool:
+    return n % GGML_QUANT_SIZES[t][0] == 0
+
+
+@lru_cache(maxsize=1)
+def _ggml_base() -> ctypes.CDLL:
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).resolve().parent / "lib" / "libggml-base.so.0"))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    return lib
+
+
+def quantize_rows(t: QT, rows: np.ndarray) -> np.ndarray:
+    """[n, k] float32 -> [n, row_size(t, k)] uint8, as ggml quantizes."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, k = rows.shape
+    out = np.empty((n, fmt.row_size(t, k)), dtype=np.uint8)
+    lib = _ggml_base()
+    if lib.ggml_quantize_requires_imatrix(int(t)):
+        raise ValueError(f"{t.name} needs an importance matrix")
+    written = lib.ggml_quantize_chunk(int(t), rows.ctypes.data, out.ctypes.data, 0, n, k, None)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes for {t.name}, expected {out.nbytes}")
+    return out
+
+
+def dequantize_rows(t: QT, data: np.ndarray, k: int) -> np.ndarray:
+    return np.asarray(dequantize(np.ascontiguousarray(data), t), dtype=np.float32).reshape(-1, k)
+
+
+def rel_rmse(q: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Per row |q - c| / |c| (0 for an all-zero c)."""
+    num = np.linalg.norm(q - c, axis=1)
+    den = np.linalg.norm(c, axis=1)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), num)
+
+
+@dataclass(frozen=True)
+class DownColumns:
+    qtype: QT
+    data: np.ndarray      # [n_ff, row_size(qtype, n_embd)] uint8, neuron order
+    tolerance: float
+    max_error: float
+    tried: tuple[tuple[str, float], ...]  # (type, largest rel_rmse)
+
+
+def reference_type(src: QT, n_embd: int) -> QT:
+    """The model's down type, or if a row of n_embd cannot be that type, the smallest type of at least
+    its bits per weight that fits."""
+    if fits(src, n_embd) and src in CANDIDATES:
+        return src
+    ok = [t for t in CANDIDATES if fits(t, n_embd) and bits_per_weight(t) >= bits_per_weight(src)]
+    if not ok:
+        raise ValueError(f"no quantization type fits a down column of {n_embd} values")
+    return min(ok, key=bits_per_weight)
+
+
+def down_columns(down: FfnTensor) -> DownColumns:
+    """Transposes and re-quantizes ffn_down [n_embd rows of n_ff] into n_ff columns of n_embd."""
+    cols = np.ascontiguousarray(down.dequantized().T)  # [n_ff, n_embd]
+    n_embd = cols.shape[1]
+    ref = reference_type(down.qtype, n_embd)
+    results: dict[QT, tuple[float, np.ndarray]] = {}
+
+    def attempt(t: QT) -> float:
+        q = quantize_rows(t, cols)
+        err = float(rel_rmse(dequantize_rows(t, q, n_embd), cols).max())
+        results[t] = (err, q)
+        return err
+
+    tol = attempt(ref) * TOLERANCE_SLACK
+    chosen = ref
+    # smaller types, one bits-per-weight level at a time from the largest down: error grows as bits
+    # shrink, so the walk stops at the first level where no type stays within the tolerance
+    smaller = [t for t in CANDIDATES if fits(t, n_embd) and bits_per_weight(t) < bits_per_weight(ref)]
+    for level in sorted({bits_per_weight(t) for t in smaller}, reverse=True):
+        passing = [t for t in smaller if bits_per_weight(t) == level and attempt(t) <= tol]
+        if not passing:
+            break
+        chosen = min(passing, key=lambda t: results[t][0])
+    err, data = results[chosen]
+    return DownColumns(chosen, data, tol, err, tuple((t.name, e) for t, (e, _) in results.items()))
+
+
+def layer_bundles(gate: FfnTensor, up: FfnTensor, down: DownColumns, order: np.ndarray) -> np.ndarray:
+    """[n_ff, bundle size] uint8: slot j holds neuron order[j]."""
+    n_embd = gate.ne0
+    up_off, down_off, end, size = fmt.bundle_parts(int(gate.qtype), int(up.qtype), int(down.qtype), n_embd)
+    out = np.zeros((len(order), size), dtype=np.uint8)
+    out[:, :up_off] = gate.raw[order]
+    out[:, up_off:down_off] = up.raw[order]
+    out[:, down_off:end] = down.data[order]
+    return out

@@ -1,0 +1,146 @@
+"""`pi2-gguf convert`: profile -> thresholds -> predictors -> ranking -> bundles -> sidecar GGUF."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from . import bundles as bundles_mod
+from . import corpus as corpus_mod
+from . import predictor as pred_mod
+from . import sidecar_format as fmt
+from . import sparsity as sp
+from .errors import Pi2Error
+from .model_ffn import ModelFfn, activation_values
+from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, add_profile_args, run_profile
+from .sidecar import LayerData, SidecarMeta, write
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    path: Path
+    seconds: float
+    profile_seconds: float
+    size: int
+    meta: SidecarMeta
+
+
+def default_ranks(n_embd: int) -> list[int]:
+    """Candidate predictor widths: n_embd/8, /4, /2 (even, at least 16)."""
+    return sorted({max(16, (n_embd // d) // 16 * 16) for d in (8, 4, 2)})
+
+
+def convert(model_path: str | Path, output: str | Path | None = None, text: str | Path | None = None,
+            sparsity: float | None = None, threshold: float | None = None,
+            recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
+            train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
+            window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
+            epochs: int = pred_mod.EPOCHS, progress: bool = True) -> ConvertResult:
+    t0 = time.time()
+    model = ModelFfn(model_path)
+    out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
+    if out.resolve() == model.path:
+        raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
+    if not 0.5 <= recall < 1.0:
+        raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
+    try:
+        plan = sp.SparsityPlan.for_activation(model.activation, sparsity, threshold)
+    except ValueError as e:
+        raise Pi2Error(str(e)) from e
+    if profile is not None:
+        prof = Profile.load(profile)
+        prof.check_model(model.path)
+    else:
+        prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
+    t_prof = time.time() - t0
+    if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
+        raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
+                       f"{model.n_layer} of width {model.n_embd}")
+    ranks = ranks or default_ranks(model.n_embd)
+
+    def act(g: np.ndarray) -> np.ndarray:
+        return activation_values(model.activation, g)
+
+    layers: list[LayerData] = []
+    downs: list[bundles_mod.DownColumns] = []
+    for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
+        ffn = model.layers[il]
+        gate_w = ffn["gate"].dequantized()
+        mag_train = sp.gate_magnitudes(model.activation, gate_w, prof.train[il])
+        th = sp.layer_threshold(plan, mag_train)
+        freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
+        del mag_train
+        density = float(sp.active(sp.gate_magnitudes(model.activation, gate_w, prof.heldout[il]), th).mean())
+        order = sp.ranking(freq)
+        down = bundles_mod.down_columns(ffn["down"])
+        n_embd = model.n_embd
+        costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
+                               fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
+        fitted = pred_mod.fit_layer(gate_w, plan.method, act, th, prof.train[il], prof.heldout[il], ranks,
+                                    recall, costs, epochs=epochs)
+        p = fitted.predictor
+        _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd)
+        layers.append(LayerData(
+            n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
+            recall=fitted.heldout.recall, precision=fitted.heldout.precision,
+            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=bsize,
+            gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
+            down_tolerance=down.tolerance, down_error=down.max_error,
+            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order))
+        downs.append(down)
+
+    meta = SidecarMeta(
+        source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
+        tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
+        method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
+        corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers)
+
+    def layer_bundles(il: int) -> np.ndarray:
+        ffn = model.layers[il]
+        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order)
+
+    with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
+        write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
+    return ConvertResult(out, time.time() - t0, t_prof, out.stat().st_size, meta)
+
+
+def summary_table(meta: SidecarMeta) -> str:
+    rows = ["layer  n_ff  thresh  density  rank  recall  precis  pred.dens  hot   down type (err/tol)"]
+    for il, ld in enumerate(meta.layers):
+        rows.append(f"{il:5d} {ld.n_ff:5d} {ld.threshold:7.4f} {ld.density:8.3f} {ld.rank:5d} {ld.recall:7.4f} "
+                    f"{ld.precision:7.3f} {ld.predicted_density:10.3f} {ld.hot_count:5d}   "
+                    f"{bundles_mod.QT(ld.down_type).name} ({ld.down_error:.4f}/{ld.down_tolerance:.4f})")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pi2-gguf convert",
+                                 description="Profile a model on real text and write its pi2 sidecar GGUF "
+                                             "(thresholds, predictors, neuron ranking, 4 KiB neuron bundles).")
+    ap.add_argument("model", type=Path, help="GGUF model (never modified)")
+    ap.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--sparsity", type=float, help=f"target fraction of inactive neurons for SiLU/GELU models "
+                   f"(default {sp.DEFAULT_SPARSITY})")
+    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead")
+    ap.add_argument("--recall", type=float, default=pred_mod.DEFAULT_RECALL,
+                    help="share of active neurons the predictors must catch (default %(default)s)")
+    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
+                    help="candidate predictor widths, comma-separated (default n_embd/8,/4,/2)")
+    ap.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
+    ap.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
+    add_profile_args(ap)
+    args = ap.parse_args(argv)
+    res = convert(args.model, args.output, args.text, args.sparsity, args.threshold, args.recall, args.ranks,
+                  args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs)
+    print(summary_table(res.meta))
+    print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
+          f"(profiling {res.profile_seconds:.0f} s)")
+    return 0

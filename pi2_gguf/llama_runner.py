@@ -1,0 +1,179 @@
+"""A llama.cpp model and context driven through llama-cpp-python's C API, for tools that need more
+than the high-level Llama class offers: an eval callback on named graph tensors (profiling) and the
+logits of every token of a window (perplexity)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+from .errors import ModelFileError, Pi2Error
+from .gguf_check import check_model_file
+
+
+class _TensorHead(ctypes.Structure):
+    # the leading fields of struct ggml_tensor (ggml.h); the layout is pinned with llama-cpp-python
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
+                ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4)]
+
+
+GGML_TYPE_F32 = 0
+
+
+def _libggml_base() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(Path(lc.__file__).resolve().parent / "lib" / "libggml-base.so.0"))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+# Called with (layer, tensor name without the layer suffix, array [n_tokens, ne0]) for every graph
+# tensor named "<name>-<layer>" whose name is in the watched set.
+TensorSink = Callable[[int, str, np.ndarray], None]
+
+
+class LlamaRunner:
+    def __init__(self, model_path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
+                 watch: Iterable[str] = (), sink: TensorSink | None = None, all_logits: bool = False,
+                 use_mmap: bool = True, verbose: bool = False) -> None:
+        path = check_model_file(model_path)
+        self.n_ctx = n_ctx
+        self.all_logits = all_logits
+        self._watch = frozenset(watch)
+        self._sink = sink
+        self._error: BaseException | None = None
+        self._ggml = _libggml_base()
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(verbose)  # llama-cpp-python's log callback; quiet unless asked
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        mp.use_mmap = use_mmap
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ModelFileError(f"llama.cpp could not load {path} (see its log; is the architecture supported?)")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_layer = lc.llama_model_n_layer(self.model)
+        self.n_embd = lc.llama_model_n_embd(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ctx
+        cp.n_ubatch = n_ctx
+        threads = n_threads or os.cpu_count() or 1
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = True
+        if self._watch:
+            self._cb = lc.ggml_backend_sched_eval_callback(self._eval_callback)  # kept alive on self
+            cp.cb_eval = self._cb
+            cp.cb_eval_user_data = None
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise Pi2Error(f"llama.cpp could not create a context of {n_ctx} tokens for {path}")
+        self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self.bos = lc.llama_vocab_bos(self.vocab)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            lc.llama_batch_free(self.batch)
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> LlamaRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, False, False)
+        if n < 0:
+            raise Pi2Error(f"tokenizer needs {-n} slots for a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def windows(self, documents: Iterable[str], max_tokens: int) -> Iterator[list[int]]:
+        """Token windows of n_ctx tokens (BOS first if the model wants one) over the documents joined
+        by blank lines, until max_tokens tokens have been handed out."""
+        sep = self.tokenize("\n\n")
+        body = self.n_ctx - (1 if self.add_bos else 0)
+        head = [self.bos] if self.add_bos else []
+        pending: list[int] = []
+        given = 0
+        for doc in documents:
+            pending.extend(self.tokenize(doc))
+            pending.extend(sep)
+            while len(pending) >= body and given < max_tokens:
+                w = head + pending[:body]
+                del pending[:body]
+                w = w[:max_tokens - given]
+                given += len(w)
+                yield w
+            if given >= max_tokens:
+                return
+        if pending and given < max_tokens:
+            yield (head + pending)[:max_tokens - given]
+
+    def decode(self, tokens: list[int]) -> np.ndarray | None:
+        """Evaluates one window from position 0 (the KV cache is cleared first). Returns the logits of
+        every token [n, n_vocab] when all_logits, else None."""
+        n = len(tokens)
+        if not 0 < n <= self.n_ctx:
+            raise ValueError(f"window of {n} tokens; the context holds {self.n_ctx}")
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        b = self.batch
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if (self.all_logits or self._watch) else int(i == n - 1)
+        b.n_tokens = n
+        rc = lc.llama_decode(self.ctx, b)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if rc != 0:
+            raise Pi2Error(f"llama_decode failed with code {rc}")
+        if not self.all_logits:
+            return None
+        ptr = lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy()
+
+    def _eval_callback(self, t: int, ask: bool, user_data: int) -> bool:
+        try:
+            name = self._ggml.ggml_get_name(t).decode()
+            base, _, layer = name.rpartition("-")
+            if base not in self._watch or not layer.isdigit():
+                return not ask  # not watched: do not ask for it; after computing, continue
+            if ask:
+                return True
+            head = _TensorHead.from_address(t)
+            if head.type != GGML_TYPE_F32:
+                raise Pi2Error(f"graph tensor {name} is type {head.type}, expected F32")
+            ne0, ne1 = int(head.ne[0]), int(head.ne[1])
+            if head.nb[1] != 4 * ne0 or head.ne[2] != 1 or head.ne[3] != 1:
+                raise Pi2Error(f"graph tensor {name} is not a contiguous 2-D F32 tensor")
+            out = np.empty((ne1, ne0), dtype=np.float32)
+            self._ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+            assert self._sink is not None
+            self._sink(int(layer), base, out)
+            return True
+        except BaseException as e:  # noqa: BLE001 - an exception must not unwind through C; re-raised after decode
+            self._error = e
+            return False

@@ -1,0 +1,124 @@
+"""The FFN weights of a GGUF model, read in place (memory-mapped by gguf-py's GGUFReader): raw rows,
+dequantized matrices, the activation the model uses, and the fingerprint of docs/FORMAT.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from . import sidecar_format as fmt
+from .errors import ModelFileError
+from .gguf_check import check_model_file
+
+MATRICES = ("gate", "up", "down")
+
+# FFN activation of architectures whose graph hardcodes it (llama.cpp src/models/*.cpp). A model may
+# state it instead in "<arch>.ffn_activation" (read by the ReLU patch in patches/).
+_ARCH_ACTIVATION = {"gemma": "gelu", "gemma2": "gelu", "gemma3": "gelu", "gemma3n": "gelu"}
+_ACTIVATION_KEY = "{arch}.ffn_activation"
+
+
+@dataclass(frozen=True)
+class FfnTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    ne0: int
+    ne1: int
+    data: np.ndarray  # raw bytes [ne1, row bytes] (uint8), or [ne1, ne0] for float types
+
+    @property
+    def raw(self) -> np.ndarray:
+        """[ne1, row bytes] uint8 view of the tensor's data."""
+        return self.data.view(np.uint8).reshape(self.ne1, -1)
+
+    def dequantized(self) -> np.ndarray:
+        """[ne1, ne0] float32."""
+        return np.asarray(dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.ne1, self.ne0)
+
+    def fingerprint(self) -> int:
+        return fmt.tensor_fingerprint(int(self.qtype), self.ne0, self.ne1, self.data)
+
+
+def _string(reader: GGUFReader, key: str) -> str | None:
+    f = reader.get_field(key)
+    if f is None:
+        return None
+    return bytes(np.asarray(f.parts[f.data[0]])).decode("utf-8", errors="replace")
+
+
+class ModelFfn:
+    def __init__(self, path: str | Path) -> None:
+        self.path = check_model_file(path)
+        self.file_size = self.path.stat().st_size
+        self.reader = GGUFReader(self.path, "r")
+        arch = _string(self.reader, "general.architecture")
+        if arch is None:
+            raise ModelFileError(f"{self.path} has no general.architecture")
+        self.architecture = arch
+        self.name = _string(self.reader, "general.name") or ""
+        tensors = {t.name: t for t in self.reader.tensors}
+        self.layers: list[dict[str, FfnTensor]] = []
+        while f"blk.{len(self.layers)}.ffn_gate.weight" in tensors:
+            il = len(self.layers)
+            layer: dict[str, FfnTensor] = {}
+            for m in MATRICES:
+                name = f"blk.{il}.ffn_{m}.weight"
+                t = tensors.get(name)
+                if t is None:
+                    raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate.weight but no {name}")
+                ne = [int(x) for x in t.shape]
+                if len(ne) != 2:
+                    raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
+                layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
+            g, u, d = layer["gate"], layer["up"], layer["down"]
+            if not (g.ne0 == u.ne0 == d.ne1 and g.ne1 == u.ne1 == d.ne0):
+                raise ModelFileError(f"{self.path}: layer {il} FFN shapes disagree: gate {g.ne0}x{g.ne1}, "
+                                     f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
+            self.layers.append(layer)
+        if not self.layers:
+            raise ModelFileError(f"{self.path} has no gated FFN layers (blk.N.ffn_gate/up/down.weight)")
+        self.n_embd = self.layers[0]["gate"].ne0
+        if any(l_["gate"].ne0 != self.n_embd for l_ in self.layers):
+            raise ModelFileError(f"{self.path}: FFN layers differ in input width")
+        self.activation = self._activation()
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    def n_ff(self, layer: int) -> int:
+        return self.layers[layer]["gate"].ne1
+
+    def _activation(self) -> str:
+        stated = _string(self.reader, _ACTIVATION_KEY.format(arch=self.architecture))
+        if stated is not None:
+            if stated not in fmt.ACTIVATIONS:
+                raise ModelFileError(f"{self.path} states FFN activation '{stated}'; pi2 knows {', '.join(fmt.ACTIVATIONS)}")
+            return stated
+        return _ARCH_ACTIVATION.get(self.architecture, "silu")
+
+    def tensor_fingerprints(self) -> list[int]:
+        return [self.layers[il][m].fingerprint() for il in range(self.n_layer) for m in MATRICES]
+
+    def fingerprint(self) -> int:
+        return fmt.model_fingerprint(self.tensor_fingerprints())
+
+
+def activation_values(kind: str, g: np.ndarray) -> np.ndarray:
+    """act(g) elementwise (float32) for the gate pre-activations g."""
+    g = np.asarray(g, dtype=np.float32)
+    if kind == "silu":
+        return g / (1.0 + np.exp(-g))
+    if kind == "gelu":  # tanh approximation, as ggml_gelu
+        return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    if kind == "gelu_erf":
+        from math import erf, sqrt
+
+        return (0.5 * g * (1.0 + np.vectorize(erf, otypes=[np.float32])(g / sqrt(2.0)))).astype(np.float32)
+    if kind in fmt.RELU_FAMILY:
+        return np.maximum(g, 0.0)
+    raise ValueError(f"unknown activation {kind}")

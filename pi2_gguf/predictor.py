@@ -1,0 +1,190 @@
+"""Per-layer activation predictors: a low-rank MLP x -> h = relu(W1 x + b1) (width r) -> z = W2 h + b2
+(n_ff outputs) that predicts the gate pre-activation g = gate . x of every neuron; a neuron is
+predicted active when its score (|act(z)| for CATS, z for ReLU-family models) is above a cutoff
+chosen on validation tokens to catch a target share of the active neurons (recall).
+
+Why predict g rather than a yes/no logit: in SiLU/GELU models at moderate sparsity many active
+neurons sit in the activation's negative lobe (g in an interval below zero, 20-80% of the actives
+in SmolLM2 at 50%), which no monotone score of a low-rank output can separate; the activation applied
+to a predicted g can.
+
+Training starts from the least-squares optimum: reduced-rank regression of g on x over the profiled
+tokens gives g ~ x A B (rank k = r/2), and W1 = [A; -A], W2 = [B, -B] computes it exactly since
+relu(a) - relu(-a) = a. Adam then fits the MLP on a squared loss weighted toward active neurons, so
+the capacity goes where a miss costs accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_RECALL = 0.99
+ACTIVE_WEIGHT = 4.0   # active neurons weigh more in the loss: a missed neuron costs accuracy
+EPOCHS = 2
+BATCH = 256
+LR = 3e-4
+VALIDATION_SHARE = 0.15
+
+Activation = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class Predictor:
+    w1: np.ndarray  # [r, n_embd]
+    b1: np.ndarray  # [r]
+    w2: np.ndarray  # [n_ff, r]
+    b2: np.ndarray  # [n_ff]
+    cutoff: float = 0.0
+
+    @property
+    def rank(self) -> int:
+        return int(self.w1.shape[0])
+
+    def outputs(self, x: np.ndarray) -> np.ndarray:
+        """z: the predicted gate pre-activations [n_tokens, n_ff]."""
+        h = np.maximum(np.asarray(x, dtype=np.float32) @ self.w1.T + self.b1, 0.0)
+        return h @ self.w2.T + self.b2
+
+    def predict(self, x: np.ndarray, score: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        return score(self.outputs(x)) > self.cutoff
+
+    def as_stored(self) -> Predictor:
+        """The predictor with weights rounded to F16 as the sidecar stores them."""
+        return Predictor(self.w1.astype(np.float16).astype(np.float32), self.b1.astype(np.float32),
+                         self.w2.astype(np.float16).astype(np.float32), self.b2.astype(np.float32), self.cutoff)
+
+
+def score_fn(method: str, act: Activation) -> Callable[[np.ndarray], np.ndarray]:
+    """The score compared with the cutoff: |act(z)| for CATS, z itself for ReLU-family models."""
+    if method == "relu":
+        return lambda z: z
+    return lambda z: np.abs(act(z))
+
+
+@dataclass(frozen=True)
+class Quality:
+    recall: float     # predicted-and-active / active
+    precision: float  # predicted-and-active / predicted
+    density: float    # predicted / all
+
+    @classmethod
+    def measure(cls, predicted: np.ndarray, actual: np.ndarray) -> Quality:
+        tp = float(np.count_nonzero(predicted & actual))
+        n_pred = float(np.count_nonzero(predicted))
+        n_act = float(np.count_nonzero(actual))
+        return cls(tp / n_act if n_act else 1.0, tp / n_pred if n_pred else 1.0, n_pred / predicted.size)
+
+
+def rrr_init(x: np.ndarray, gate_w: np.ndarray, rank: int) -> Predictor:
+    """Reduced-rank regression of g = x gate^T on x, as a relu MLP of width rank (= 2 k)."""
+    k = max(1, rank // 2)
+    # principal directions of g over the data: g = x W^T = U S V^T W^T, so they are those of S V^T W^T
+    # (n_embd x n_ff), far cheaper than an SVD of g itself
+    _, s, vt_x = np.linalg.svd(x, full_matrices=False)
+    _, _, vt = np.linalg.svd((s[:, None] * vt_x) @ gate_w.T, full_matrices=False)
+    v = vt[:k].astype(np.float32)                      # [k, n_ff]
+    a = v @ gate_w                                     # [k, n_embd]: h_j = a_j . x
+    w1 = np.concatenate([a, -a])
+    w2 = np.concatenate([v.T, -v.T], axis=1)
+    return Predictor(w1.astype(np.float32), np.zeros(2 * k, np.float32), w2.astype(np.float32),
+                     np.zeros(gate_w.shape[0], np.float32))
+
+
+def train(x: np.ndarray, g: np.ndarray, y: np.ndarray, init: Predictor, epochs: int = EPOCHS, lr: float = LR,
+          active_weight: float = ACTIVE_WEIGHT, seed: int = 0) -> Predictor:
+    """Adam on sum_i w_i (z_i - g_i)^2 with w = active_weight on active neurons, 1 elsewhere."""
+    rng = np.random.default_rng(seed)
+    p = [init.w1.copy(), init.b1.copy(), init.w2.copy(), init.b2.copy()]
+    m = [np.zeros_like(a) for a in p]
+    v = [np.zeros_like(a) for a in p]
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    n = x.shape[0]
+    step = 0
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for at in range(0, n, BATCH):
+            idx = order[at:at + BATCH]
+            xb = np.asarray(x[idx], dtype=np.float32)
+            pre = xb @ p[0].T + p[1]
+            h = np.maximum(pre, 0.0)
+            dz = h @ p[2].T + p[3]
+            dz -= g[idx]
+            dz *= np.where(y[idx], np.float32(2.0 * active_weight / len(idx)), np.float32(2.0 / len(idx)))
+            g2 = dz.T @ h
+            gb2 = dz.sum(axis=0)
+            dh = dz @ p[2]
+            dh *= pre > 0
+            g1 = dh.T @ xb
+            gb1 = dh.sum(axis=0)
+            step += 1
+            for i, gr in enumerate((g1, gb1, g2, gb2)):
+                m[i] *= beta1
+                m[i] += (1 - beta1) * gr
+                v[i] *= beta2
+                v[i] += (1 - beta2) * gr * gr
+                p[i] -= (lr / (1 - beta1 ** step)) * m[i] / (np.sqrt(v[i] / (1 - beta2 ** step)) + eps)
+    return Predictor(*p)
+
+
+def cutoff_for_recall(score: np.ndarray, y: np.ndarray, recall: float) -> float:
+    """The largest cutoff at which score > cutoff catches at least `recall` of the active (y) entries."""
+    pos = np.sort(score[y])
+    if pos.size == 0:
+        return float(np.max(score)) if score.size else 0.0
+    k = min(max(int(np.floor((1.0 - recall) * pos.size)), 0), pos.size - 1)  # may miss k actives
+    return float(np.nextafter(pos[k], np.float32(-np.inf)))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Bytes a sparse decode step reads per token for one layer (the estimate ranks are chosen by)."""
+
+    gate_row: float     # bytes of one neuron's gate row (read for every predicted neuron)
+    up_down_row: float  # bytes of its up row and down column (read for every truly active neuron)
+
+    def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float, active: float) -> float:
+        return 2.0 * rank * (n_embd + n_ff) + n_ff * (predicted * self.gate_row + active * self.up_down_row)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    predictor: Predictor
+    heldout: Quality
+    validation: Quality
+    tried: tuple[tuple[int, float, float], ...]  # (rank, validation density, estimated bytes/token)
+
+
+def fit_layer(gate_w: np.ndarray, method: str, act: Activation, threshold: float,
+              x_train: np.ndarray, x_held: np.ndarray, ranks: list[int], recall: float, costs: Costs,
+              epochs: int = EPOCHS) -> Fitted:
+    """Trains one predictor per candidate rank and keeps the one with the fewest estimated bytes read
+    per token (tools reading the sidecar can always fall back to the exact gate)."""
+    score = score_fn(method, act)
+    xt = np.asarray(x_train, dtype=np.float32)
+    n_val = max(1, int(xt.shape[0] * VALIDATION_SHARE))
+    x_fit, x_val = xt[:-n_val], xt[-n_val:]
+    g_fit = x_fit @ gate_w.T
+    y_fit = score(g_fit) > threshold
+    y_val = score(x_val @ gate_w.T) > threshold
+    n_ff, n_embd = gate_w.shape
+    active = float(y_val.mean())
+    best: tuple[float, Predictor, Quality] | None = None
+    tried: list[tuple[int, float, float]] = []
+    for r in ranks:
+        r = max(2, min(r, 2 * min(n_ff, n_embd, x_fit.shape[0])))
+        pred = train(x_fit, g_fit, y_fit, rrr_init(x_fit, gate_w, r), epochs=epochs).as_stored()
+        s_val = score(pred.outputs(x_val))
+        pred.cutoff = cutoff_for_recall(s_val, y_val, recall)
+        q = Quality.measure(s_val > pred.cutoff, y_val)
+        cost = costs.per_token(pred.rank, n_embd, n_ff, q.density, active)
+        tried.append((pred.rank, q.density, cost))
+        if best is None or cost < best[0]:
+            best = (cost, pred, q)
+    assert best is not None
+    _, pred, q_val = best
+    y_held = score(np.asarray(x_held, dtype=np.float32) @ gate_w.T) > threshold
+    q_held = Quality.measure(pred.predict(x_held, score), y_held)
+    return Fitted(pred, q_held, q_val, tuple(tried))

