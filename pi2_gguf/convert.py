@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pi2-gguf convert",
                                  description="Profile a model on real text and write its pi2 sidecar GGUF "
                                              "(thresholds, predictors, neuron ranking, 4 KiB neuron bundles).")
-    ap.add_argument("model", type=Path, help="GGUF model (never modified)")
+    ap.add_argument("model", help="GGUF model (never modified), or a known model name (pi2-gguf models)")
     ap.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--sparsity", type=float, help=f"target fraction of inactive neurons for SiLU/GELU models "
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
     add_profile_args(ap)
     args = ap.parse_args(argv)
-    res = convert(args.model, args.output, args.text, args.sparsity, args.threshold, args.recall, args.ranks,
+    from .cli import resolve_model
+
+    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.recall, args.ranks,
                   args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs)
     print(summary_table(res.meta))
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "

@@ -1,0 +1,236 @@
+"""The offline converter on a real model (SmolLM2-135M, 50% CATS sparsity): measured density, predictor
+recall on held-out text, bundle round trip, both GGUF readers, and the errors of bad sidecars."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+
+from pi2_gguf import bundles, corpus, plugin, sidecar, sparsity
+from pi2_gguf import sidecar_format as fmt
+from pi2_gguf.convert import convert
+from pi2_gguf.errors import SidecarError
+from pi2_gguf.model_ffn import ModelFfn, activation_values
+from pi2_gguf.predictor import Predictor, score_fn
+from pi2_gguf.profile import Profile, run_profile
+
+TARGET = 0.5
+TRAIN_TOKENS = 2048
+HELDOUT_TOKENS = 512
+
+
+@pytest.fixture(scope="session")
+def smol_profile(smollm2: Path) -> Profile:
+    return run_profile(smollm2, corpus.wiki(), TRAIN_TOKENS, HELDOUT_TOKENS, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
+    out = tmp_path_factory.mktemp("sidecar") / "smol.pi2.gguf"
+    convert(smollm2, out, sparsity=TARGET, profile=prof_path, ranks=[64], progress=False)
+    return out
+
+
+def test_heldout_documents_are_not_training_documents() -> None:
+    train, held = corpus.wiki().split()
+    assert len(held) > 900 and len(train) > 8 * len(held)
+    assert not set(train) & set(held)
+
+
+def test_density_on_heldout_is_within_5_points_of_target(smollm2: Path, smol_sidecar: Path,
+                                                         smol_profile: Profile) -> None:
+    """Recomputed here from the model's gate and the stored thresholds, not read from the sidecar."""
+    sc = sidecar.read(smol_sidecar)
+    model = ModelFfn(smollm2)
+    dens = []
+    for il in range(model.n_layer):
+        gate = model.layers[il]["gate"].dequantized()
+        mag = sparsity.gate_magnitudes(model.activation, gate, smol_profile.heldout[il])
+        d = float((mag > sc.kv["pi2.sparsity.thresholds"][il]).mean())
+        assert abs(d - TARGET) <= 0.05, f"layer {il}: held-out density {d:.3f}"
+        assert d == pytest.approx(sc.kv["pi2.sparsity.density"][il], abs=1e-6)
+        dens.append(d)
+    assert abs(np.mean(dens) - TARGET) <= 0.02
+
+
+def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, smol_profile: Profile) -> None:
+    """Predictors as stored (F16) run on held-out tokens: recall >= 0.97 in every layer."""
+    sc = sidecar.read(smol_sidecar)
+    model = ModelFfn(smollm2)
+    score = score_fn("cats", lambda g: activation_values(model.activation, g))
+    for il in range(model.n_layer):
+        p = Predictor(sc.layer_tensor(il, "pi2_pred_w1").astype(np.float32),
+                      sc.layer_tensor(il, "pi2_pred_b1").astype(np.float32).reshape(-1),
+                      sc.layer_tensor(il, "pi2_pred_w2").astype(np.float32),
+                      sc.layer_tensor(il, "pi2_pred_b2").astype(np.float32).reshape(-1),
+                      sc.kv["pi2.predictor.cutoff"][il])
+        assert p.rank == sc.kv["pi2.predictor.rank"][il]
+        x = smol_profile.heldout[il]
+        gate = model.layers[il]["gate"].dequantized()
+        actual = sparsity.gate_magnitudes(model.activation, gate, x) > sc.kv["pi2.sparsity.thresholds"][il]
+        predicted = p.predict(x, score)
+        recall = np.count_nonzero(predicted & actual) / np.count_nonzero(actual)
+        assert recall >= 0.97, f"layer {il}: recall {recall:.4f}"
+        assert recall == pytest.approx(sc.kv["pi2.predictor.recall"][il], abs=1e-4)
+        assert np.mean(predicted) == pytest.approx(sc.kv["pi2.predictor.density"][il], abs=1e-4)
+
+
+def test_recomputed_gate_matches_llamas_own(smollm2: Path) -> None:
+    """Activations are recomputed from profiled FFN inputs; they must match what llama.cpp computed."""
+    from pi2_gguf.llama_runner import LlamaRunner
+
+    seen: dict[tuple[int, str], np.ndarray] = {}
+    with LlamaRunner(smollm2, n_ctx=64, watch=("ffn_norm", "ffn_gate"),
+                     sink=lambda il, name, x: seen.__setitem__((il, name), x)) as r:
+        r.decode(next(r.windows(corpus.wiki().split()[1], 64)))
+    model = ModelFfn(smollm2)
+    for il in (0, 14, 29):
+        g_ours = seen[(il, "ffn_norm")] @ model.layers[il]["gate"].dequantized().T
+        g_llama = seen[(il, "ffn_gate")]
+        assert g_ours.shape == g_llama.shape == (64, 1536)
+        rel = np.linalg.norm(g_ours - g_llama) / np.linalg.norm(g_llama)
+        assert rel < 0.02, f"layer {il}: gate differs by {rel:.4f} (relative)"
+        t = np.quantile(np.abs(activation_values("silu", g_llama)), TARGET)
+        agree = np.mean((np.abs(activation_values("silu", g_ours)) > t) == (np.abs(activation_values("silu", g_llama)) > t))
+        assert agree > 0.98
+
+
+def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
+    sc = sidecar.read(smol_sidecar)
+    model = ModelFfn(smollm2)
+    for il in range(model.n_layer):
+        ffn = model.layers[il]
+        order = sc.layer_tensor(il, "pi2_order").reshape(-1)
+        b = sc.bundles(il)
+        gs, us, ds = sc.bundle_slices(il)
+        assert sc.kv["pi2.bundle.size"][il] % 4096 == 0 and b.shape == (1536, sc.kv["pi2.bundle.size"][il])
+        assert np.array_equal(b[:, gs], ffn["gate"].raw[order]), f"layer {il}: gate rows differ"
+        assert np.array_equal(b[:, us], ffn["up"].raw[order]), f"layer {il}: up rows differ"
+        assert not b[:, ds.stop:].any()
+        dtype = QT(sc.kv["pi2.bundle.down_type"][il])
+        cols = bundles.dequantize_rows(dtype, b[:, ds], model.n_embd)
+        want = ffn["down"].dequantized().T[order]
+        err = bundles.rel_rmse(cols, want)
+        assert err.max() <= sc.kv["pi2.bundle.down_tolerance"][il]
+        assert err.max() == pytest.approx(sc.kv["pi2.bundle.down_error"][il], rel=1e-4)
+        assert err.max() < 0.2  # 4-bit re-quantization of a 4-bit column: same order as Q4_1's own error
+
+
+def test_bundles_are_4k_aligned_in_the_file(smol_sidecar: Path) -> None:
+    r = GGUFReader(smol_sidecar)
+    offsets = [int(t.data_offset) for t in r.tensors if t.name.endswith("pi2_bundles")]
+    assert len(offsets) == 30 and all(o % 4096 == 0 for o in offsets)
+
+
+def test_ranking_and_hot_counts(smol_sidecar: Path) -> None:
+    sc = sidecar.read(smol_sidecar)
+    for il in range(sc.n_layer):
+        freq = sc.layer_tensor(il, "pi2_freq").reshape(-1)
+        ranked = freq[sc.layer_tensor(il, "pi2_order").reshape(-1)]
+        assert np.all(np.diff(ranked) <= 0)
+        k = sc.kv["pi2.hot_count"][il]
+        assert ranked[:k].sum() >= 0.5 * freq.sum() > ranked[:k - 1].sum()
+        assert freq.mean() == pytest.approx(0.5, abs=0.02)  # training density at the 50% threshold
+
+
+def test_sidecar_loads_with_ggml_gguf_reader(smol_sidecar: Path, smollm2: Path) -> None:
+    plugin.validate_sidecar_c(smol_sidecar)
+    n_layer, fp = plugin.sidecar_summary_c(smol_sidecar)
+    assert n_layer == 30
+    assert fp == ModelFfn(smollm2).fingerprint() == sidecar.read(smol_sidecar).kv["pi2.source.fingerprint"]
+
+
+def test_sidecar_for_another_model_is_refused(smol_sidecar: Path, gemma3: Path) -> None:
+    sc = sidecar.read(smol_sidecar)
+    other = ModelFfn(gemma3)
+    with pytest.raises(SidecarError, match="made for another model"):
+        sc.check_model(other.tensor_fingerprints(), gemma3)
+    gate = other.layers[0]["gate"]
+    with pytest.raises(SidecarError, match="another model"):
+        plugin.check_sidecar_weight_c(smol_sidecar, 0, 0, int(gate.qtype), gate.ne0, gate.ne1, gate.data)
+
+
+def test_truncated_sidecar_is_refused(smol_sidecar: Path, tmp_path: Path) -> None:
+    size = smol_sidecar.stat().st_size
+    for cut in (size - 4096, size // 2, 2000):
+        bad = tmp_path / f"cut{cut}.pi2.gguf"
+        with smol_sidecar.open("rb") as f:
+            bad.write_bytes(f.read(cut))
+        with pytest.raises(SidecarError, match="truncated|corrupt"):
+            sidecar.read(bad)
+        with pytest.raises(SidecarError):
+            plugin.validate_sidecar_c(bad)
+
+
+def test_wrong_format_version_is_refused(smol_sidecar: Path, tmp_path: Path) -> None:
+    head = bytearray(smol_sidecar.read_bytes()[:1 << 20])
+    key = b"pi2.format_version"
+    at = head.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", head, at) == (4, 1)  # GGUF type UINT32, value 1
+    struct.pack_into("<I", head, at + 4, 2)
+    bad = tmp_path / "v2.pi2.gguf"
+    with smol_sidecar.open("rb") as f:
+        bad.write_bytes(bytes(head) + f.read()[len(head):])
+    with pytest.raises(SidecarError, match="format version 2"):
+        sidecar.read(bad)
+    with pytest.raises(SidecarError, match="version"):
+        plugin.validate_sidecar_c(bad)
+
+
+def test_down_columns_of_k_quant_model_fall_back_to_a_type_that_fits(gemma3: Path) -> None:
+    """Gemma-3's ffn_down is Q6_K; n_embd 640 is no multiple of 256, so the reference is Q8_0."""
+    down = ModelFfn(gemma3).layers[0]["down"]
+    assert down.qtype == QT.Q6_K
+    d = bundles.down_columns(down)
+    assert bundles.reference_type(QT.Q6_K, 640) == QT.Q8_0
+    err = bundles.rel_rmse(bundles.dequantize_rows(d.qtype, d.data, 640), down.dequantized().T)
+    assert err.max() <= d.tolerance < 0.02
+
+
+def test_sparsity_plan_rules() -> None:
+    assert sparsity.SparsityPlan.for_activation("relu", None, None).method == "relu"
+    with pytest.raises(ValueError, match="exactly sparse"):
+        sparsity.SparsityPlan.for_activation("relu", 0.5, None)
+    with pytest.raises(ValueError, match="sparsity must be"):
+        sparsity.SparsityPlan.for_activation("silu", 1.5, None)
+    assert sparsity.SparsityPlan.for_activation("silu", None, 0.3).threshold == 0.3
+    assert sparsity.SparsityPlan.for_activation("gelu", None, None).target == sparsity.DEFAULT_SPARSITY
+    assert sparsity.hot_count(np.array([0.9, 0.05, 0.03, 0.02])) == 1
+    assert sparsity.hot_count(np.full(10, 0.5)) == 5
+
+
+def test_convert_cli_writes_beside_the_model_and_leaves_it_untouched(smollm2: Path, tmp_path: Path) -> None:
+    model = tmp_path / smollm2.name
+    shutil.copyfile(smollm2, model)
+    before = hashlib.sha256(model.read_bytes()).hexdigest()
+    cli = [sys.executable, "-m", "pi2_gguf.cli"]
+    res = subprocess.run([*cli, "convert", str(model), "--train-tokens", "512", "--heldout-tokens", "128",
+                          "--ranks", "32", "--epochs", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / smollm2.name.replace(".gguf", fmt.SUFFIX)
+    assert out.is_file() and "wrote" in res.stdout
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([model.name, out.name])  # no temp files left
+    png = tmp_path / "hot.png"
+    res = subprocess.run([*cli, "inspect", str(out), "--png", str(png)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "30 layers" in res.stdout and "held-out recall" in res.stdout
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    assert (w, h) == (1024, 30 * 8)
+    # bad input through the CLI: clear errors, exit code 2
+    res = subprocess.run([*cli, "inspect", str(model)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "not a pi2 sidecar" in res.stderr
+    res = subprocess.run([*cli, "convert", str(model), "--sparsity", "1.2"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "sparsity must be in [0, 1)" in res.stderr
