@@ -80,6 +80,7 @@ _DELEGATED = {
     "profile": ("profile", "record per-layer FFN inputs of a model on real text"),
     "convert": ("convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
     "inspect": ("inspect_sidecar", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
+    "perplexity": ("perplexity", "perplexity over text, computed as llama-perplexity does"),
 }
 
 

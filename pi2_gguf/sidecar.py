@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from . import sidecar_format as fmt
 from .errors import SidecarError
-from .gguf_check import GGUF_MAGIC
+from .gguf_check import open_gguf
 
 
 @dataclass
@@ -74,43 +74,41 @@ _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
 }
 
 
+# per-layer keys and the LayerData field each comes from
+_PER_LAYER = {
+    "pi2.n_ff": "n_ff", "pi2.sparsity.thresholds": "threshold", "pi2.sparsity.density": "density",
+    "pi2.predictor.rank": "rank", "pi2.predictor.cutoff": "cutoff", "pi2.predictor.recall": "recall",
+    "pi2.predictor.precision": "precision", "pi2.predictor.density": "predicted_density",
+    "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.gate_type": "gate_type",
+    "pi2.bundle.up_type": "up_type", "pi2.bundle.down_type": "down_type",
+    "pi2.bundle.down_tolerance": "down_tolerance", "pi2.bundle.down_error": "down_error",
+}
+
+
 def _key_values(m: SidecarMeta) -> dict[str, Any]:
-    L = m.layers
-    return {
+    kv: dict[str, Any] = {
         "pi2.format_version": fmt.FORMAT_VERSION,
         "pi2.source.architecture": m.source_architecture,
         "pi2.source.name": m.source_name,
         "pi2.source.file_size": m.source_file_size,
         "pi2.source.fingerprint": fmt.model_fingerprint(m.tensor_fingerprints),
         "pi2.source.tensor_fingerprints": m.tensor_fingerprints,
-        "pi2.n_layer": len(L),
+        "pi2.n_layer": len(m.layers),
         "pi2.n_embd": m.n_embd,
-        "pi2.n_ff": [l_.n_ff for l_ in L],
         "pi2.activation": m.activation,
         "pi2.sparsity.method": m.method,
         "pi2.sparsity.target": m.target,
-        "pi2.sparsity.thresholds": [l_.threshold for l_ in L],
-        "pi2.sparsity.density": [l_.density for l_ in L],
-        "pi2.predictor.rank": [l_.rank for l_ in L],
-        "pi2.predictor.cutoff": [l_.cutoff for l_ in L],
         "pi2.predictor.recall_target": m.recall_target,
-        "pi2.predictor.recall": [l_.recall for l_ in L],
-        "pi2.predictor.precision": [l_.precision for l_ in L],
-        "pi2.predictor.density": [l_.predicted_density for l_ in L],
-        "pi2.hot_count": [l_.hot_count for l_ in L],
         "pi2.calib.corpus": m.corpus,
         "pi2.calib.corpus_sha256": m.corpus_sha256,
         "pi2.calib.tokens": m.tokens,
         "pi2.calib.heldout_tokens": m.heldout_tokens,
         "pi2.calib.date": m.date,
         "pi2.bundle.align": fmt.BUNDLE_ALIGN,
-        "pi2.bundle.size": [l_.bundle_size for l_ in L],
-        "pi2.bundle.gate_type": [l_.gate_type for l_ in L],
-        "pi2.bundle.up_type": [l_.up_type for l_ in L],
-        "pi2.bundle.down_type": [l_.down_type for l_ in L],
-        "pi2.bundle.down_tolerance": [l_.down_tolerance for l_ in L],
-        "pi2.bundle.down_error": [l_.down_error for l_ in L],
     }
+    for key, attr in _PER_LAYER.items():
+        kv[key] = [getattr(ld, attr) for ld in m.layers]
+    return kv
 
 
 def _small_tensors(il: int, ld: LayerData) -> list[tuple[str, np.ndarray]]:
@@ -228,18 +226,7 @@ _EXPECT_TYPE = {fmt.KT.U32: GGUFValueType.UINT32, fmt.KT.U64: GGUFValueType.UINT
 
 def read(path: str | Path) -> Sidecar:
     """Opens and validates a sidecar (every rule of docs/FORMAT.md except the model fingerprint)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise SidecarError(f"sidecar not found: {p}")
-    size = p.stat().st_size
-    with p.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise SidecarError(f"{p} is not a GGUF file (starts with {magic!r})")
-    try:
-        reader = GGUFReader(p, "r")
-    except (ValueError, IndexError, KeyError, OSError, EOFError, TypeError) as e:
-        raise SidecarError(f"sidecar {p} is corrupt or truncated ({size} bytes): {e}") from e
+    p, reader = open_gguf(path, "sidecar", SidecarError)
     version = _field_value(reader, "pi2.format_version")
     if version is None:
         raise SidecarError(f"{p} is not a pi2 sidecar (no pi2.format_version)")
@@ -264,9 +251,6 @@ def read(path: str | Path) -> Sidecar:
                 raise SidecarError(f"sidecar {p}: {key} has {len(kv[key])} elements, expected {want}")
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise SidecarError(f"sidecar {p} is truncated: tensor {t.name} ends at byte {end}, the file has {size}")
         if int(t.data_offset) % fmt.BUNDLE_ALIGN:
             raise SidecarError(f"sidecar {p}: tensor {t.name} is not {fmt.BUNDLE_ALIGN}-byte aligned")
     sc = Sidecar(p, kv, tensors, reader)

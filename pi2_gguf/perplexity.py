@@ -1,0 +1,106 @@
+"""`pi2-gguf perplexity`: perplexity computed the way llama.cpp's llama-perplexity computes it, so users
+can check the quality of a sparse configuration themselves.
+
+As llama-perplexity: the text is tokenized once (BOS first if the model wants one) and cut into
+chunks of n_ctx tokens; each chunk is evaluated from an empty cache with its first token replaced by
+BOS, and only the second half of each chunk is scored (the first half is context). The running
+estimate is printed per chunk as [i]ppl, then "Final estimate: PPL = x +/- err".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from . import corpus as corpus_mod
+from .errors import Pi2Error
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    ppl: float
+    err: float
+    chunks: int
+    scored_tokens: int
+    running: tuple[float, ...]
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row, in float64 like llama-perplexity's accumulation."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+    return x[np.arange(len(targets)), targets] - lse
+
+
+def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: int | None = None,
+               plugin: bool = True, threads: int | None = None, progress: bool = True) -> Perplexity:
+    from .llama_runner import LlamaRunner
+
+    if n_ctx < 16:
+        raise Pi2Error(f"--ctx must be at least 16, got {n_ctx}")
+    if plugin:
+        from .plugin import register
+
+        register()
+    with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True) as r:
+        tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
+        n_chunk = len(tokens) // n_ctx
+        if max_chunks is not None:
+            n_chunk = min(n_chunk, max_chunks)
+        if n_chunk < 1:
+            raise Pi2Error(f"the text has {len(tokens)} tokens; perplexity needs at least one chunk of {n_ctx}")
+        first = n_ctx // 2
+        nll = nll2 = 0.0
+        count = 0
+        running: list[float] = []
+        for i in tqdm(range(n_chunk), desc="perplexity", unit="chunk", disable=not progress):
+            chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+            window = [r.bos] + chunk[1:] if r.add_bos else chunk
+            logits = r.decode(window)
+            assert logits is not None
+            lp = _log_softmax_at(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:n_ctx]))
+            nll -= float(lp.sum())
+            nll2 += float((lp * lp).sum())
+            count += len(lp)
+            running.append(math.exp(nll / count))
+    mean = nll / count
+    var = nll2 / count - mean * mean
+    ppl = math.exp(mean)
+    err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
+    return Perplexity(ppl, err, n_chunk, count, tuple(running))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pi2-gguf perplexity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
+    ap.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
+                    "articles the converter never trains on)")
+    ap.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default %(default)s)")
+    ap.add_argument("--chunks", type=int, help="score at most this many chunks")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
+    args = ap.parse_args(argv)
+    from .cli import resolve_model
+
+    if args.text is not None:
+        text = "\n\n".join(corpus_mod.text_file(args.text).documents)
+    else:
+        text = "\n\n".join(corpus_mod.wiki().split()[1])
+    res = perplexity(resolve_model(args.model), text, args.ctx, args.chunks, plugin=not args.no_plugin,
+                     threads=args.threads)
+    print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
+    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
+          f"{res.scored_tokens} tokens scored, {'stock llama.cpp' if args.no_plugin else 'pi2 plugin'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
