@@ -5,16 +5,14 @@ covers every type, K-quants included), in the smallest type that keeps the model
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from . import ggml_base
 from . import sidecar_format as fmt
 from .model_ffn import FfnTensor
 
@@ -33,25 +31,12 @@ def fits(t: QT, n: int) -> bool:
     return n % GGML_QUANT_SIZES[t][0] == 0
 
 
-@lru_cache(maxsize=1)
-def _ggml_base() -> ctypes.CDLL:
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).resolve().parent / "lib" / "libggml-base.so.0"))
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
-    return lib
-
-
 def quantize_rows(t: QT, rows: np.ndarray) -> np.ndarray:
     """[n, k] float32 -> [n, row_size(t, k)] uint8, as ggml quantizes."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, k = rows.shape
     out = np.empty((n, fmt.row_size(t, k)), dtype=np.uint8)
-    lib = _ggml_base()
+    lib = ggml_base.lib()
     if lib.ggml_quantize_requires_imatrix(int(t)):
         raise ValueError(f"{t.name} needs an importance matrix")
     written = lib.ggml_quantize_chunk(int(t), rows.ctypes.data, out.ctypes.data, 0, n, k, None)

@@ -67,23 +67,28 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     def act(g: np.ndarray) -> np.ndarray:
         return activation_values(model.activation, g)
 
+    # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
+    score = pred_mod.score_fn(plan.method, act)
     layers: list[LayerData] = []
     downs: list[bundles_mod.DownColumns] = []
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
         gate_w = ffn["gate"].dequantized()
-        mag_train = sp.gate_magnitudes(model.activation, gate_w, prof.train[il])
+        g_train = sp.gate_preactivations(gate_w, prof.train[il])
+        g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
+        mag_train = np.abs(act(g_train))
         th = sp.layer_threshold(plan, mag_train)
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
         del mag_train
-        density = float(sp.active(sp.gate_magnitudes(model.activation, gate_w, prof.heldout[il]), th).mean())
+        density = float(sp.active(np.abs(act(g_held)), th).mean())
         order = sp.ranking(freq)
         down = bundles_mod.down_columns(ffn["down"])
         n_embd = model.n_embd
         costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
                                fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
-        fitted = pred_mod.fit_layer(gate_w, plan.method, act, th, prof.train[il], prof.heldout[il], ranks,
+        fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs)
+        del g_train, g_held
         p = fitted.predictor
         _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd)
         layers.append(LayerData(

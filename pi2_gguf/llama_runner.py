@@ -12,6 +12,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
+from . import ggml_base
 from .errors import ModelFileError, Pi2Error
 from .gguf_check import check_model_file
 
@@ -23,15 +24,6 @@ class _TensorHead(ctypes.Structure):
 
 
 GGML_TYPE_F32 = 0
-
-
-def _libggml_base() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(Path(lc.__file__).resolve().parent / "lib" / "libggml-base.so.0"))
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_backend_tensor_get.restype = None
-    return lib
 
 
 # Called with (layer, tensor name without the layer suffix, array [n_tokens, ne0]) for every graph
@@ -49,7 +41,7 @@ class LlamaRunner:
         self._watch = frozenset(watch)
         self._sink = sink
         self._error: BaseException | None = None
-        self._ggml = _libggml_base()
+        self._ggml = ggml_base.lib()
         from llama_cpp._logger import set_verbose
 
         set_verbose(verbose)  # llama-cpp-python's log callback; quiet unless asked

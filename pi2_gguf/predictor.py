@@ -157,18 +157,18 @@ class Fitted:
     tried: tuple[tuple[int, float, float], ...]  # (rank, validation density, estimated bytes/token)
 
 
-def fit_layer(gate_w: np.ndarray, method: str, act: Activation, threshold: float,
-              x_train: np.ndarray, x_held: np.ndarray, ranks: list[int], recall: float, costs: Costs,
-              epochs: int = EPOCHS) -> Fitted:
+def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_w: np.ndarray,
+              x_train: np.ndarray, g_train: np.ndarray, x_held: np.ndarray, g_held: np.ndarray,
+              ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS) -> Fitted:
     """Trains one predictor per candidate rank and keeps the one with the fewest estimated bytes read
-    per token (tools reading the sidecar can always fall back to the exact gate)."""
-    score = score_fn(method, act)
+    per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
+    pre-activations of x_* (sparsity.gate_preactivations); a neuron is active where score(g) > threshold."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = max(1, int(xt.shape[0] * VALIDATION_SHARE))
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
-    g_fit = x_fit @ gate_w.T
+    g_fit = g_train[:-n_val]
     y_fit = score(g_fit) > threshold
-    y_val = score(x_val @ gate_w.T) > threshold
+    y_val = score(g_train[-n_val:]) > threshold
     n_ff, n_embd = gate_w.shape
     active = float(y_val.mean())
     best: tuple[float, Predictor, Quality] | None = None
@@ -185,6 +185,5 @@ def fit_layer(gate_w: np.ndarray, method: str, act: Activation, threshold: float
             best = (cost, pred, q)
     assert best is not None
     _, pred, q_val = best
-    y_held = score(np.asarray(x_held, dtype=np.float32) @ gate_w.T) > threshold
-    q_held = Quality.measure(pred.predict(x_held, score), y_held)
+    q_held = Quality.measure(pred.predict(x_held, score), score(g_held) > threshold)
     return Fitted(pred, q_held, q_val, tuple(tried))

@@ -42,9 +42,14 @@ class SparsityPlan:
         return cls("cats", target=s)
 
 
+def gate_preactivations(gate_w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """g = gate . x [n_tokens, n_ff] float32 from the dequantized gate [n_ff, n_embd]."""
+    return np.asarray(x, dtype=np.float32) @ gate_w.T
+
+
 def gate_magnitudes(activation: str, gate_w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """|act(gate . x)| [n_tokens, n_ff] float32 from the dequantized gate [n_ff, n_embd]."""
-    return np.abs(activation_values(activation, np.asarray(x, dtype=np.float32) @ gate_w.T))
+    """|act(gate . x)| [n_tokens, n_ff] float32."""
+    return np.abs(activation_values(activation, gate_preactivations(gate_w, x)))
 
 
 def layer_threshold(plan: SparsityPlan, magnitudes: np.ndarray) -> float:
