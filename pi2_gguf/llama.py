@@ -1,29 +1,119 @@
-"""pi2_gguf.Llama: llama_cpp.Llama with the PI2 backend registered first."""
+"""pi2_gguf.Llama: llama_cpp.Llama with the PI2 backend registered first and the model's sidecar bound."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import llama_cpp
 
+from . import plugin
+from .errors import SidecarError
 from .gguf_check import check_model_file
-from .plugin import register
+from .sidecar_format import sidecar_path_for
+
+SidecarArg = str | os.PathLike[str] | bool | None
+
+
+def resolve_sidecar(model: Path, sidecar: SidecarArg) -> Path | None:
+    """The sidecar a model loads with: an explicit path; False for none; None for PI2_SIDECAR if set,
+    else MODEL.pi2.gguf beside the model if it exists."""
+    if sidecar is False:
+        return None
+    if sidecar is None or sidecar is True:
+        env = os.environ.get("PI2_SIDECAR")
+        if env:
+            return Path(env)
+        default = sidecar_path_for(model)
+        if default.is_file():
+            return default
+        if sidecar is True:
+            raise SidecarError(f"sidecar {default}: not found; run `pi2-gguf convert {model}` to make it")
+        return None
+    return Path(sidecar)
+
+
+def resolve_mode(mode: str | None, sidecar: Path | None) -> str:
+    """mode, else PI2_MODE, else predicted with a sidecar and dense without; sparse modes need a sidecar."""
+    chosen = mode or os.environ.get("PI2_MODE") or ("predicted" if sidecar is not None else "dense")
+    plugin.mode_value(chosen)
+    if chosen != "dense" and sidecar is None:
+        raise SidecarError(f"mode {chosen} needs a sidecar; run `pi2-gguf convert MODEL.gguf` and pass sidecar=")
+    return chosen
+
+
+def check_sidecar_matches(model: Path, sidecar: Path) -> None:
+    """Refuses a sidecar made for another model before llama loads anything (the plugin checks again
+    on the weights it receives)."""
+    from .model_ffn import ModelFfn
+
+    _, fp = plugin.sidecar_summary_c(sidecar)
+    ffn = ModelFfn(model)
+    if ffn.fingerprint() != fp:
+        raise SidecarError(f"sidecar {sidecar}: was made for another model (its fingerprint 0x{fp:016x} is not "
+                           f"{model.name}'s 0x{ffn.fingerprint():016x})")
 
 
 class Llama(llama_cpp.Llama):
     """Drop-in for llama_cpp.Llama: same arguments; the model's FFN runs in the PI2 backend.
 
-    The model file is validated first, so a missing, non-GGUF or truncated file raises
-    pi2_gguf.ModelFileError naming the problem instead of a loader failure."""
+    sidecar: the model's pi2 sidecar (default: PI2_SIDECAR, else MODEL.pi2.gguf beside the model if it
+    exists; False: none). mode: "predicted" (default with a sidecar), "oracle" or "dense" (default
+    without); PI2_MODE overrides the default. The model file is validated first, so a missing, non-GGUF
+    or truncated file raises pi2_gguf.ModelFileError naming the problem instead of a loader failure."""
 
-    def __init__(self, model_path: str | Path, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, model_path: str | Path, *args: Any, sidecar: SidecarArg = None, mode: str | None = None,
+                 check_recall: bool = False, **kwargs: Any) -> None:
         path = check_model_file(model_path)
-        register()
-        super().__init__(str(path), *args, **kwargs)
+        plugin.register()
+        self.pi2_sidecar = resolve_sidecar(path, sidecar)
+        self.pi2_mode = resolve_mode(mode, self.pi2_sidecar)
+        if self.pi2_sidecar is not None:
+            plugin.validate_sidecar_c(self.pi2_sidecar)
+            check_sidecar_matches(path, self.pi2_sidecar)
+        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode)
+        try:
+            super().__init__(str(path), *args, **kwargs)
+        except BaseException:
+            if self.pi2_binding:
+                plugin.release_binding(self.pi2_binding)
+            raise
+        finally:
+            plugin.load_end()
         self._pi2_constructed = True
+        if check_recall:
+            self.set_check_recall(True)
+
+    def set_mode(self, mode: str) -> None:
+        """Switches between dense, oracle and predicted decode without reloading."""
+        if self.pi2_binding == 0:
+            resolve_mode(mode, None)  # only dense is possible without a sidecar
+            return
+        plugin.set_mode(self.pi2_binding, mode)
+        self.pi2_mode = mode
+
+    def set_check_recall(self, on: bool) -> None:
+        """In predicted mode, also compute the full gate to count active neurons the predictor missed."""
+        if self.pi2_binding:
+            plugin.set_check_recall(self.pi2_binding, on)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            why = plugin.binding_error(self.pi2_binding) if self.pi2_binding else ""
+            if why:
+                raise SidecarError(why) from e
+            raise
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "pi2_binding", 0):
+            plugin.release_binding(self.pi2_binding)
+            self.pi2_binding = 0
 
     def __del__(self) -> None:
         # a Llama rejected before llama_cpp.Llama.__init__ ran has nothing to close
         if getattr(self, "_pi2_constructed", False):
-            super().__del__()
+            super().__del__()  # calls close()

@@ -38,6 +38,12 @@ class _LayerCounters(ctypes.Structure):
         ("weight_bytes", ctypes.c_uint64 * N_MATRIX),
         ("glu_calls", ctypes.c_uint64),
         ("glu_tokens", ctypes.c_uint64),
+        ("sparse_tokens", ctypes.c_uint64),
+        ("predicted", ctypes.c_uint64),
+        ("active", ctypes.c_uint64),
+        ("down_sparse_tokens", ctypes.c_uint64),
+        ("checked_tokens", ctypes.c_uint64),
+        ("missed", ctypes.c_uint64),
     ]
 
 
@@ -64,6 +70,27 @@ class Counters:
     weight_bytes: np.ndarray
     glu_calls: np.ndarray
     glu_tokens: np.ndarray
+    # sparse decode, per layer: tokens decoded sparsely, neurons whose gate was computed, neurons active,
+    # tokens whose down ran by columns, tokens with the recall check, active neurons the predictor missed
+    sparse_tokens: np.ndarray
+    predicted: np.ndarray
+    active: np.ndarray
+    down_sparse_tokens: np.ndarray
+    checked_tokens: np.ndarray
+    missed: np.ndarray
+
+    def active_per_token(self) -> np.ndarray:
+        """Mean active neurons per sparsely decoded token, per layer (nan where none ran sparse)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.active.astype(float) / self.sparse_tokens.astype(float)
+
+    def recall(self) -> np.ndarray:
+        """Per layer, on checked tokens: active neurons the predictor selected / all active neurons."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.active.astype(float) / (self.active + self.missed).astype(float)
+
+
+MODES = {"dense": 0, "oracle": 1, "predicted": 2}  # enum pi2_mode
 
 
 def check_llama_cpp_version() -> str:
@@ -138,6 +165,19 @@ def register() -> Path:
             if not g.ggml_backend_load(str(path).encode()):
                 raise PluginError(f"ggml refused to load the PI2 plugin {path} (see the ggml log above)")
         plugin.pi2_counters_read.argtypes = [ctypes.POINTER(_Counters)]
+        plugin.pi2_load_begin.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_load_begin.restype = ctypes.c_int
+        plugin.pi2_load_end.argtypes = []
+        plugin.pi2_load_end.restype = None
+        for fn in ("pi2_binding_set_mode", "pi2_binding_set_check_recall"):
+            getattr(plugin, fn).argtypes = [ctypes.c_int, ctypes.c_int]
+            getattr(plugin, fn).restype = ctypes.c_int
+        plugin.pi2_binding_error.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_binding_error.restype = ctypes.c_int
+        plugin.pi2_binding_release.argtypes = [ctypes.c_int]
+        plugin.pi2_binding_release.restype = ctypes.c_int
+        plugin.pi2_set_sparse_limits.argtypes = [ctypes.c_int, ctypes.c_float]
+        plugin.pi2_set_sparse_limits.restype = None
         _plugin = plugin
         return path
 
@@ -171,11 +211,59 @@ def read_counters() -> Counters:
         weight_bytes=per_matrix("weight_bytes"),
         glu_calls=np.array([lc.glu_calls for lc in layers], dtype=np.uint64),
         glu_tokens=np.array([lc.glu_tokens for lc in layers], dtype=np.uint64),
+        **{name: np.array([getattr(lc, name) for lc in layers], dtype=np.uint64)
+           for name in ("sparse_tokens", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed")},
     )
 
 
 def reset_counters() -> None:
     _require().pi2_counters_reset()
+
+
+def mode_value(mode: str) -> int:
+    if mode not in MODES:
+        raise ValueError(f"mode '{mode}' is not one of {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def load_begin(sidecar: str | os.PathLike[str] | None, mode: str) -> int:
+    """Binds the PI2 weight buffers of the next model load to this sidecar and mode (the sidecar is
+    opened and checked now). Returns the binding id (0 without a sidecar). Pair with load_end()."""
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    rc = _require().pi2_load_begin(None if sidecar is None else os.fsencode(sidecar), mode_value(mode), err, _ERR_LEN)
+    if rc < 0:
+        raise SidecarError(err.value.decode("utf-8", "replace"))
+    return int(rc)
+
+
+def load_end() -> None:
+    _require().pi2_load_end()
+
+
+def set_mode(binding: int, mode: str) -> None:
+    if _require().pi2_binding_set_mode(binding, mode_value(mode)) != 0:
+        raise PluginError(f"no loaded model has PI2 binding {binding}")
+
+
+def set_check_recall(binding: int, on: bool) -> None:
+    if _require().pi2_binding_set_check_recall(binding, int(on)) != 0:
+        raise PluginError(f"no loaded model has PI2 binding {binding}")
+
+
+def binding_error(binding: int) -> str:
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _require().pi2_binding_error(binding, err, _ERR_LEN) != 0:
+        return ""
+    return err.value.decode("utf-8", "replace")
+
+
+def release_binding(binding: int) -> None:
+    _require().pi2_binding_release(binding)
+
+
+def set_sparse_limits(batch_max: int = -1, down_sparse_max: float = -1.0) -> None:
+    """Largest decode batch run sparse; active fraction up to which down runs by columns (-1: unchanged)."""
+    _require().pi2_set_sparse_limits(int(batch_max), float(down_sparse_max))
 
 
 # --- the plugin's tool entry points (sidecar reader, fingerprints): no registration into llama needed ---

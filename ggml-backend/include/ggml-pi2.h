@@ -16,6 +16,13 @@ extern "C" {
 
 #define PI2_MAX_LAYERS 1024
 
+// How a model with a sidecar decodes (batches above the sparse batch limit always run dense).
+enum pi2_mode {
+    PI2_MODE_DENSE     = 0, // every neuron, the model's own weights
+    PI2_MODE_ORACLE    = 1, // the exact active set from the full gate (for testing)
+    PI2_MODE_PREDICTED = 2, // the sidecar's predictor selects the neurons whose gate is computed
+};
+
 enum pi2_matrix {
     PI2_MATRIX_GATE = 0,
     PI2_MATRIX_UP   = 1,
@@ -31,6 +38,13 @@ struct pi2_layer_counters {
     uint64_t weight_bytes[PI2_N_MATRIX];  // weight bytes read by those dot products
     uint64_t glu_calls;                   // GLU nodes executed
     uint64_t glu_tokens;                  // tokens through the GLU
+    // sparse decode (rows[] above then count the gate rows, up rows and dense down rows computed)
+    uint64_t sparse_tokens;      // tokens decoded sparsely
+    uint64_t predicted;          // neurons whose gate row was computed (predicted, or all in oracle mode)
+    uint64_t active;             // of those, active under the layer threshold (up row and down column used)
+    uint64_t down_sparse_tokens; // tokens whose down ran as a sum of active columns (else dense rows)
+    uint64_t checked_tokens;     // tokens with the recall check on
+    uint64_t missed;             // active neurons the predictor did not select (recall check only)
 };
 
 struct pi2_counters {
@@ -49,6 +63,22 @@ GGML_BACKEND_API size_t pi2_counters_size(void); // sizeof(struct pi2_counters),
 
 // "pi2 <version>; ggml api <GGML_BACKEND_API_VERSION>; llama-cpp-python <pinned version>"
 GGML_BACKEND_API const char * pi2_build_info(void);
+
+// Model loads. pi2_load_begin opens a sidecar (NULL: none) and makes it the binding of every PI2 weight
+// buffer allocated until pi2_load_end; returns the binding id (> 0; 0 for no sidecar) or -1 with err.
+// Without these calls, PI2_SIDECAR and PI2_MODE (read when the backend registers) apply to every load.
+GGML_BACKEND_API int  pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen);
+GGML_BACKEND_API void pi2_load_end(void);
+// Mode and recall check of a loaded model's binding; -1 for an unknown id or mode
+GGML_BACKEND_API int pi2_binding_set_mode(int id, int mode);
+GGML_BACKEND_API int pi2_binding_set_check_recall(int id, int on);
+// Why the last compute of a binding failed (empty if it did not); -1 for an unknown id
+GGML_BACKEND_API int pi2_binding_error(int id, char * err, size_t errlen);
+// Drops the registry's hold on a binding once its model is freed (the weight buffers hold their own)
+GGML_BACKEND_API int pi2_binding_release(int id);
+// Largest decode batch that runs sparse (default PI2_SPARSE_BATCH or 4) and the active fraction up to
+// which down runs by columns (default PI2_DOWN_SPARSE_MAX or 0.2); set before computing
+GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max);
 
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.

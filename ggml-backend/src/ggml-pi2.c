@@ -2,6 +2,7 @@
 // The FFN work itself lives in ffn_exec.c (scheduling) and the kernel files beside it.
 #include "ggml-pi2.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,11 +10,15 @@
 #include "ffn_names.h"
 #include "ggml-backend-impl.h"
 #include "ggml-cpu.h"
+#include "model_binding.h"
 #include "pi2_log.h"
 #include "pi2_context.h"
+#include "sparse_ffn.h"
 
 #define PI2_NAME      "PI2"
 #define PI2_ALIGNMENT 64
+#define PI2_DEFAULT_SPARSE_BATCH 4
+#define PI2_DEFAULT_DOWN_SPARSE_MAX 0.2f
 #define PI2_STR_(x)   #x
 #define PI2_STR(x)    PI2_STR_(x)
 
@@ -30,13 +35,27 @@ static struct pi2_device_ctx * pi2_device_ctx(void);
 // buffer interface: plain host memory, so the CPU backend reads PI2's outputs without copies
 //
 
+// A PI2 buffer: its memory (owned, or llama's mmap of the model file) and the model binding that was
+// pending when llama allocated it (NULL for models without a sidecar).
+struct pi2_buffer_ctx {
+    void *               data;
+    bool                 owned;
+    struct pi2_binding * binding;
+};
+
 static void pi2_buffer_free(ggml_backend_buffer_t buffer) {
-    free(buffer->context);
+    struct pi2_buffer_ctx * bc = buffer->context;
+    if (bc->owned) {
+        free(bc->data);
+    }
+    pi2_binding_unref(bc->binding);
+    free(bc);
 }
 
 static void * pi2_buffer_get_base(ggml_backend_buffer_t buffer) {
     // a zero-size buffer (llama's support probe) still needs a non-NULL, aligned base
-    return buffer->context != NULL ? buffer->context : (void *) PI2_ALIGNMENT;
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    return bc->data != NULL ? bc->data : (void *) PI2_ALIGNMENT;
 }
 
 static void pi2_buffer_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, uint8_t value, size_t offset, size_t size) {
@@ -64,28 +83,15 @@ static bool pi2_buffer_cpy_tensor(ggml_backend_buffer_t buffer, const struct ggm
 }
 
 static void pi2_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
-    if (buffer->context != NULL) {
-        memset(buffer->context, value, buffer->size);
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    if (bc->data != NULL) {
+        memset(bc->data, value, buffer->size);
     }
 }
 
+// the same interface serves buffers PI2 allocated and llama's mmap of the model (owned = false)
 static const struct ggml_backend_buffer_i pi2_buffer_i = {
     /* .free_buffer   = */ pi2_buffer_free,
-    /* .get_base      = */ pi2_buffer_get_base,
-    /* .init_tensor   = */ NULL,
-    /* .memset_tensor = */ pi2_buffer_memset_tensor,
-    /* .set_tensor    = */ pi2_buffer_set_tensor,
-    /* .get_tensor    = */ pi2_buffer_get_tensor,
-    /* .set_tensor_2d = */ NULL,
-    /* .get_tensor_2d = */ NULL,
-    /* .cpy_tensor    = */ pi2_buffer_cpy_tensor,
-    /* .clear         = */ pi2_buffer_clear,
-    /* .reset         = */ NULL,
-};
-
-// the same interface over memory PI2 does not own (llama's mmap of the model file)
-static const struct ggml_backend_buffer_i pi2_buffer_from_ptr_i = {
-    /* .free_buffer   = */ NULL,
     /* .get_base      = */ pi2_buffer_get_base,
     /* .init_tensor   = */ NULL,
     /* .memset_tensor = */ pi2_buffer_memset_tensor,
@@ -107,6 +113,28 @@ static const char * pi2_buft_get_name(ggml_backend_buffer_type_t buft) {
     GGML_UNUSED(buft);
 }
 
+// the buffer context of a new buffer, bound to the pending model binding; NULL (logged) on failure
+static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
+    struct pi2_device_ctx * dctx = pi2_device_ctx();
+    pthread_mutex_lock(&dctx->lock);
+    if (dctx->config_error[0] != '\0') {
+        PI2_LOG_ERROR("pi2: %s\n", dctx->config_error);
+        pthread_mutex_unlock(&dctx->lock);
+        return NULL;
+    }
+    struct pi2_buffer_ctx * bc = calloc(1, sizeof(*bc));
+    if (bc != NULL) {
+        bc->data    = data;
+        bc->owned   = owned;
+        bc->binding = dctx->pending;
+        if (bc->binding != NULL) {
+            pi2_binding_ref(bc->binding);
+        }
+    }
+    pthread_mutex_unlock(&dctx->lock);
+    return bc;
+}
+
 static ggml_backend_buffer_t pi2_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
     void * data = NULL;
     if (size > 0) {
@@ -116,7 +144,12 @@ static ggml_backend_buffer_t pi2_buft_alloc_buffer(ggml_backend_buffer_type_t bu
             return NULL;
         }
     }
-    return ggml_backend_buffer_init(buft, pi2_buffer_i, data, size);
+    struct pi2_buffer_ctx * bc = pi2_buffer_ctx_new(data, true);
+    if (bc == NULL) {
+        free(data);
+        return NULL;
+    }
+    return ggml_backend_buffer_init(buft, pi2_buffer_i, bc, size);
 }
 
 static size_t pi2_buft_get_alignment(ggml_backend_buffer_type_t buft) {
@@ -149,9 +182,48 @@ static const char * pi2_backend_get_name(ggml_backend_t backend) {
 
 static void pi2_backend_free(ggml_backend_t backend) {
     struct pi2_backend_ctx * ctx = backend->context;
+    free(ctx->sparse_work);
     free(ctx->work);
     free(ctx);
     free(backend);
+}
+
+static struct pi2_binding * pi2_weight_binding(const struct ggml_tensor * w) {
+    if (w == NULL || w->buffer == NULL || w->buffer->buft->iface.get_name != pi2_buft_get_name) {
+        return NULL;
+    }
+    const struct pi2_buffer_ctx * bc = w->buffer->context;
+    return bc->binding;
+}
+
+// One layer's gate/up/GLU (and down, when it follows) of a model with a sidecar: verify the weights once,
+// then run sparse for decode batches in oracle/predicted mode. Returns the nodes consumed (0: not handled).
+static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgraph, int i, struct ggml_tensor * glu,
+                                 enum ggml_status * st) {
+    struct ggml_tensor * gate = glu->src[0];
+    struct pi2_binding * b    = pi2_weight_binding(gate->src[0]);
+    const int n_nodes = ggml_graph_n_nodes(cgraph);
+    if (b == NULL || i + 3 >= n_nodes) {
+        return 0;
+    }
+    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
+    if (!pi2_sparse_ffn_pattern(glu, down) || (down->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+        return 0;
+    }
+    int layer = 0;
+    enum pi2_matrix m;
+    pi2_ffn_weight_parse(gate->src[0]->name, &layer, &m);
+    if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
+        PI2_LOG_ERROR("pi2: %s\n", b->error);
+        *st = GGML_STATUS_FAILED;
+        return 4;
+    }
+    const int mode = atomic_load(&b->mode);
+    if (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > ctx->dev->sparse_batch_max) {
+        return 0;
+    }
+    *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
+    return 4;
 }
 
 static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph) {
@@ -167,6 +239,15 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
         enum ggml_status st = GGML_STATUS_SUCCESS;
         if (node->op == GGML_OP_MUL_MAT && i + 2 < n_nodes &&
             pi2_ffn_fusable(node, ggml_graph_node(cgraph, i + 1), ggml_graph_node(cgraph, i + 2))) {
+            const int used = pi2_compute_bound_ffn(ctx, cgraph, i, ggml_graph_node(cgraph, i + 2), &st);
+            if (used > 0) {
+                if (st != GGML_STATUS_SUCCESS) {
+                    return st;
+                }
+                pi2_count(&ctx->dev->counters.nodes_computed, (uint64_t) used);
+                i += used - 1;
+                continue;
+            }
             st = pi2_exec_gate_up_glu(ctx, ggml_graph_node(cgraph, i + 2));
             if (st != GGML_STATUS_SUCCESS) {
                 return st;
@@ -294,7 +375,11 @@ static ggml_backend_buffer_type_t pi2_device_get_buffer_type(ggml_backend_dev_t 
 }
 
 static ggml_backend_buffer_t pi2_device_buffer_from_host_ptr(ggml_backend_dev_t dev, void * ptr, size_t size, size_t max_tensor_size) {
-    return ggml_backend_buffer_init(pi2_device_get_buffer_type(dev), pi2_buffer_from_ptr_i, ptr, size);
+    struct pi2_buffer_ctx * bc = pi2_buffer_ctx_new(ptr, false);
+    if (bc == NULL) {
+        return NULL;
+    }
+    return ggml_backend_buffer_init(pi2_device_get_buffer_type(dev), pi2_buffer_i, bc, size);
     GGML_UNUSED(max_tensor_size);
 }
 
@@ -429,8 +514,57 @@ static struct pi2_device_ctx * pi2_device_ctx(void) {
     return &pi2_dev_ctx;
 }
 
+static void pi2_config_from_env(struct pi2_device_ctx * d) {
+    d->sparse_batch_max = PI2_DEFAULT_SPARSE_BATCH;
+    d->down_sparse_max  = PI2_DEFAULT_DOWN_SPARSE_MAX;
+    const char * batch = getenv("PI2_SPARSE_BATCH");
+    if (batch != NULL) {
+        char * end = NULL;
+        const long v = strtol(batch, &end, 10);
+        if (end == batch || *end != '\0' || v < 0 || v > 64) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_SPARSE_BATCH=%s is not a number of tokens in 0..64", batch);
+            return;
+        }
+        d->sparse_batch_max = (int) v;
+    }
+    const char * down = getenv("PI2_DOWN_SPARSE_MAX");
+    if (down != NULL) {
+        char * end = NULL;
+        const float v = strtof(down, &end);
+        if (end == down || *end != '\0' || !(v >= 0.0f && v <= 1.0f)) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_DOWN_SPARSE_MAX=%s is not a fraction in 0..1", down);
+            return;
+        }
+        d->down_sparse_max = v;
+    }
+    const char * mode_s = getenv("PI2_MODE");
+    const char * path   = getenv("PI2_SIDECAR");
+    int mode = PI2_MODE_PREDICTED;
+    if (mode_s != NULL && (mode = pi2_mode_parse(mode_s)) < 0) {
+        snprintf(d->config_error, sizeof(d->config_error), "PI2_MODE=%s is not dense, oracle or predicted", mode_s);
+        return;
+    }
+    if (path == NULL || path[0] == '\0') {
+        if (mode_s != NULL && mode != PI2_MODE_DENSE) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_MODE=%s needs a sidecar: set PI2_SIDECAR "
+                     "(pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)", mode_s);
+        }
+        return;
+    }
+    char err[sizeof(d->config_error) - 16];
+    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, err, sizeof(err));
+    if (d->env_binding == NULL) {
+        snprintf(d->config_error, sizeof(d->config_error), "PI2_SIDECAR: %s", err);
+        return;
+    }
+    d->pending = d->env_binding;
+}
+
 ggml_backend_reg_t ggml_backend_pi2_reg(void) {
     if (pi2_reg.iface.get_name == NULL) {
+        pthread_mutex_init(&pi2_dev_ctx.lock, NULL);
+        pi2_dev_ctx.next_binding_id = 1;
+        pi2_config_from_env(&pi2_dev_ctx);
         pi2_glu_tables_init(&pi2_dev_ctx.glu);
         pi2_dev_ctx.buft = (struct ggml_backend_buffer_type) {
             /* .iface   = */ pi2_buft_i,
@@ -458,6 +592,143 @@ void pi2_counters_read(struct pi2_counters * out) {
 
 void pi2_counters_reset(void) {
     memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
+}
+
+int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
+        snprintf(err, errlen, "mode %d is not dense (0), oracle (1) or predicted (2)", mode);
+        return -1;
+    }
+    if (sidecar_path == NULL) {
+        if (mode != PI2_MODE_DENSE) {
+            snprintf(err, errlen, "mode %s needs a sidecar", mode == PI2_MODE_ORACLE ? "oracle" : "predicted");
+            return -1;
+        }
+        pthread_mutex_lock(&d->lock);
+        d->pending = NULL;
+        pthread_mutex_unlock(&d->lock);
+        return 0;
+    }
+    pthread_mutex_lock(&d->lock);
+    const int id = d->next_binding_id;
+    int slot = -1;
+    for (int k = 0; k < PI2_MAX_BINDINGS && slot < 0; ++k) {
+        if (d->bindings[k] == NULL) {
+            slot = k;
+        }
+    }
+    if (slot >= 0) {
+        d->next_binding_id++;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (slot < 0) {
+        snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
+        return -1;
+    }
+    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, err, errlen);
+    if (b == NULL) {
+        return -1;
+    }
+    pthread_mutex_lock(&d->lock);
+    if (d->bindings[slot] != NULL) { // taken meanwhile by a concurrent load
+        pthread_mutex_unlock(&d->lock);
+        pi2_binding_unref(b);
+        snprintf(err, errlen, "concurrent model loads with sidecars; load one at a time");
+        return -1;
+    }
+    d->bindings[slot] = b; // the registry's reference
+    pi2_binding_ref(b);
+    d->pending = b;         // the pending reference, dropped by pi2_load_end
+    pthread_mutex_unlock(&d->lock);
+    return id;
+}
+
+void pi2_load_end(void) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    struct pi2_binding * old = d->pending;
+    d->pending = d->env_binding;
+    pthread_mutex_unlock(&d->lock);
+    if (old != NULL && old != d->env_binding) {
+        pi2_binding_unref(old);
+    }
+}
+
+// the registered binding with this id, referenced (caller unrefs), or NULL
+static struct pi2_binding * pi2_binding_find(int id) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    struct pi2_binding * found = NULL;
+    pthread_mutex_lock(&d->lock);
+    for (int k = 0; k < PI2_MAX_BINDINGS && found == NULL; ++k) {
+        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
+            found = d->bindings[k];
+            pi2_binding_ref(found);
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return found;
+}
+
+int pi2_binding_set_mode(int id, int mode) {
+    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
+        return -1;
+    }
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    atomic_store(&b->mode, mode);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_set_check_recall(int id, int on) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    atomic_store(&b->check_recall, on != 0);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_error(int id, char * err, size_t errlen) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    snprintf(err, errlen, "%s", b->error);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_release(int id) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    struct pi2_binding * found = NULL;
+    pthread_mutex_lock(&d->lock);
+    for (int k = 0; k < PI2_MAX_BINDINGS && found == NULL; ++k) {
+        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
+            found = d->bindings[k];
+            d->bindings[k] = NULL;
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (found == NULL) {
+        return -1;
+    }
+    pi2_binding_unref(found); // the weight buffers keep theirs until llama frees the model
+    return 0;
+}
+
+void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    if (batch_max >= 0 && batch_max <= 64) {
+        d->sparse_batch_max = batch_max;
+    }
+    if (down_sparse_max >= 0.0f && down_sparse_max <= 1.0f) {
+        d->down_sparse_max = down_sparse_max;
+    }
 }
 
 size_t pi2_counters_size(void) {

@@ -2,6 +2,7 @@
 // All mutable state of the plugin lives in these two structs.
 #pragma once
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -9,10 +10,25 @@
 #include "ggml-pi2.h"
 #include "glu.h"
 
+struct pi2_binding;
+
+#define PI2_MAX_BINDINGS 64
+
 struct pi2_device_ctx {
     struct ggml_backend_buffer_type buft;
     struct pi2_glu_tables           glu;
     struct pi2_counters             counters; // updated with atomic adds: several contexts may compute at once
+
+    // model loads: PI2 weight buffers allocated while `pending` is set bind to it (guarded by lock)
+    pthread_mutex_t      lock;
+    struct pi2_binding * pending;
+    int                  next_binding_id;
+    char                 config_error[512]; // a bad PI2_SIDECAR/PI2_MODE: every weight buffer allocation fails with it
+    struct pi2_binding * bindings[PI2_MAX_BINDINGS]; // addressable by id; each holds a reference until released
+    struct pi2_binding * env_binding;                // PI2_SIDECAR: bound by every load outside pi2_load_begin/end
+
+    int   sparse_batch_max; // decode batches of at most this many tokens run sparse
+    float down_sparse_max;  // down by columns when at most this fraction of neurons is active
 };
 
 struct pi2_backend_ctx {
@@ -20,6 +36,8 @@ struct pi2_backend_ctx {
     int                     n_threads;
     char *                  work;      // activations converted to vec_dot_type; grows, never shrinks
     size_t                  work_size;
+    char *                  sparse_work; // sparse decode workspace; grows, never shrinks
+    size_t                  sparse_work_size;
 };
 
 static inline void pi2_count(uint64_t * counter, uint64_t v) {

@@ -28,7 +28,7 @@ struct pi2_sidecar_layer {
     uint32_t rank;           // r, hidden width of the predictor
     uint32_t hot_count;      // bundle slots [0, hot_count) hold the hot neurons
     float    threshold;      // pi2.sparsity.thresholds
-    float    cutoff;         // neuron i is predicted active iff z_i > cutoff
+    float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
 
     // bundle slot j (neuron order[j]) is at bundles_offset + j * bundle_size in the file
     uint32_t       bundle_size;

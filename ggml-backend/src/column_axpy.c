@@ -1,0 +1,129 @@
+#include "column_axpy.h"
+
+#define GGML_COMMON_DECL_C
+#include "ggml-common.h"
+#include "ggml-cpu.h"
+
+static inline float pi2_h2f(ggml_half h) {
+    return ggml_fp16_to_fp32(h);
+}
+
+static void pi2_axpy_f32(int64_t n, float * restrict y, float a, const float * restrict x) {
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] += a * x[i];
+    }
+}
+
+static void pi2_axpy_f16(int64_t n, float * restrict y, float a, const ggml_fp16_t * restrict x, float * restrict tmp) {
+    // ggml's row converter uses F16C where the CPU has it; chunks keep tmp in L1
+    for (int64_t i = 0; i < n; i += 256) {
+        const int64_t m = n - i < 256 ? n - i : 256;
+        ggml_cpu_fp16_to_fp32(x + i, tmp, m);
+        pi2_axpy_f32(m, y + i, a, tmp);
+    }
+}
+
+static void pi2_axpy_q8_0(int64_t n, float * restrict y, float a, const block_q8_0 * restrict b) {
+    for (int64_t i = 0; i < n / QK8_0; ++i) {
+        const float s = a * pi2_h2f(b[i].d);
+        float * restrict yb = y + i * QK8_0;
+        for (int k = 0; k < QK8_0; ++k) {
+            yb[k] += s * (float) b[i].qs[k];
+        }
+    }
+}
+
+// the 6-bit scale and min of sub-block j of a Q4_K block (ggml-quants.c get_scale_min_k4)
+static inline void pi2_q4_k_scale_min(int j, const uint8_t * q, uint8_t * sc, uint8_t * m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m  = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m  = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void pi2_axpy_q4_k(int64_t n, float * restrict y, float a, const block_q4_K * restrict b) {
+    for (int64_t i = 0; i < n / QK_K; ++i) {
+        const float d   = a * pi2_h2f(b[i].d);
+        const float min = a * pi2_h2f(b[i].dmin);
+        const uint8_t * restrict q = b[i].qs;
+        float * restrict yb = y + i * QK_K;
+        for (int j = 0; j < QK_K / 64; ++j) {
+            uint8_t sc1, m1, sc2, m2;
+            pi2_q4_k_scale_min(2 * j, b[i].scales, &sc1, &m1);
+            pi2_q4_k_scale_min(2 * j + 1, b[i].scales, &sc2, &m2);
+            const float d1 = d * sc1, o1 = min * m1;
+            const float d2 = d * sc2, o2 = min * m2;
+            for (int l = 0; l < 32; ++l) {
+                yb[l] += d1 * (float) (q[l] & 0xF) - o1;
+            }
+            for (int l = 0; l < 32; ++l) {
+                yb[l + 32] += d2 * (float) (q[l] >> 4) - o2;
+            }
+            q += 32;
+            yb += 64;
+        }
+    }
+}
+
+static void pi2_axpy_q6_k(int64_t n, float * restrict y, float a, const block_q6_K * restrict b) {
+    for (int64_t i = 0; i < n / QK_K; ++i) {
+        const float d = a * pi2_h2f(b[i].d);
+        const uint8_t * restrict ql = b[i].ql;
+        const uint8_t * restrict qh = b[i].qh;
+        const int8_t *  restrict sc = b[i].scales;
+        float * restrict yb = y + i * QK_K;
+        for (int half = 0; half < QK_K / 128; ++half) {
+            for (int h = 0; h < 2; ++h) { // l in [16h, 16h + 16) shares its four scales
+                const float s1 = d * sc[h + 0], s2 = d * sc[h + 2], s3 = d * sc[h + 4], s4 = d * sc[h + 6];
+                for (int l = 16 * h; l < 16 * h + 16; ++l) {
+                    const int q1 = (int) ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = (int) ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = (int) ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = (int) ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    yb[l]      += s1 * (float) q1;
+                    yb[l + 32] += s2 * (float) q2;
+                    yb[l + 64] += s3 * (float) q3;
+                    yb[l + 96] += s4 * (float) q4;
+                }
+            }
+            yb += 128;
+            ql += 64;
+            qh += 32;
+            sc += 8;
+        }
+    }
+}
+
+bool pi2_column_axpy_is_fast(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q6_K:
+            return true;
+        default:
+            return false;
+    }
+}
+
+bool pi2_column_type_usable(enum ggml_type type) {
+    return pi2_column_axpy_is_fast(type) || ggml_get_type_traits(type)->to_float != NULL;
+}
+
+void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const void * column, float * tmp) {
+    switch (type) {
+        case GGML_TYPE_F32:  pi2_axpy_f32(n, y, a, column); return;
+        case GGML_TYPE_F16:  pi2_axpy_f16(n, y, a, column, tmp); return;
+        case GGML_TYPE_Q8_0: pi2_axpy_q8_0(n, y, a, column); return;
+        case GGML_TYPE_Q4_K: pi2_axpy_q4_k(n, y, a, column); return;
+        case GGML_TYPE_Q6_K: pi2_axpy_q6_k(n, y, a, column); return;
+        default:
+            ggml_get_type_traits(type)->to_float(column, tmp, n);
+            pi2_axpy_f32(n, y, a, tmp);
+            return;
+    }
+}

@@ -1,0 +1,21 @@
+// Down-projection kernels for sparse decode: y += a * column, where column is one neuron's down column
+// stored as a row of n values in a ggml type (the sidecar's bundle layout, docs/FORMAT.md).
+// ggml has dot products for every type but no axpy; dequantizing with ggml's to_float and then adding
+// measured 6-60x slower than vec_dot here, so the common down types get fused dequantize-and-add loops
+// written for the compiler's vectorizer. Kernels know nothing of threads.
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ggml.h"
+
+// true for the types with a fused kernel (F32, F16, Q8_0, Q4_K, Q6_K); the others go through to_float
+bool pi2_column_axpy_is_fast(enum ggml_type type);
+
+// true when the type can be a down column at all (a fused kernel or ggml's to_float)
+bool pi2_column_type_usable(enum ggml_type type);
+
+// y[0..n) += a * column; tmp: n floats of scratch, used only by the to_float fallback.
+// n must be a multiple of the type's block size (the sidecar reader checks this for down columns).
+void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const void * column, float * tmp);

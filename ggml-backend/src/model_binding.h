@@ -1,0 +1,47 @@
+// A model binding ties the FFN weights of one loaded model to its sidecar and a decode mode.
+// pi2_gguf.Llama (or PI2_SIDECAR/PI2_MODE for other frontends) makes one before the model loads; every
+// PI2 weight buffer llama allocates during that load keeps a reference, so the weights know their
+// sidecar without any global lookup. The sidecar's bundles are memory-mapped read-only; the predictor
+// rows are copied once into bundle-slot order so a neuron cluster reads its predictor rows, gate rows,
+// up rows and down columns front to back.
+#pragma once
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ggml-pi2.h"
+#include "ggml.h"
+#include "sidecar.h"
+
+struct pi2_binding_layer {
+    const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping)
+    ggml_fp16_t *   w2_slot;  // [n_ff][rank], predictor layer 2 rows in slot order
+    float *         b2_slot;  // [n_ff]
+    atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
+};
+
+struct pi2_binding {
+    int                        id;
+    atomic_int                 refs;
+    struct pi2_sidecar *       sc;
+    const uint8_t *            map; // the whole sidecar file, PROT_READ
+    size_t                     map_size;
+    struct pi2_binding_layer * layer; // [sc->n_layer]
+    atomic_int                 mode;         // enum pi2_mode
+    atomic_int                 check_recall; // predicted mode also runs the full gate to count misses
+    char                       error[512];   // why a compute failed (fingerprint mismatch), for the frontend
+};
+
+// Opens the sidecar and maps its bundles; NULL with err set on failure.
+struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, char * err, size_t errlen);
+void                 pi2_binding_ref(struct pi2_binding * b);
+void                 pi2_binding_unref(struct pi2_binding * b);
+
+// Checks once per layer that the weights handed to PI2 are those the sidecar was made from.
+// false (and b->error set) when they are not.
+bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct ggml_tensor * w_gate,
+                              const struct ggml_tensor * w_up, const struct ggml_tensor * w_down);
+
+// "dense", "oracle", "predicted" -> enum pi2_mode; -1 for anything else
+int pi2_mode_parse(const char * s);

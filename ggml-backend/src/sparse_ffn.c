@@ -1,0 +1,405 @@
+#include "sparse_ffn.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "column_axpy.h"
+#include "dense_matmul.h"
+#include "ffn_names.h"
+#include "ggml-cpu.h"
+#include "pi2_log.h"
+
+#define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
+
+struct pi2_active {
+    int32_t slot;
+    float   a; // act(gate) * up
+};
+
+struct pi2_thread_stats {
+    int64_t predicted; // candidates whose gate row was computed
+    int64_t active;    // of those, active under the threshold
+    int64_t missed;    // active but not predicted (recall check only)
+    int64_t n_list;    // entries in this thread's active list for the current token
+    char    pad[32];   // one cache line per thread
+};
+
+static size_t pi2_align64(size_t n) {
+    return (n + 63) & ~(size_t) 63;
+}
+
+static char * pi2_sparse_reserve(struct pi2_backend_ctx * ctx, size_t size) {
+    if (ctx->sparse_work_size < size) {
+        const size_t rounded = (size + 4095) & ~(size_t) 4095;
+        void * p = NULL;
+        if (posix_memalign(&p, 64, rounded) != 0) {
+            return NULL;
+        }
+        free(ctx->sparse_work);
+        ctx->sparse_work      = p;
+        ctx->sparse_work_size = rounded;
+    }
+    return ctx->sparse_work;
+}
+
+static float pi2_act(enum ggml_glu_op op, float g) {
+    switch (op) {
+        case GGML_GLU_OP_REGLU:     return g > 0.0f ? g : 0.0f;
+        case GGML_GLU_OP_SWIGLU:    return g / (1.0f + expf(-g));
+        case GGML_GLU_OP_GEGLU:     return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+        case GGML_GLU_OP_GEGLU_ERF: return 0.5f * g * (1.0f + erff(g * 0.70710678f));
+        default:                    return 0.0f;
+    }
+}
+
+// the graph's GLU must be the activation the sidecar's thresholds were measured with
+static enum ggml_glu_op pi2_glu_for(enum pi2_activation a) {
+    switch (a) {
+        case PI2_ACT_SILU:     return GGML_GLU_OP_SWIGLU;
+        case PI2_ACT_GELU:     return GGML_GLU_OP_GEGLU;
+        case PI2_ACT_GELU_ERF: return GGML_GLU_OP_GEGLU_ERF;
+        case PI2_ACT_RELU:     return GGML_GLU_OP_REGLU;
+        default:               return GGML_GLU_OP_COUNT;
+    }
+}
+
+bool pi2_sparse_ffn_pattern(const struct ggml_tensor * glu, const struct ggml_tensor * down) {
+    if (glu->op != GGML_OP_GLU || down->op != GGML_OP_MUL_MAT || down->src[1] != glu || glu->src[1] == NULL) {
+        return false;
+    }
+    const enum ggml_glu_op op = ggml_get_glu_op(glu);
+    if (op != GGML_GLU_OP_REGLU && op != GGML_GLU_OP_SWIGLU && op != GGML_GLU_OP_GEGLU && op != GGML_GLU_OP_GEGLU_ERF) {
+        return false;
+    }
+    if (((const int32_t *) glu->op_params)[1] != 0) { // swapped: op_params[1] (ggml_glu_impl)
+        return false;
+    }
+    int lg = -1, lu = -1, ld = -1;
+    enum pi2_matrix mg, mu, md;
+    const struct ggml_tensor * gate = glu->src[0];
+    const struct ggml_tensor * up   = glu->src[1];
+    return gate->op == GGML_OP_MUL_MAT && up->op == GGML_OP_MUL_MAT && gate->src[1] == up->src[1] &&
+           pi2_ffn_weight_parse(gate->src[0]->name, &lg, &mg) && mg == PI2_MATRIX_GATE &&
+           pi2_ffn_weight_parse(up->src[0]->name, &lu, &mu) && mu == PI2_MATRIX_UP &&
+           pi2_ffn_weight_parse(down->src[0]->name, &ld, &md) && md == PI2_MATRIX_DOWN &&
+           lg == lu && lu == ld && ggml_is_contiguous_1(glu) && ggml_is_contiguous_1(gate) && ggml_is_contiguous_1(up);
+}
+
+struct pi2_sparse_plan {
+    // model side
+    const struct ggml_tensor * x;     // FFN input, f32 [n_embd, n_tokens]
+    struct ggml_tensor *       gate;  // outputs [n_ff, n_tokens]
+    struct ggml_tensor *       up;
+    struct ggml_tensor *       glu;
+    struct ggml_tensor *       down;  // output [n_embd, n_tokens]
+    const struct ggml_tensor * w_down;
+    enum ggml_glu_op           op;
+    // sidecar side
+    const struct pi2_sidecar_layer * L;
+    const struct pi2_binding_layer * B;
+    bool                             relu;
+    bool                             predicted;
+    bool                             check;
+    int64_t                          n_embd, n_ff, rank, n_tokens;
+    // kernels
+    ggml_vec_dot_t     gate_dot, up_dot, f16_dot, down_dot;
+    ggml_from_float_t  to_gate_vdt, to_up_vdt, to_down_vdt;
+    enum ggml_type     gate_vdt, up_vdt, down_vdt;
+    float              down_sparse_max;
+    // workspace
+    char *                    xq;     // [n_tokens] rows of gate_vdt
+    char *                    xq_up;  // [n_tokens] rows of up_vdt (== xq when the types agree)
+    size_t                    xq_stride, xq_up_stride;
+    ggml_fp16_t *             x16;    // [n_embd]
+    float *                   h;      // [rank]
+    ggml_fp16_t *             h16;    // [rank]
+    float *                   y;      // [nth][n_embd] partial down sums
+    float *                   tmp;    // [nth][n_embd] dequantization scratch
+    struct pi2_active *       list;   // [nth][n_ff]
+    struct pi2_thread_stats * stats;  // [nth]
+    char *                    gluq;   // glu row in down_vdt (dense down)
+    int                       nth;
+    bool                      down_sparse[64]; // per token, decided after the gate/up phase
+};
+
+static bool pi2_needs_convert(enum ggml_type t) {
+    return t != GGML_TYPE_F32;
+}
+
+static void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, int64_t n) {
+    if (f == NULL) {
+        memcpy(dst, src, (size_t) n * sizeof(float));
+    } else {
+        f(src, dst, n);
+    }
+}
+
+// gate/up/GLU of the clusters assigned to thread ith, for token t
+static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
+    const struct pi2_sidecar_layer * L = p->L;
+    const uint8_t * bundles = p->B->bundles;
+    const size_t    bsize   = L->bundle_size;
+    const char *    xq      = p->xq + (size_t) t * p->xq_stride;
+    const char *    xqu     = p->xq_up + (size_t) t * p->xq_up_stride;
+    float * gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]);
+    float * up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]);
+    float * glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]);
+    struct pi2_active *       list = p->list + (size_t) ith * p->n_ff;
+    struct pi2_thread_stats * st   = &p->stats[ith];
+    const float thr    = L->threshold;
+    const float cutoff = L->cutoff;
+    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    int64_t n = 0;
+    for (int64_t c = ith; c < n_clusters; c += p->nth) {
+        const int64_t s1 = (c + 1) * PI2_CLUSTER < p->n_ff ? (c + 1) * PI2_CLUSTER : p->n_ff;
+        for (int64_t s = c * PI2_CLUSTER; s < s1; ++s) {
+            bool pred = true;
+            if (p->predicted) {
+                float z = 0.0f;
+                p->f16_dot((int) p->rank, &z, 0, p->B->w2_slot + (size_t) s * p->rank, 0, p->h16, 0, 1);
+                z += p->B->b2_slot[s];
+                const float score = p->relu ? z : fabsf(pi2_act(p->op, z));
+                pred = score > cutoff;
+                if (!pred && !p->check) {
+                    continue;
+                }
+            }
+            const uint8_t * bundle = bundles + (size_t) s * bsize;
+            float g = 0.0f;
+            p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, xq, 0, 1);
+            const float act    = pi2_act(p->op, g);
+            const bool  active = p->relu ? g > 0.0f : fabsf(act) > thr;
+            if (!pred) { // recall check: the gate was computed only to count what the predictor missed
+                st->missed += active;
+                continue;
+            }
+            st->predicted++;
+            const int32_t neuron = L->order[s];
+            gate_out[neuron] = g;
+            if (!active) {
+                continue;
+            }
+            st->active++;
+            float u = 0.0f;
+            p->up_dot((int) p->n_embd, &u, 0, bundle + L->up_offset, 0, xqu, 0, 1);
+            up_out[neuron]  = u;
+            glu_out[neuron] = act * u;
+            list[n].slot = (int32_t) s;
+            list[n].a    = act * u;
+            n++;
+        }
+    }
+    st->n_list = n;
+}
+
+static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
+    const int64_t n_ff   = p->n_ff;
+    const int64_t n_embd = p->n_embd;
+    const float * xt     = (const float *) ((const char *) p->x->data + t * p->x->nb[1]);
+
+    // phase 0: outputs cleared, activations converted once for every dot product of this token
+    const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
+    memset((char *) p->gate->data + t * p->gate->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
+    memset((char *) p->up->data + t * p->up->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
+    memset((char *) p->glu->data + t * p->glu->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
+    if (ith == 0) {
+        pi2_convert_row(p->to_gate_vdt, xt, p->xq + (size_t) t * p->xq_stride, n_embd);
+        if (p->xq_up != p->xq) {
+            pi2_convert_row(p->to_up_vdt, xt, p->xq_up + (size_t) t * p->xq_up_stride, n_embd);
+        }
+    }
+    if (p->predicted && ith == nth - 1) {
+        ggml_cpu_fp32_to_fp16(xt, p->x16, n_embd);
+    }
+    #pragma omp barrier
+
+    // phase 1: predictor hidden layer h = relu(W1 x + b1)
+    if (p->predicted) {
+        const int64_t r0 = p->rank * ith / nth, r1 = p->rank * (ith + 1) / nth;
+        for (int64_t j = r0; j < r1; ++j) {
+            float v = 0.0f;
+            p->f16_dot((int) n_embd, &v, 0, p->L->pred_w1 + (size_t) j * n_embd, 0, p->x16, 0, 1);
+            v += p->L->pred_b1[j];
+            p->h[j] = v > 0.0f ? v : 0.0f;
+        }
+        #pragma omp barrier
+        if (ith == 0) {
+            ggml_cpu_fp32_to_fp16(p->h, p->h16, p->rank);
+        }
+        #pragma omp barrier
+    }
+
+    // phase 2: the clusters, through predictor row, gate, threshold, up
+    pi2_sparse_clusters(p, ith, t);
+    #pragma omp barrier
+
+    // phase 3: down. Every thread sums the same counts, so all take the same branch.
+    int64_t n_active = 0;
+    for (int k = 0; k < nth; ++k) {
+        n_active += p->stats[k].n_list;
+    }
+    float * out = (float *) ((char *) p->down->data + t * p->down->nb[1]);
+    const bool sparse_down = (float) n_active <= p->down_sparse_max * (float) n_ff;
+    if (ith == 0) {
+        p->down_sparse[t] = sparse_down;
+    }
+    if (sparse_down) {
+        float * y   = p->y + (size_t) ith * n_embd;
+        float * tmp = p->tmp + (size_t) ith * n_embd;
+        memset(y, 0, (size_t) n_embd * sizeof(float));
+        const struct pi2_active * list = p->list + (size_t) ith * n_ff;
+        const size_t bsize = p->L->bundle_size;
+        for (int64_t k = 0; k < p->stats[ith].n_list; ++k) {
+            const uint8_t * col = p->B->bundles + (size_t) list[k].slot * bsize + p->L->down_offset;
+            pi2_column_axpy(p->L->down_type, n_embd, y, list[k].a, col, tmp);
+        }
+        #pragma omp barrier
+        // fixed summation order over threads: reproducible for a given thread count
+        const int64_t e0 = n_embd * ith / nth, e1 = n_embd * (ith + 1) / nth;
+        for (int64_t e = e0; e < e1; ++e) {
+            float s = 0.0f;
+            for (int k = 0; k < nth; ++k) {
+                s += p->y[(size_t) k * n_embd + e];
+            }
+            out[e] = s;
+        }
+    } else {
+        // many active neurons: the model's own down rows beat the columns (and give dense's numerics)
+        if (ith == 0) {
+            const float * glu_t = (const float *) ((const char *) p->glu->data + t * p->glu->nb[1]);
+            pi2_convert_row(p->to_down_vdt, glu_t, p->gluq, n_ff);
+        }
+        #pragma omp barrier
+        struct pi2_dense_args a = {
+            .w = (const char *) p->w_down->data, .w_stride = p->w_down->nb[1], .k = n_ff, .n_tokens = 1,
+            .x = p->gluq, .x_stride = 0, .dst = out, .dst_stride = 0, .vec_dot = p->down_dot,
+        };
+        pi2_dense_rows(&a, n_embd * ith / nth, n_embd * (ith + 1) / nth);
+    }
+    #pragma omp barrier // buffers are reused by the next token
+}
+
+static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi2_sparse_plan * p) {
+    int64_t predicted = 0, active = 0, missed = 0;
+    for (int k = 0; k < p->nth; ++k) {
+        predicted += p->stats[k].predicted;
+        active    += p->stats[k].active;
+        missed    += p->stats[k].missed;
+    }
+    struct pi2_layer_counters * lc = &c->layer[layer];
+    pi2_count_layer_seen(c, layer);
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        pi2_count(&lc->matmul_calls[m], 1);
+        pi2_count(&lc->matmul_tokens[m], (uint64_t) p->n_tokens);
+    }
+    pi2_count(&lc->glu_calls, 1);
+    pi2_count(&lc->glu_tokens, (uint64_t) p->n_tokens);
+    int64_t sparse_down_tokens = 0;
+    for (int64_t t = 0; t < p->n_tokens; ++t) {
+        sparse_down_tokens += p->down_sparse[t];
+    }
+    pi2_count(&lc->rows[PI2_MATRIX_GATE], (uint64_t) (predicted + (p->check ? p->n_ff * p->n_tokens - predicted : 0)));
+    pi2_count(&lc->rows[PI2_MATRIX_UP], (uint64_t) active);
+    pi2_count(&lc->rows[PI2_MATRIX_DOWN], (uint64_t) ((p->n_tokens - sparse_down_tokens) * p->n_embd));
+    pi2_count(&lc->sparse_tokens, (uint64_t) p->n_tokens);
+    pi2_count(&lc->predicted, (uint64_t) predicted);
+    pi2_count(&lc->active, (uint64_t) active);
+    pi2_count(&lc->down_sparse_tokens, (uint64_t) sparse_down_tokens);
+    if (p->check) {
+        pi2_count(&lc->checked_tokens, (uint64_t) p->n_tokens);
+        pi2_count(&lc->missed, (uint64_t) missed);
+    }
+}
+
+enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, int layer,
+                                     struct ggml_tensor * glu, struct ggml_tensor * down) {
+    struct ggml_tensor * gate = glu->src[0];
+    struct ggml_tensor * up   = glu->src[1];
+    const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
+    struct pi2_sparse_plan p = {
+        .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
+        .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer],
+        .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
+        .predicted = atomic_load(&b->mode) == PI2_MODE_PREDICTED,
+        .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank, .n_tokens = gate->src[1]->ne[1],
+        .down_sparse_max = ctx->dev->down_sparse_max,
+    };
+    p.check = p.predicted && atomic_load(&b->check_recall);
+    if (pi2_glu_for(b->sc->activation) != p.op) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
+                 "%s llama.cpp runs for layer %d (a ReLU-family model needs the patched llama.cpp of patches/)",
+                 b->sc->path, ggml_glu_op_name(p.op), layer);
+        PI2_LOG_ERROR("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    if (p.n_tokens > (int64_t) (sizeof(p.down_sparse) / sizeof(p.down_sparse[0]))) {
+        PI2_LOG_ERROR("pi2: sparse decode of %lld tokens at once is not supported\n", (long long) p.n_tokens);
+        return GGML_STATUS_FAILED;
+    }
+    // bundles hold the model's gate/up rows byte for byte, so the gate/up types are the model's
+    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(L->gate_type);
+    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(L->up_type);
+    const struct ggml_type_traits_cpu * td = ggml_get_type_traits_cpu(p.w_down->type);
+    p.gate_dot = tg->vec_dot; p.gate_vdt = tg->vec_dot_type;
+    p.up_dot   = tu->vec_dot; p.up_vdt   = tu->vec_dot_type;
+    p.down_dot = td->vec_dot; p.down_vdt = td->vec_dot_type;
+    p.f16_dot  = ggml_get_type_traits_cpu(GGML_TYPE_F16)->vec_dot;
+    p.to_gate_vdt = pi2_needs_convert(p.gate_vdt) ? ggml_get_type_traits_cpu(p.gate_vdt)->from_float : NULL;
+    p.to_up_vdt   = pi2_needs_convert(p.up_vdt) ? ggml_get_type_traits_cpu(p.up_vdt)->from_float : NULL;
+    p.to_down_vdt = pi2_needs_convert(p.down_vdt) ? ggml_get_type_traits_cpu(p.down_vdt)->from_float : NULL;
+
+    const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    p.nth = nth;
+    p.xq_stride    = ggml_row_size(p.gate_vdt, p.n_embd);
+    p.xq_up_stride = ggml_row_size(p.up_vdt, p.n_embd);
+    const bool same_vdt = p.gate_vdt == p.up_vdt;
+    // workspace: one arena, carved in 64-byte aligned pieces
+    const size_t sizes[] = {
+        pi2_align64(p.xq_stride * (size_t) p.n_tokens),
+        same_vdt ? 0 : pi2_align64(p.xq_up_stride * (size_t) p.n_tokens),
+        pi2_align64((size_t) p.n_embd * sizeof(ggml_fp16_t)),
+        pi2_align64((size_t) p.rank * sizeof(float)),
+        pi2_align64((size_t) p.rank * sizeof(ggml_fp16_t)),
+        pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
+        pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
+        pi2_align64((size_t) nth * p.n_ff * sizeof(struct pi2_active)),
+        pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
+        pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
+    };
+    size_t total = 0;
+    for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
+        total += sizes[k];
+    }
+    char * w = pi2_sparse_reserve(ctx, total);
+    if (w == NULL) {
+        PI2_LOG_ERROR("pi2: out of memory for the sparse decode workspace (%zu bytes)\n", total);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    p.xq    = w;                          w += sizes[0];
+    p.xq_up = same_vdt ? p.xq : w;        w += sizes[1];
+    p.x16   = (ggml_fp16_t *) w;          w += sizes[2];
+    p.h     = (float *) w;                w += sizes[3];
+    p.h16   = (ggml_fp16_t *) w;          w += sizes[4];
+    p.y     = (float *) w;                w += sizes[5];
+    p.tmp   = (float *) w;                w += sizes[6];
+    p.list  = (struct pi2_active *) w;    w += sizes[7];
+    p.stats = (struct pi2_thread_stats *) w; w += sizes[8];
+    p.gluq  = w;
+    memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
+
+    #pragma omp parallel num_threads(nth)
+    {
+        // the runtime may give fewer threads than asked; the workspace fits any count up to nth
+        #pragma omp single
+        p.nth = omp_get_num_threads();
+        const int ith = omp_get_thread_num();
+        for (int64_t t = 0; t < p.n_tokens; ++t) {
+            pi2_sparse_token(&p, ith, p.nth, t);
+        }
+    }
+    pi2_sparse_count(&ctx->dev->counters, layer, &p);
+    return GGML_STATUS_SUCCESS;
+}
