@@ -8,6 +8,8 @@ import resource
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .errors import Pi2Error
 
 
@@ -39,15 +41,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         from . import Llama, reset_counters
 
         cls = Llama  # validates the file itself
+    kwargs = {} if args.no_plugin else {"sidecar": args.sidecar, "mode": args.mode}
     llm = cls(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-              seed=args.seed, verbose=args.verbose)
+              seed=args.seed, verbose=args.verbose, **kwargs)
     if not args.no_plugin:
         reset_counters()
     g = greedy(llm, args.prompt, args.n_predict)
     print(args.prompt + llm.detokenize(g.tokens).decode(errors="replace"))
     print()
     print(f"model           {path.name}")
-    print(f"backend         {'stock llama.cpp' if args.no_plugin else 'pi2 (FFN in PI2 plugin)'}, {args.threads} threads")
+    backend = "stock llama.cpp" if args.no_plugin else f"pi2 (FFN in PI2 plugin), mode {llm.pi2_mode}"
+    print(f"backend         {backend}, {args.threads} threads")
+    if not args.no_plugin and llm.pi2_sidecar is not None:
+        print(f"sidecar         {llm.pi2_sidecar}")
     print(f"prompt          {g.prompt_tokens} tokens, {g.prompt_tps:.1f} tok/s")
     if g.tokens:
         print(f"decode          {len(g.tokens)} tokens, {g.decode_tps:.1f} tok/s")
@@ -57,7 +63,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         c = read_counters()
         calls = int(c.matmul_calls.sum())
-        print(f"PI2 FFN matmuls {calls} over {c.n_layers} layers ({int(c.weight_bytes.sum()) / 1e9:.2f} GB of weights read)")
+        print(f"PI2 FFN matmuls {calls} over {c.n_layers} layers")
+        if c.sparse_tokens.sum():
+            per_layer = c.active_per_token()
+            print(f"active neurons  {np.nanmean(per_layer):.0f} per layer per decoded token "
+                  f"(layers {np.nanmin(per_layer):.0f}-{np.nanmax(per_layer):.0f})")
     return 0
 
 
@@ -70,6 +80,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plugin", action="store_true", help="run stock llama.cpp for comparison")
+    p.add_argument("--mode", choices=("dense", "oracle", "predicted"),
+                   help="PI2 decode mode (default: PI2_MODE, else predicted with a sidecar, dense without)")
+    p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: PI2_SIDECAR, else MODEL.pi2.gguf "
+                   "beside the model if it exists)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     p.set_defaults(func=cmd_run)
 

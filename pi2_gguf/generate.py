@@ -28,6 +28,7 @@ class Greedy:
     decode_seconds: float
     logits_first: list[float] = field(default_factory=list)  # logits after the prompt, for numeric checks
     pi2_matmuls: int = 0  # FFN matmuls PI2 executed (subprocess runs with --pi2)
+    active_fraction: float = 0.0  # sparse decode: active neurons / all neurons, over sparsely decoded tokens
 
     @property
     def prompt_tps(self) -> float:
@@ -69,6 +70,7 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
 
 def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2,
                          ctx: int = 512, eog_stop: bool = False, repack: bool = True,
+                         sidecar: str | Path | None = None, mode: str | None = None,
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
                          timeout: float = 1800) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin."""
@@ -84,6 +86,10 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
         cmd.append("--no-eog-stop")
     if not repack:
         cmd.append("--no-repack")
+    if sidecar is not None:
+        cmd += ["--sidecar", str(sidecar)]
+    if mode is not None:
+        cmd += ["--mode", mode]
     if keep_prefix:
         cmd += ["--prefix", ",".join(map(str, keep_prefix))]
     if prompt_limit:
@@ -107,14 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="", help="token ids appended to each prompt (comma separated)")
     ap.add_argument("--prompt-limit", type=int, default=0, help="keep only the first N prompt tokens")
     ap.add_argument("--no-repack", action="store_true", help="stock CPU path without weight repacking")
+    ap.add_argument("--sidecar", help="pi2 sidecar (with --pi2)")
+    ap.add_argument("--mode", help="PI2 decode mode (with --pi2)")
     args = ap.parse_args(argv)
     from .plugin import read_counters, register, reset_counters
 
     if args.pi2:
         register()
     with model_params_override(use_extra_bufts=not args.no_repack):
-        llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                              verbose=False)
+        if args.pi2:
+            from .llama import Llama
+
+            llm = Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                        verbose=False, sidecar=args.sidecar or False, mode=args.mode)
+        else:
+            llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                                  verbose=False)
     prefix = [int(t) for t in args.prefix.split(",") if t]
     res = []
     for p in args.prompt:
@@ -123,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
                    prompt_limit=args.prompt_limit)
         if args.pi2:
-            g.pi2_matmuls = int(read_counters().matmul_calls.sum())
+            c = read_counters()
+            g.pi2_matmuls = int(c.matmul_calls.sum())
+            if c.sparse_tokens.sum():
+                g.active_fraction = float(c.active.sum()) / float(c.neurons.sum())
         res.append(asdict(g))
     json.dump(res, sys.stdout)
     return 0

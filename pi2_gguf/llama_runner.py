@@ -34,8 +34,12 @@ TensorSink = Callable[[int, str, np.ndarray], None]
 class LlamaRunner:
     def __init__(self, model_path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
                  watch: Iterable[str] = (), sink: TensorSink | None = None, all_logits: bool = False,
-                 use_mmap: bool = True, verbose: bool = False) -> None:
+                 use_mmap: bool = True, verbose: bool = False, sidecar: str | Path | None = None,
+                 mode: str = "dense", n_ubatch: int | None = None) -> None:
+        """sidecar/mode: bind the model to a pi2 sidecar in the PI2 plugin (registered by the caller).
+        n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch."""
         path = check_model_file(model_path)
+        self._binding = 0
         self.n_ctx = n_ctx
         self.all_logits = all_logits
         self._watch = frozenset(watch)
@@ -48,8 +52,18 @@ class LlamaRunner:
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.use_mmap = use_mmap
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        if sidecar is not None or mode != "dense":
+            from . import plugin
+
+            self._binding = plugin.load_begin(sidecar, mode)
+            try:
+                self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+            finally:
+                plugin.load_end()
+        else:
+            self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
+            self._release_binding()
             raise ModelFileError(f"llama.cpp could not load {path} (see its log; is the architecture supported?)")
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_layer = lc.llama_model_n_layer(self.model)
@@ -58,7 +72,7 @@ class LlamaRunner:
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_ctx
-        cp.n_ubatch = n_ctx
+        cp.n_ubatch = min(n_ubatch, n_ctx) if n_ubatch else n_ctx
         threads = n_threads or os.cpu_count() or 1
         cp.n_threads = threads
         cp.n_threads_batch = threads
@@ -70,6 +84,7 @@ class LlamaRunner:
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
+            self._release_binding()
             raise Pi2Error(f"llama.cpp could not create a context of {n_ctx} tokens for {path}")
         self.batch = lc.llama_batch_init(n_ctx, 0, 1)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
@@ -83,6 +98,22 @@ class LlamaRunner:
         if getattr(self, "model", None):
             lc.llama_model_free(self.model)
             self.model = None
+        self._release_binding()
+
+    def _release_binding(self) -> None:
+        if getattr(self, "_binding", 0):
+            from . import plugin
+
+            plugin.release_binding(self._binding)
+            self._binding = 0
+
+    def binding_error(self) -> str:
+        """Why the plugin refused to compute (e.g. a sidecar made for another model), or ''."""
+        if not self._binding:
+            return ""
+        from . import plugin
+
+        return plugin.binding_error(self._binding)
 
     def __enter__(self) -> LlamaRunner:
         return self
@@ -141,7 +172,8 @@ class LlamaRunner:
             err, self._error = self._error, None
             raise err
         if rc != 0:
-            raise Pi2Error(f"llama_decode failed with code {rc}")
+            why = self.binding_error()
+            raise Pi2Error(why or f"llama_decode failed with code {rc}")
         if not self.all_logits:
             return None
         ptr = lc.llama_get_logits(self.ctx)

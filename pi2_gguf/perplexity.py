@@ -40,17 +40,27 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return x[np.arange(len(targets)), targets] - lse
 
 
+SPARSE_UBATCH = 4  # the plugin's default sparse batch limit (PI2_SPARSE_BATCH)
+
+
 def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: int | None = None,
-               plugin: bool = True, threads: int | None = None, progress: bool = True) -> Perplexity:
+               plugin: bool = True, threads: int | None = None, progress: bool = True,
+               sidecar: str | Path | None = None, mode: str = "dense") -> Perplexity:
+    """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
+    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees."""
     from .llama_runner import LlamaRunner
 
     if n_ctx < 16:
         raise Pi2Error(f"--ctx must be at least 16, got {n_ctx}")
+    if (mode != "dense" or sidecar is not None) and not plugin:
+        raise Pi2Error("a sidecar and the sparse modes need the plugin")
     if plugin:
         from .plugin import register
 
         register()
-    with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True) as r:
+    ubatch = SPARSE_UBATCH if mode != "dense" else None
+    with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True, sidecar=sidecar, mode=mode,
+                     n_ubatch=ubatch) as r:
         tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
         n_chunk = len(tokens) // n_ctx
         if max_chunks is not None:
@@ -87,18 +97,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, help="score at most this many chunks")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
+    ap.add_argument("--mode", choices=("dense", "oracle", "predicted"),
+                    help="PI2 decode mode (default: predicted with a sidecar, dense without)")
+    ap.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
     args = ap.parse_args(argv)
     from .cli import resolve_model
+    from .llama import check_sidecar_matches, resolve_mode, resolve_sidecar
+    from .plugin import read_counters, validate_sidecar_c
 
     if args.text is not None:
         text = "\n\n".join(corpus_mod.text_file(args.text).documents)
     else:
         text = "\n\n".join(corpus_mod.wiki().split()[1])
-    res = perplexity(resolve_model(args.model), text, args.ctx, args.chunks, plugin=not args.no_plugin,
-                     threads=args.threads)
+    model = resolve_model(args.model)
+    sidecar = None if args.no_plugin else resolve_sidecar(model, args.sidecar)
+    mode = "dense" if args.no_plugin else resolve_mode(args.mode, sidecar)
+    if sidecar is not None:
+        validate_sidecar_c(sidecar)
+        check_sidecar_matches(model, sidecar)
+    res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
+                     sidecar=sidecar, mode=mode)
     print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
+    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}"
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
-          f"{res.scored_tokens} tokens scored, {'stock llama.cpp' if args.no_plugin else 'pi2 plugin'})")
+          f"{res.scored_tokens} tokens scored, {how})")
+    if mode != "dense":
+        c = read_counters()
+        print(f"active neurons per token: {float(c.active.sum()) / max(float(c.sparse_tokens.sum()), 1):.0f} of "
+              f"each layer's FFN on average (per layer: {', '.join(f'{v:.0f}' for v in c.active_per_token())})")
     return 0
 
 

@@ -39,6 +39,7 @@ class _LayerCounters(ctypes.Structure):
         ("glu_calls", ctypes.c_uint64),
         ("glu_tokens", ctypes.c_uint64),
         ("sparse_tokens", ctypes.c_uint64),
+        ("neurons", ctypes.c_uint64),
         ("predicted", ctypes.c_uint64),
         ("active", ctypes.c_uint64),
         ("down_sparse_tokens", ctypes.c_uint64),
@@ -70,9 +71,11 @@ class Counters:
     weight_bytes: np.ndarray
     glu_calls: np.ndarray
     glu_tokens: np.ndarray
-    # sparse decode, per layer: tokens decoded sparsely, neurons whose gate was computed, neurons active,
+    # sparse decode, per layer: tokens decoded sparsely, n_ff summed over them, neurons whose gate was
+    # computed, neurons active,
     # tokens whose down ran by columns, tokens with the recall check, active neurons the predictor missed
     sparse_tokens: np.ndarray
+    neurons: np.ndarray
     predicted: np.ndarray
     active: np.ndarray
     down_sparse_tokens: np.ndarray
@@ -165,6 +168,12 @@ def register() -> Path:
             if not g.ggml_backend_load(str(path).encode()):
                 raise PluginError(f"ggml refused to load the PI2 plugin {path} (see the ggml log above)")
         plugin.pi2_counters_read.argtypes = [ctypes.POINTER(_Counters)]
+        plugin.pi2_config_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_config_error.restype = ctypes.c_int
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if plugin.pi2_config_error(err, _ERR_LEN) != 0:
+            # llama-cpp-python silences stderr while loading (verbose=False): say it here instead
+            raise PluginError(f"PI2 plugin: {err.value.decode('utf-8', 'replace')}")
         plugin.pi2_load_begin.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         plugin.pi2_load_begin.restype = ctypes.c_int
         plugin.pi2_load_end.argtypes = []
@@ -212,7 +221,7 @@ def read_counters() -> Counters:
         glu_calls=np.array([lc.glu_calls for lc in layers], dtype=np.uint64),
         glu_tokens=np.array([lc.glu_tokens for lc in layers], dtype=np.uint64),
         **{name: np.array([getattr(lc, name) for lc in layers], dtype=np.uint64)
-           for name in ("sparse_tokens", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed")},
+           for name in ("sparse_tokens", "neurons", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed")},
     )
 
 

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as QT
 
-from pi2_gguf import models
+from pi2_gguf import corpus, models, synthetic
+from pi2_gguf.convert import convert
+from pi2_gguf.profile import Profile, run_profile
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from settings import RELU_DENSITY, RELU_SHAPE, SMOL_HELDOUT_TOKENS, SMOL_TARGET, SMOL_TRAIN_TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +22,27 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def gemma3() -> Path:
     return models.fetch("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_profile(smollm2: Path) -> Profile:
+    return run_profile(smollm2, corpus.wiki(), SMOL_TRAIN_TOKENS, SMOL_HELDOUT_TOKENS, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
+    out = tmp_path_factory.mktemp("sidecar") / "smol.pi2.gguf"
+    convert(smollm2, out, sparsity=SMOL_TARGET, profile=prof_path, ranks=[64], progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def relu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[synthetic.LayerReport]]:
+    """(model, sidecar, measured per-layer density report) of a synthetic ReLU model made by our tools."""
+    d = tmp_path_factory.mktemp("relu")
+    model = d / "relu.gguf"
+    report = synthetic.make(model, RELU_SHAPE, synthetic.Sparsity(density=RELU_DENSITY), "relu", QT.F32,
+                            calib_tokens=512, heldout_tokens=256, progress=False)
+    sidecar = convert(model, d / "relu.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False).path
+    return model, sidecar, report

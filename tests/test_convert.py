@@ -23,22 +23,10 @@ from pi2_gguf.model_ffn import ModelFfn, activation_values
 from pi2_gguf.predictor import Predictor, score_fn
 from pi2_gguf.profile import Profile, run_profile
 
-TARGET = 0.5
-TRAIN_TOKENS = 2048
-HELDOUT_TOKENS = 512
-
-
-@pytest.fixture(scope="session")
-def smol_profile(smollm2: Path) -> Profile:
-    return run_profile(smollm2, corpus.wiki(), TRAIN_TOKENS, HELDOUT_TOKENS, progress=False)
-
-
-@pytest.fixture(scope="session")
-def smol_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
-    out = tmp_path_factory.mktemp("sidecar") / "smol.pi2.gguf"
-    convert(smollm2, out, sparsity=TARGET, profile=prof_path, ranks=[64], progress=False)
-    return out
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from settings import SMOL_HELDOUT_TOKENS as HELDOUT_TOKENS  # noqa: E402
+from settings import SMOL_TARGET as TARGET  # noqa: E402
+from settings import SMOL_TRAIN_TOKENS as TRAIN_TOKENS  # noqa: E402
 
 
 def test_heldout_documents_are_not_training_documents() -> None:

@@ -40,6 +40,7 @@ struct pi2_layer_counters {
     uint64_t glu_tokens;                  // tokens through the GLU
     // sparse decode (rows[] above then count the gate rows, up rows and dense down rows computed)
     uint64_t sparse_tokens;      // tokens decoded sparsely
+    uint64_t neurons;            // n_ff summed over those tokens
     uint64_t predicted;          // neurons whose gate row was computed (predicted, or all in oracle mode)
     uint64_t active;             // of those, active under the layer threshold (up row and down column used)
     uint64_t down_sparse_tokens; // tokens whose down ran as a sum of active columns (else dense rows)
@@ -69,6 +70,9 @@ GGML_BACKEND_API const char * pi2_build_info(void);
 // Without these calls, PI2_SIDECAR and PI2_MODE (read when the backend registers) apply to every load.
 GGML_BACKEND_API int  pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen);
 GGML_BACKEND_API void pi2_load_end(void);
+// -1 and the message when PI2_SIDECAR/PI2_MODE/PI2_SPARSE_BATCH/PI2_DOWN_SPARSE_MAX were refused at
+// registration (every weight buffer allocation then fails); 0 otherwise
+GGML_BACKEND_API int pi2_config_error(char * err, size_t errlen);
 // Mode and recall check of a loaded model's binding; -1 for an unknown id or mode
 GGML_BACKEND_API int pi2_binding_set_mode(int id, int mode);
 GGML_BACKEND_API int pi2_binding_set_check_recall(int id, int on);

@@ -118,7 +118,7 @@ static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     struct pi2_device_ctx * dctx = pi2_device_ctx();
     pthread_mutex_lock(&dctx->lock);
     if (dctx->config_error[0] != '\0') {
-        PI2_LOG_ERROR("pi2: %s\n", dctx->config_error);
+        PI2_LOG_REFUSAL("pi2: %s\n", dctx->config_error);
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
     }
@@ -214,7 +214,7 @@ static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct ggml_cgrap
     enum pi2_matrix m;
     pi2_ffn_weight_parse(gate->src[0]->name, &layer, &m);
     if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
-        PI2_LOG_ERROR("pi2: %s\n", b->error);
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
         return 4;
     }
@@ -642,6 +642,14 @@ int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errle
     d->pending = b;         // the pending reference, dropped by pi2_load_end
     pthread_mutex_unlock(&d->lock);
     return id;
+}
+
+int pi2_config_error(char * err, size_t errlen) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    snprintf(err, errlen, "%s", d->config_error);
+    pthread_mutex_unlock(&d->lock);
+    return d->config_error[0] != '\0' ? -1 : 0;
 }
 
 void pi2_load_end(void) {

@@ -305,6 +305,7 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
     pi2_count(&lc->rows[PI2_MATRIX_UP], (uint64_t) active);
     pi2_count(&lc->rows[PI2_MATRIX_DOWN], (uint64_t) ((p->n_tokens - sparse_down_tokens) * p->n_embd));
     pi2_count(&lc->sparse_tokens, (uint64_t) p->n_tokens);
+    pi2_count(&lc->neurons, (uint64_t) (p->n_ff * p->n_tokens));
     pi2_count(&lc->predicted, (uint64_t) predicted);
     pi2_count(&lc->active, (uint64_t) active);
     pi2_count(&lc->down_sparse_tokens, (uint64_t) sparse_down_tokens);
@@ -332,7 +333,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
                  "%s llama.cpp runs for layer %d (a ReLU-family model needs the patched llama.cpp of patches/)",
                  b->sc->path, ggml_glu_op_name(p.op), layer);
-        PI2_LOG_ERROR("pi2: %s\n", b->error);
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         return GGML_STATUS_FAILED;
     }
     if (p.n_tokens > (int64_t) (sizeof(p.down_sparse) / sizeof(p.down_sparse[0]))) {

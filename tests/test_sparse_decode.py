@@ -1,0 +1,170 @@
+"""Sparse decode in the PI2 backend: a synthetic ReLU model (made and measured by our tools) decoded in
+oracle mode equals dense; predicted mode agrees on >= 99% of tokens; counters; modes and refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import pi2_gguf
+from pi2_gguf import plugin
+from pi2_gguf.errors import SidecarError
+from pi2_gguf.generate import greedy_in_subprocess
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402
+
+PROMPTS = ["The history of the Roman Empire", "Photosynthesis is the process by which", "In 1969 the first"]
+N_TOKENS = 64
+
+
+def _decode(llm: pi2_gguf.Llama, prompt: str, n: int, forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits before each; with forced, feeds those tokens instead (teacher forcing)."""
+    llm.reset()
+    llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
+    toks, logits = [], []
+    for i in range(n):
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        logits.append(row)
+        toks.append(int(np.argmax(row)))
+        llm.eval([forced[i] if forced is not None else toks[-1]])
+    return toks, np.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def relu_llm(relu_model: tuple[Path, Path, list]) -> pi2_gguf.Llama:
+    model, sidecar, _ = relu_model
+    llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="dense", n_ctx=256, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+def test_synthetic_model_has_the_density_asked_for(relu_model: tuple[Path, Path, list]) -> None:
+    _, _, report = relu_model
+    assert len(report) == RELU_SHAPE.n_layer
+    for r in report:  # measured by the profiler on held-out text, not assumed
+        assert abs(r.density - RELU_DENSITY) < 0.04, r
+        assert r.hot_share > 0.1  # 2% hot neurons carry well over 2% of the activations
+
+
+def test_relu_patch_makes_stock_llama_run_relu(relu_model: tuple[Path, Path, list]) -> None:
+    """Stock llama.cpp (patched build) and the plugin's dense path decode the ReLU model identically."""
+    model, _, _ = relu_model
+    stock = greedy_in_subprocess(model, PROMPTS[:1], 32, pi2=False)[0]
+    dense = greedy_in_subprocess(model, PROMPTS[:1], 32, pi2=True)[0]
+    assert stock.tokens == dense.tokens
+    assert np.allclose(stock.logits_first, dense.logits_first, atol=1e-3 * np.abs(stock.logits_first).max())
+
+
+def test_oracle_equals_dense_on_relu(relu_llm: pi2_gguf.Llama) -> None:
+    for prompt in PROMPTS[:2]:
+        relu_llm.set_mode("dense")
+        dense_toks, dense_logits = _decode(relu_llm, prompt, N_TOKENS)
+        relu_llm.set_mode("oracle")
+        plugin.reset_counters()
+        oracle_toks, oracle_logits = _decode(relu_llm, prompt, N_TOKENS)
+        c = plugin.read_counters()
+        assert oracle_toks == dense_toks
+        scale = np.abs(dense_logits).max()
+        assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * scale
+        # every decode step of every layer ran sparse, and only ~10% of the neurons fired. llama runs the
+        # last layer of a prompt only for the token whose logits it returns: one more sparse token there.
+        assert (c.sparse_tokens[:-1] == N_TOKENS).all() and c.sparse_tokens[-1] == N_TOKENS + 1
+        frac = c.active.sum() / c.neurons.sum()
+        assert 0.05 < frac < 0.2, frac
+        assert (c.predicted == c.neurons).all()  # oracle computes every gate row
+
+
+def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.Llama) -> None:
+    agree = total = 0
+    for prompt in PROMPTS:
+        relu_llm.set_mode("dense")
+        dense_toks, _ = _decode(relu_llm, prompt, N_TOKENS)
+        relu_llm.set_mode("predicted")
+        relu_llm.set_check_recall(True)
+        plugin.reset_counters()
+        pred_toks, _ = _decode(relu_llm, prompt, N_TOKENS, forced=dense_toks)
+        relu_llm.set_check_recall(False)
+        agree += sum(a == b for a, b in zip(pred_toks, dense_toks))
+        total += len(dense_toks)
+        c = plugin.read_counters()
+        assert (c.checked_tokens[:-1] == N_TOKENS).all()
+        # recall on generated text (the converter measured 0.99 on held-out Wikipedia)
+        assert (c.recall() > 0.95).all(), c.recall()
+        assert (c.predicted < 0.3 * c.neurons).all()  # the predictor selects a small candidate set
+    assert agree / total >= 0.99, (agree, total)
+
+
+def test_down_by_columns_or_rows_gives_the_same_tokens(relu_llm: pi2_gguf.Llama) -> None:
+    relu_llm.set_mode("oracle")
+    plugin.set_sparse_limits(down_sparse_max=1.0)  # always columns
+    cols, cols_logits = _decode(relu_llm, PROMPTS[0], 16)
+    plugin.set_sparse_limits(down_sparse_max=0.0)  # always the model's down rows
+    rows, rows_logits = _decode(relu_llm, PROMPTS[0], 16)
+    plugin.set_sparse_limits(down_sparse_max=0.2)
+    assert cols == rows
+    assert np.abs(cols_logits - rows_logits).max() <= 1e-4 * np.abs(rows_logits).max()
+
+
+def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
+    relu_llm.set_mode("predicted")
+    relu_llm.reset()
+    plugin.reset_counters()
+    relu_llm.eval(list(range(10, 40)))  # 30 tokens > the sparse batch limit of 4
+    c = plugin.read_counters()
+    # the last layer runs only the token whose logits llama returns: a decode-sized batch, so sparse
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 30).all()
+    assert c.sparse_tokens[-1] == 1
+
+
+def test_sparse_mode_without_sidecar_is_refused(smollm2: Path) -> None:
+    with pytest.raises(SidecarError, match="needs a sidecar"):
+        pi2_gguf.Llama(str(smollm2), sidecar=False, mode="predicted", verbose=False)
+    with pytest.raises(ValueError, match="not one of"):
+        pi2_gguf.Llama(str(smollm2), sidecar=False, mode="sparse", verbose=False)
+
+
+def test_sidecar_of_another_model_is_refused_before_loading(smollm2: Path, relu_model: tuple[Path, Path, list]) -> None:
+    _, sidecar, _ = relu_model
+    with pytest.raises(SidecarError, match="made for another model"):
+        pi2_gguf.Llama(str(smollm2), sidecar=sidecar, verbose=False)
+
+
+def _run_app(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+APP = """
+import llama_cpp, pi2_gguf
+pi2_gguf.register()
+llm = llama_cpp.Llama({model!r}, n_ctx=128, verbose=False)
+llm.eval(llm.tokenize(b"Hello there", add_bos=True))
+llm.eval([42])
+print("DECODED")
+"""
+
+
+def test_env_sidecar_checks_the_weights_it_receives(smollm2: Path, relu_model: tuple[Path, Path, list]) -> None:
+    """Frontends that set PI2_SIDECAR get the plugin's own fingerprint check on the weights llama hands it."""
+    model, sidecar, _ = relu_model
+    ok = _run_app(APP.format(model=str(model)), {"PI2_SIDECAR": str(sidecar), "PI2_MODE": "oracle"})
+    assert ok.returncode == 0 and "DECODED" in ok.stdout, ok.stderr[-2000:]
+    bad = _run_app(APP.format(model=str(smollm2)), {"PI2_SIDECAR": str(sidecar)})
+    assert bad.returncode != 0 and "DECODED" not in bad.stdout
+    assert "was made for another model" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_bad_env_settings_fail_the_load_with_a_message(relu_model: tuple[Path, Path, list]) -> None:
+    model, _, _ = relu_model
+    for env, msg in (({"PI2_MODE": "fast"}, "PI2_MODE=fast is not dense, oracle or predicted"),
+                     ({"PI2_SIDECAR": "/nonexistent/x.pi2.gguf"}, "PI2_SIDECAR: sidecar /nonexistent/x.pi2.gguf"),
+                     ({"PI2_MODE": "predicted"}, "needs a sidecar")):
+        r = _run_app(APP.format(model=str(model)), env)
+        assert r.returncode != 0 and msg in r.stderr, (env, r.stderr[-2000:])
