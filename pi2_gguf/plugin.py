@@ -187,6 +187,8 @@ def register() -> Path:
         plugin.pi2_binding_release.restype = ctypes.c_int
         plugin.pi2_set_sparse_limits.argtypes = [ctypes.c_int, ctypes.c_float]
         plugin.pi2_set_sparse_limits.restype = None
+        plugin.pi2_set_predictor_always.argtypes = [ctypes.c_int]
+        plugin.pi2_set_predictor_always.restype = None
         _plugin = plugin
         return path
 
@@ -352,3 +354,8 @@ def fingerprint_model_c(tensor_fps: list[int]) -> int:
     """The C model fingerprint over 3 * n_layer tensor fingerprints."""
     arr = (ctypes.c_uint64 * len(tensor_fps))(*tensor_fps)
     return int(_tools_lib().pi2_fingerprint_model(arr, len(tensor_fps)))
+
+
+def set_predictor_always(always: bool) -> None:
+    """Run every layer's predictor in predicted mode, even where it costs more bytes than it saves."""
+    _require().pi2_set_predictor_always(int(always))

@@ -83,6 +83,9 @@ GGML_BACKEND_API int pi2_binding_release(int id);
 // Largest decode batch that runs sparse (default PI2_SPARSE_BATCH or 4) and the active fraction up to
 // which down runs by columns (default PI2_DOWN_SPARSE_MAX or 0.2); set before computing
 GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max);
+// Predicted mode runs a layer's predictor only where its bytes are below the gate bytes it saves (auto);
+// always = 1 runs every predictor (to measure them). Default: PI2_PREDICTOR=auto|always, else auto.
+GGML_BACKEND_API void pi2_set_predictor_always(int always);
 
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.

@@ -537,6 +537,14 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
         }
         d->down_sparse_max = v;
     }
+    const char * pred = getenv("PI2_PREDICTOR");
+    if (pred != NULL) {
+        if (strcmp(pred, "always") != 0 && strcmp(pred, "auto") != 0) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_PREDICTOR=%s is not auto or always", pred);
+            return;
+        }
+        d->predictor_always = strcmp(pred, "always") == 0;
+    }
     const char * mode_s = getenv("PI2_MODE");
     const char * path   = getenv("PI2_SIDECAR");
     int mode = PI2_MODE_PREDICTED;
@@ -727,6 +735,10 @@ int pi2_binding_release(int id) {
     }
     pi2_binding_unref(found); // the weight buffers keep theirs until llama frees the model
     return 0;
+}
+
+void pi2_set_predictor_always(int always) {
+    pi2_device_ctx()->predictor_always = always != 0;
 }
 
 void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {

@@ -74,6 +74,9 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
         B->b2_slot[j] = L->pred_b2[i];
     }
     atomic_init(&B->verified, 0);
+    const double pred_bytes = (double) L->rank * (b->sc->n_embd + L->n_ff) * sizeof(ggml_fp16_t);
+    const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
+    B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
     return 0;
 }
 

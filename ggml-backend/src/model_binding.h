@@ -19,6 +19,9 @@ struct pi2_binding_layer {
     ggml_fp16_t *   w2_slot;  // [n_ff][rank], predictor layer 2 rows in slot order
     float *         b2_slot;  // [n_ff]
     atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
+    // predicted mode runs the predictor only where it pays: its bytes (w1, w2) below the gate bytes it
+    // saves, (1 - predictor density) * gate bytes. Elsewhere every gate row is computed (as oracle).
+    bool            use_predictor;
 };
 
 struct pi2_binding {

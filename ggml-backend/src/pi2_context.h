@@ -29,6 +29,7 @@ struct pi2_device_ctx {
 
     int   sparse_batch_max; // decode batches of at most this many tokens run sparse
     float down_sparse_max;  // down by columns when at most this fraction of neurons is active
+    bool  predictor_always; // run predictors even in layers where they cost more than they save
 };
 
 struct pi2_backend_ctx {

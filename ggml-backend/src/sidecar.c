@@ -417,6 +417,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const uint32_t * down_type = pi2_arr_u32(rd, PI2_KEY_BUNDLE_DOWN_TYPE);
     const float *    threshold = pi2_arr_f32(rd, PI2_KEY_SPARSITY_THRESHOLDS);
     const float *    cutoff    = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_CUTOFF);
+    const float *    pdensity  = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_DENSITY);
     const uint64_t * fps       = gguf_get_arr_data(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
 
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
@@ -440,6 +441,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         L->hot_count   = hot[il];
         L->threshold   = threshold[il];
         L->cutoff      = cutoff[il];
+        L->pred_density = pdensity[il];
         L->bundle_size = size[il];
         L->gate_type   = (enum ggml_type) gate_type[il];
         L->up_type     = (enum ggml_type) up_type[il];

@@ -29,6 +29,7 @@ struct pi2_sidecar_layer {
     uint32_t hot_count;      // bundle slots [0, hot_count) hold the hot neurons
     float    threshold;      // pi2.sparsity.thresholds
     float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
+    float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
 
     // bundle slot j (neuron order[j]) is at bundles_offset + j * bundle_size in the file
     uint32_t       bundle_size;

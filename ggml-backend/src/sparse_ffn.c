@@ -324,11 +324,12 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
         .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer],
         .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
-        .predicted = atomic_load(&b->mode) == PI2_MODE_PREDICTED,
+        .predicted = atomic_load(&b->mode) == PI2_MODE_PREDICTED &&
+                     (b->layer[layer].use_predictor || ctx->dev->predictor_always),
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank, .n_tokens = gate->src[1]->ne[1],
         .down_sparse_max = ctx->dev->down_sparse_max,
     };
-    p.check = p.predicted && atomic_load(&b->check_recall);
+    p.check = atomic_load(&b->mode) == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
     if (pi2_glu_for(b->sc->activation) != p.op) {
         snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
                  "%s llama.cpp runs for layer %d (a ReLU-family model needs the patched llama.cpp of patches/)",
