@@ -14,7 +14,6 @@ plus noise, as trained FFNs are, so a predictor can learn them.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,9 +143,7 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
                 progress: bool = True) -> Path:
     """Writes the GGUF atomically (temp file in the same directory, then rename)."""
     s = w.shape
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
     try:
         gw = GGUFWriter(tmp, "llama")
         gw.add_name(name)
