@@ -16,7 +16,8 @@
 static void pi2_binding_destroy(struct pi2_binding * b) {
     if (b->layer != NULL) {
         for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
-            free(b->layer[il].w2_slot);
+            free(b->layer[il].w1);
+            free(b->layer[il].w2);
             free(b->layer[il].b2_slot);
         }
     }
@@ -48,6 +49,14 @@ static int pi2_map_file(struct pi2_binding * b, char * err, size_t errlen) {
     return 0;
 }
 
+static void pi2_store_row(enum ggml_type t, const float * src, char * dst, int64_t n) {
+    if (t == GGML_TYPE_F16) {
+        ggml_fp32_to_fp16_row(src, (ggml_fp16_t *) dst, n);
+    } else {
+        ggml_quantize_chunk(t, src, dst, 0, 1, n, NULL);
+    }
+}
+
 static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, size_t errlen) {
     const struct pi2_sidecar_layer * L = &b->sc->layer[il];
     struct pi2_binding_layer *       B = &b->layer[il];
@@ -62,19 +71,32 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
         return -1;
     }
     B->bundles = b->map + L->bundles_offset;
-    B->w2_slot = malloc((size_t) L->n_ff * L->rank * sizeof(ggml_fp16_t));
+    const uint32_t n_embd = b->sc->n_embd;
+    B->pred_type = (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+    B->w1_stride = ggml_row_size(B->pred_type, n_embd);
+    B->w2_stride = ggml_row_size(B->pred_type, L->rank);
+    B->w1      = malloc((size_t) L->rank * B->w1_stride);
+    B->w2      = malloc((size_t) L->n_ff * B->w2_stride);
     B->b2_slot = malloc((size_t) L->n_ff * sizeof(float));
-    if (B->w2_slot == NULL || B->b2_slot == NULL) {
+    float * row = malloc((size_t) (n_embd > L->rank ? n_embd : L->rank) * sizeof(float));
+    if (B->w1 == NULL || B->w2 == NULL || B->b2_slot == NULL || row == NULL) {
+        free(row);
         snprintf(err, errlen, "sidecar %s: out of memory for layer %u predictor", b->sc->path, il);
         return -1;
     }
+    for (uint32_t j = 0; j < L->rank; ++j) {
+        ggml_fp16_to_fp32_row(L->pred_w1 + (size_t) j * n_embd, row, n_embd);
+        pi2_store_row(B->pred_type, row, B->w1 + (size_t) j * B->w1_stride, n_embd);
+    }
     for (uint32_t j = 0; j < L->n_ff; ++j) {
         const int32_t i = L->order[j]; // a permutation: the reader checked it
-        memcpy(B->w2_slot + (size_t) j * L->rank, L->pred_w2 + (size_t) i * L->rank, L->rank * sizeof(ggml_fp16_t));
+        ggml_fp16_to_fp32_row(L->pred_w2 + (size_t) i * L->rank, row, L->rank);
+        pi2_store_row(B->pred_type, row, B->w2 + (size_t) j * B->w2_stride, L->rank);
         B->b2_slot[j] = L->pred_b2[i];
     }
+    free(row);
     atomic_init(&B->verified, 0);
-    const double pred_bytes = (double) L->rank * (b->sc->n_embd + L->n_ff) * sizeof(ggml_fp16_t);
+    const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
     const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
     B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
     return 0;

@@ -16,7 +16,12 @@
 
 struct pi2_binding_layer {
     const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping)
-    ggml_fp16_t *   w2_slot;  // [n_ff][rank], predictor layer 2 rows in slot order
+    // predictor weights in pred_type (Q8_0 where the widths allow: ggml's F16 dot measured ~5x slower
+    // than its Q8_0 dot here), layer 2 rows in slot order
+    enum ggml_type  pred_type;
+    char *          w1;       // [rank] rows of n_embd
+    char *          w2;       // [n_ff] rows of rank, slot order
+    size_t          w1_stride, w2_stride;
     float *         b2_slot;  // [n_ff]
     atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
     // predicted mode runs the predictor only where it pays: its bytes (w1, w2) below the gate bytes it

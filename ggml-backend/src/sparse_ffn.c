@@ -105,17 +105,18 @@ struct pi2_sparse_plan {
     bool                             check;
     int64_t                          n_embd, n_ff, rank, n_tokens;
     // kernels
-    ggml_vec_dot_t     gate_dot, up_dot, f16_dot, down_dot;
-    ggml_from_float_t  to_gate_vdt, to_up_vdt, to_down_vdt;
+    ggml_vec_dot_t     gate_dot, up_dot, pred_dot, down_dot;
+    ggml_from_float_t  to_gate_vdt, to_up_vdt, to_down_vdt, to_pred_vdt;
+    bool               down_cols; // down by columns expected (the sidecar's density is low): prefetch them
     enum ggml_type     gate_vdt, up_vdt, down_vdt;
     float              down_sparse_max;
     // workspace
     char *                    xq;     // [n_tokens] rows of gate_vdt
     char *                    xq_up;  // [n_tokens] rows of up_vdt (== xq when the types agree)
     size_t                    xq_stride, xq_up_stride;
-    ggml_fp16_t *             x16;    // [n_embd]
+    char *                    xp;     // x in the predictor's vec_dot type
     float *                   h;      // [rank]
-    ggml_fp16_t *             h16;    // [rank]
+    char *                    hq;     // h in the predictor's vec_dot type
     float *                   y;      // [nth][n_embd] partial down sums
     float *                   tmp;    // [nth][n_embd] dequantization scratch
     struct pi2_active *       list;   // [nth][n_ff]
@@ -124,6 +125,12 @@ struct pi2_sparse_plan {
     int                       nth;
     bool                      down_sparse[64]; // per token, decided after the gate/up phase
 };
+
+static inline void pi2_prefetch(const void * p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) {
+        __builtin_prefetch((const char *) p + off, 0, 0);
+    }
+}
 
 static bool pi2_needs_convert(enum ggml_type t) {
     return t != GGML_TYPE_F32;
@@ -151,15 +158,27 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     struct pi2_thread_stats * st   = &p->stats[ith];
     const float thr    = L->threshold;
     const float cutoff = L->cutoff;
+    const size_t gate_bytes = L->up_offset;
+    const size_t up_bytes   = L->down_offset - L->up_offset;
+    const size_t down_bytes = L->data_end - L->down_offset;
     const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    // Three passes per cluster, each prefetching what the next one reads, so that the scattered bundle
+    // rows stream from memory instead of stalling one row at a time.
+    int32_t cand[PI2_CLUSTER];   // slots whose gate is computed
+    bool    cand_pred[PI2_CLUSTER];
+    int32_t act_slot[PI2_CLUSTER];
+    float   act_val[PI2_CLUSTER];
     int64_t n = 0;
     for (int64_t c = ith; c < n_clusters; c += p->nth) {
-        const int64_t s1 = (c + 1) * PI2_CLUSTER < p->n_ff ? (c + 1) * PI2_CLUSTER : p->n_ff;
-        for (int64_t s = c * PI2_CLUSTER; s < s1; ++s) {
+        const int64_t s0 = c * PI2_CLUSTER;
+        const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
+        // pass 1: predictor rows -> candidates
+        int nc = 0;
+        for (int64_t s = s0; s < s1; ++s) {
             bool pred = true;
             if (p->predicted) {
                 float z = 0.0f;
-                p->f16_dot((int) p->rank, &z, 0, p->B->w2_slot + (size_t) s * p->rank, 0, p->h16, 0, 1);
+                p->pred_dot((int) p->rank, &z, 0, p->B->w2 + (size_t) s * p->B->w2_stride, 0, p->hq, 0, 1);
                 z += p->B->b2_slot[s];
                 const float score = p->relu ? z : fabsf(pi2_act(p->op, z));
                 pred = score > cutoff;
@@ -167,30 +186,45 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
                     continue;
                 }
             }
-            const uint8_t * bundle = bundles + (size_t) s * bsize;
+            pi2_prefetch(bundles + (size_t) s * bsize, gate_bytes);
+            cand[nc]      = (int32_t) s;
+            cand_pred[nc] = pred;
+            nc++;
+        }
+        // pass 2: gate rows -> active neurons
+        int na = 0;
+        for (int k = 0; k < nc; ++k) {
+            const uint8_t * bundle = bundles + (size_t) cand[k] * bsize;
             float g = 0.0f;
             p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, xq, 0, 1);
             const float act    = pi2_act(p->op, g);
             const bool  active = p->relu ? g > 0.0f : fabsf(act) > thr;
-            if (!pred) { // recall check: the gate was computed only to count what the predictor missed
+            if (!cand_pred[k]) { // recall check: the gate was computed only to count what the predictor missed
                 st->missed += active;
                 continue;
             }
             st->predicted++;
-            const int32_t neuron = L->order[s];
-            gate_out[neuron] = g;
+            gate_out[L->order[cand[k]]] = g;
             if (!active) {
                 continue;
             }
-            st->active++;
+            pi2_prefetch(bundle + L->up_offset, up_bytes + (p->down_cols ? down_bytes : 0));
+            act_slot[na]  = cand[k];
+            act_val[na++] = act;
+        }
+        // pass 3: up rows of the active neurons
+        for (int k = 0; k < na; ++k) {
+            const uint8_t * bundle = bundles + (size_t) act_slot[k] * bsize;
             float u = 0.0f;
             p->up_dot((int) p->n_embd, &u, 0, bundle + L->up_offset, 0, xqu, 0, 1);
+            const int32_t neuron = L->order[act_slot[k]];
             up_out[neuron]  = u;
-            glu_out[neuron] = act * u;
-            list[n].slot = (int32_t) s;
-            list[n].a    = act * u;
+            glu_out[neuron] = act_val[k] * u;
+            list[n].slot = act_slot[k];
+            list[n].a    = act_val[k] * u;
             n++;
         }
+        st->active += na;
     }
     st->n_list = n;
 }
@@ -212,7 +246,7 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         }
     }
     if (p->predicted && ith == nth - 1) {
-        ggml_cpu_fp32_to_fp16(xt, p->x16, n_embd);
+        pi2_convert_row(p->to_pred_vdt, xt, p->xp, n_embd);
     }
     #pragma omp barrier
 
@@ -221,13 +255,13 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         const int64_t r0 = p->rank * ith / nth, r1 = p->rank * (ith + 1) / nth;
         for (int64_t j = r0; j < r1; ++j) {
             float v = 0.0f;
-            p->f16_dot((int) n_embd, &v, 0, p->L->pred_w1 + (size_t) j * n_embd, 0, p->x16, 0, 1);
+            p->pred_dot((int) n_embd, &v, 0, p->B->w1 + (size_t) j * p->B->w1_stride, 0, p->xp, 0, 1);
             v += p->L->pred_b1[j];
             p->h[j] = v > 0.0f ? v : 0.0f;
         }
         #pragma omp barrier
         if (ith == 0) {
-            ggml_cpu_fp32_to_fp16(p->h, p->h16, p->rank);
+            pi2_convert_row(p->to_pred_vdt, p->h, p->hq, p->rank);
         }
         #pragma omp barrier
     }
@@ -348,7 +382,10 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.gate_dot = tg->vec_dot; p.gate_vdt = tg->vec_dot_type;
     p.up_dot   = tu->vec_dot; p.up_vdt   = tu->vec_dot_type;
     p.down_dot = td->vec_dot; p.down_vdt = td->vec_dot_type;
-    p.f16_dot  = ggml_get_type_traits_cpu(GGML_TYPE_F16)->vec_dot;
+    const struct ggml_type_traits_cpu * tp = ggml_get_type_traits_cpu(b->layer[layer].pred_type);
+    p.pred_dot    = tp->vec_dot;
+    p.to_pred_vdt = pi2_needs_convert(tp->vec_dot_type) ? ggml_get_type_traits_cpu(tp->vec_dot_type)->from_float : NULL;
+    p.down_cols   = L->pred_density <= ctx->dev->down_sparse_max;
     p.to_gate_vdt = pi2_needs_convert(p.gate_vdt) ? ggml_get_type_traits_cpu(p.gate_vdt)->from_float : NULL;
     p.to_up_vdt   = pi2_needs_convert(p.up_vdt) ? ggml_get_type_traits_cpu(p.up_vdt)->from_float : NULL;
     p.to_down_vdt = pi2_needs_convert(p.down_vdt) ? ggml_get_type_traits_cpu(p.down_vdt)->from_float : NULL;
@@ -362,9 +399,9 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     const size_t sizes[] = {
         pi2_align64(p.xq_stride * (size_t) p.n_tokens),
         same_vdt ? 0 : pi2_align64(p.xq_up_stride * (size_t) p.n_tokens),
-        pi2_align64((size_t) p.n_embd * sizeof(ggml_fp16_t)),
+        pi2_align64(ggml_row_size(tp->vec_dot_type, p.n_embd)),
         pi2_align64((size_t) p.rank * sizeof(float)),
-        pi2_align64((size_t) p.rank * sizeof(ggml_fp16_t)),
+        pi2_align64(ggml_row_size(tp->vec_dot_type, p.rank)),
         pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
         pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
         pi2_align64((size_t) nth * p.n_ff * sizeof(struct pi2_active)),
@@ -382,9 +419,9 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     }
     p.xq    = w;                          w += sizes[0];
     p.xq_up = same_vdt ? p.xq : w;        w += sizes[1];
-    p.x16   = (ggml_fp16_t *) w;          w += sizes[2];
+    p.xp    = w;                          w += sizes[2];
     p.h     = (float *) w;                w += sizes[3];
-    p.h16   = (ggml_fp16_t *) w;          w += sizes[4];
+    p.hq    = w;                          w += sizes[4];
     p.y     = (float *) w;                w += sizes[5];
     p.tmp   = (float *) w;                w += sizes[6];
     p.list  = (struct pi2_active *) w;    w += sizes[7];
