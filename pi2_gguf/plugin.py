@@ -187,6 +187,8 @@ def register() -> Path:
         plugin.pi2_binding_release.restype = ctypes.c_int
         plugin.pi2_set_sparse_limits.argtypes = [ctypes.c_int, ctypes.c_float]
         plugin.pi2_set_sparse_limits.restype = None
+        plugin.pi2_set_prompt_on_cpu.argtypes = [ctypes.c_int]
+        plugin.pi2_set_prompt_on_cpu.restype = None
         plugin.pi2_set_predictor_always.argtypes = [ctypes.c_int]
         plugin.pi2_set_predictor_always.restype = None
         _plugin = plugin
@@ -359,3 +361,8 @@ def fingerprint_model_c(tensor_fps: list[int]) -> int:
 def set_predictor_always(always: bool) -> None:
     """Run every layer's predictor in predicted mode, even where it costs more bytes than it saves."""
     _require().pi2_set_predictor_always(int(always))
+
+
+def set_prompt_on_cpu(on: bool) -> None:
+    """Prompt batches in ggml-cpu's kernels (True, the default) or in PI2's dense kernel (False)."""
+    _require().pi2_set_prompt_on_cpu(int(on))

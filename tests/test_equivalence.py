@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 import pi2_gguf
+from pi2_gguf import plugin
 from pi2_gguf.generate import greedy, greedy_in_subprocess
 
 PROMPTS = [
@@ -54,6 +55,7 @@ def _check_model(path: Path) -> None:
     stock = greedy_in_subprocess(path, PROMPTS, N_TOKENS, pi2=False)
     stock_norepack = greedy_in_subprocess(path, PROMPTS, 1, pi2=False, repack=False)
     pi2_gguf.register()
+    plugin.set_prompt_on_cpu(False)  # PI2's own dense kernel for the prompt batch too
     llm = pi2_gguf.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
     n_layer = llama_cpp.llama_model_n_layer(llm.model)
     for prompt, ref, alt in zip(PROMPTS, stock, stock_norepack):
@@ -83,6 +85,13 @@ def _check_model(path: Path) -> None:
         assert (c.matmul_tokens[-1] == evals).all(), c.matmul_tokens
         assert (c.glu_calls == evals).all()
         assert (c.glu_tokens[:-1] == tokens).all() and c.glu_tokens[-1] == evals
+    # the default: prompt batches run in ggml-cpu on the weights in PI2's buffer, decode steps in PI2
+    plugin.set_prompt_on_cpu(True)
+    pi2_gguf.reset_counters()
+    got = greedy(llm, PROMPTS[0], 8, stop_at_eog=False, keep_logits=True)
+    c = pi2_gguf.read_counters()
+    assert (c.matmul_tokens[:-1] == 8 - 1).all(), c.matmul_tokens  # decode steps only
+    assert np.array_equal(np.array(got.logits_first), np.array(stock_norepack[0].logits_first))
     llm.close()
 
 

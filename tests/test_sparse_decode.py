@@ -118,9 +118,19 @@ def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
     plugin.reset_counters()
     relu_llm.eval(list(range(10, 40)))  # 30 tokens > the sparse batch limit of 4
     c = plugin.read_counters()
-    # the last layer runs only the token whose logits llama returns: a decode-sized batch, so sparse
-    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 30).all()
+    # prompt batches run in ggml-cpu (the default) or PI2's dense kernel, never sparse; the last layer
+    # runs only the token whose logits llama returns: a decode-sized batch, so sparse
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 0).all()
     assert c.sparse_tokens[-1] == 1
+    plugin.set_prompt_on_cpu(False)
+    try:
+        relu_llm.reset()
+        plugin.reset_counters()
+        relu_llm.eval(list(range(10, 40)))
+        c = plugin.read_counters()
+    finally:
+        plugin.set_prompt_on_cpu(True)
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 30).all()
 
 
 def test_sparse_mode_without_sidecar_is_refused(smollm2: Path) -> None:

@@ -86,6 +86,10 @@ GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max
 // Predicted mode runs a layer's predictor only where its bytes are below the gate bytes it saves (auto);
 // always = 1 runs every predictor (to measure them). Default: PI2_PREDICTOR=auto|always, else auto.
 GGML_BACKEND_API void pi2_set_predictor_always(int always);
+// Batches above the sparse limit (prompts) run in ggml-cpu's kernels on the weights in PI2's buffer (1,
+// the default; PI2_PROMPT=cpu) or in PI2's dense kernel (0; PI2_PROMPT=pi2). Takes effect at the next
+// graph llama schedules.
+GGML_BACKEND_API void pi2_set_prompt_on_cpu(int on);
 
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.

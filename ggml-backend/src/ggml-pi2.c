@@ -424,7 +424,23 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
            ggml_are_same_shape(a, b) && ggml_is_contiguous_1(a) && ggml_is_contiguous_1(b) && ggml_is_contiguous_1(op);
 }
 
+// Prompt batches (more tokens than the sparse limit) go to ggml-cpu's own kernels, which read the
+// weights in place from PI2's host buffer: its batched matmul measured 1.5-2.5x PI2's row-by-row kernel
+// here. llama's weight-placement probe asks with a 512-token batch and an empty buffer; that must still
+// say yes, or the weights would not be placed in PI2 at all.
+static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) {
+    const struct pi2_device_ctx * d = pi2_device_ctx();
+    return d->prompt_on_cpu && w->buffer != NULL && ggml_backend_buffer_get_size(w->buffer) > 0 &&
+           n_tokens > d->sparse_batch_max;
+}
+
 static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
+        const struct ggml_tensor * w = op->op == GGML_OP_MUL_MAT ? op->src[0] : op->src[0]->src[0];
+        if (w != NULL && pi2_is_prompt_batch(w, op->ne[1])) {
+            return false;
+        }
+    }
     switch (op->op) {
         case GGML_OP_NONE:
         case GGML_OP_RESHAPE:
@@ -536,6 +552,15 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
             return;
         }
         d->down_sparse_max = v;
+    }
+    d->prompt_on_cpu = true;
+    const char * prompt = getenv("PI2_PROMPT");
+    if (prompt != NULL) {
+        if (strcmp(prompt, "cpu") != 0 && strcmp(prompt, "pi2") != 0) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_PROMPT=%s is not cpu or pi2", prompt);
+            return;
+        }
+        d->prompt_on_cpu = strcmp(prompt, "cpu") == 0;
     }
     const char * pred = getenv("PI2_PREDICTOR");
     if (pred != NULL) {
@@ -735,6 +760,10 @@ int pi2_binding_release(int id) {
     }
     pi2_binding_unref(found); // the weight buffers keep theirs until llama frees the model
     return 0;
+}
+
+void pi2_set_prompt_on_cpu(int on) {
+    pi2_device_ctx()->prompt_on_cpu = on != 0;
 }
 
 void pi2_set_predictor_always(int always) {
