@@ -126,11 +126,11 @@ def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
     try:
         relu_llm.reset()
         plugin.reset_counters()
-        relu_llm.eval(list(range(10, 40)))
+        relu_llm.eval(list(range(10, 39)))  # another shape: llama reuses a scheduled graph of the same shape
         c = plugin.read_counters()
     finally:
         plugin.set_prompt_on_cpu(True)
-    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 30).all()
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 29).all()
 
 
 def test_sparse_mode_without_sidecar_is_refused(smollm2: Path) -> None:

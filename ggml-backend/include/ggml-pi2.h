@@ -88,7 +88,7 @@ GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max
 GGML_BACKEND_API void pi2_set_predictor_always(int always);
 // Batches above the sparse limit (prompts) run in ggml-cpu's kernels on the weights in PI2's buffer (1,
 // the default; PI2_PROMPT=cpu) or in PI2's dense kernel (0; PI2_PROMPT=pi2). Takes effect at the next
-// graph llama schedules.
+// graph llama schedules (llama reuses a scheduled graph for a batch of the same shape).
 GGML_BACKEND_API void pi2_set_prompt_on_cpu(int on);
 
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
