@@ -55,6 +55,17 @@ def check_sidecar_matches(model: Path, sidecar: Path) -> None:
                            f"{model.name}'s 0x{ffn.fingerprint():016x})")
 
 
+def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None) -> tuple[Path | None, str]:
+    """(sidecar, mode) a model loads with, the sidecar validated by the plugin's reader and checked
+    against the model's weights; raises SidecarError naming the problem."""
+    path = resolve_sidecar(model, sidecar)
+    chosen = resolve_mode(mode, path)
+    if path is not None:
+        plugin.validate_sidecar_c(path)
+        check_sidecar_matches(model, path)
+    return path, chosen
+
+
 class Llama(llama_cpp.Llama):
     """Drop-in for llama_cpp.Llama: same arguments; the model's FFN runs in the PI2 backend.
 
@@ -67,11 +78,7 @@ class Llama(llama_cpp.Llama):
                  check_recall: bool = False, **kwargs: Any) -> None:
         path = check_model_file(model_path)
         plugin.register()
-        self.pi2_sidecar = resolve_sidecar(path, sidecar)
-        self.pi2_mode = resolve_mode(mode, self.pi2_sidecar)
-        if self.pi2_sidecar is not None:
-            plugin.validate_sidecar_c(self.pi2_sidecar)
-            check_sidecar_matches(path, self.pi2_sidecar)
+        self.pi2_sidecar, self.pi2_mode = prepare_sidecar(path, sidecar, mode)
         self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode)
         try:
             super().__init__(str(path), *args, **kwargs)

@@ -102,19 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
     args = ap.parse_args(argv)
     from .cli import resolve_model
-    from .llama import check_sidecar_matches, resolve_mode, resolve_sidecar
-    from .plugin import read_counters, validate_sidecar_c
+    from .llama import prepare_sidecar
+    from .plugin import read_counters
 
     if args.text is not None:
         text = "\n\n".join(corpus_mod.text_file(args.text).documents)
     else:
         text = "\n\n".join(corpus_mod.wiki().split()[1])
     model = resolve_model(args.model)
-    sidecar = None if args.no_plugin else resolve_sidecar(model, args.sidecar)
-    mode = "dense" if args.no_plugin else resolve_mode(args.mode, sidecar)
-    if sidecar is not None:
-        validate_sidecar_c(sidecar)
-        check_sidecar_matches(model, sidecar)
+    sidecar, mode = (None, "dense") if args.no_plugin else prepare_sidecar(model, args.sidecar, args.mode)
     res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
                      sidecar=sidecar, mode=mode)
     print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))

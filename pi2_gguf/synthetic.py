@@ -167,8 +167,7 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
         gw.add_tensor("output_norm.weight", np.ones(s.n_embd, np.float32))
         for il in tqdm(range(s.n_layer), desc="write layers", unit="layer", disable=not progress):
             for k, a in w.layer(il).items():
-                t = a if a.ndim == 1 else a
-                gw.add_tensor(f"blk.{il}.{k}.weight", *_as_tensor(t, QT.F32 if a.ndim == 1 else qtype))
+                gw.add_tensor(f"blk.{il}.{k}.weight", *_as_tensor(a, qtype))
         gw.write_header_to_file()
         gw.write_kv_data_to_file()
         gw.write_tensors_to_file(progress=False)

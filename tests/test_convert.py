@@ -17,16 +17,13 @@ from gguf import GGUFReader
 
 from pi2_gguf import bundles, corpus, plugin, sidecar, sparsity
 from pi2_gguf import sidecar_format as fmt
-from pi2_gguf.convert import convert
 from pi2_gguf.errors import SidecarError
 from pi2_gguf.model_ffn import ModelFfn, activation_values
 from pi2_gguf.predictor import Predictor, score_fn
-from pi2_gguf.profile import Profile, run_profile
+from pi2_gguf.profile import Profile
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
-from settings import SMOL_HELDOUT_TOKENS as HELDOUT_TOKENS  # noqa: E402
 from settings import SMOL_TARGET as TARGET  # noqa: E402
-from settings import SMOL_TRAIN_TOKENS as TRAIN_TOKENS  # noqa: E402
 
 
 def test_heldout_documents_are_not_training_documents() -> None:

@@ -9,21 +9,6 @@
 #include "ffn_names.h"
 #include "pi2_log.h"
 
-static bool pi2_work_reserve(struct pi2_backend_ctx * ctx, size_t size) {
-    if (ctx->work_size >= size) {
-        return true;
-    }
-    const size_t rounded = (size + 4095) & ~(size_t) 4095;
-    void * p = NULL;
-    if (posix_memalign(&p, 64, rounded) != 0) {
-        return false;
-    }
-    free(ctx->work);
-    ctx->work      = p;
-    ctx->work_size = rounded;
-    return true;
-}
-
 static int pi2_threads_for(const struct pi2_backend_ctx * ctx, int64_t units) {
     int n = ctx->n_threads > 0 ? ctx->n_threads : 1;
     return units < n ? (int) (units > 0 ? units : 1) : n;
@@ -80,7 +65,7 @@ static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct
         // the activation converter belongs to vec_dot_type, not to the weight type
         to_vec_dot = ggml_get_type_traits_cpu(vec_dot_type)->from_float;
         xq_stride  = ggml_row_size(vec_dot_type, k);
-        if (!pi2_work_reserve(ctx, xq_stride * (size_t) n_tokens)) {
+        if (pi2_work_reserve(ctx, xq_stride * (size_t) n_tokens) == NULL) {
             PI2_LOG_ERROR("pi2: out of memory for %lld activation rows\n", (long long) n_tokens);
             return GGML_STATUS_ALLOC_FAILED;
         }

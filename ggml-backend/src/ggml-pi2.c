@@ -182,7 +182,6 @@ static const char * pi2_backend_get_name(ggml_backend_t backend) {
 
 static void pi2_backend_free(ggml_backend_t backend) {
     struct pi2_backend_ctx * ctx = backend->context;
-    free(ctx->sparse_work);
     free(ctx->work);
     free(ctx);
     free(backend);
@@ -530,6 +529,22 @@ static struct pi2_device_ctx * pi2_device_ctx(void) {
     return &pi2_dev_ctx;
 }
 
+// *out = (env name is on_value), or dflt when unset; false (config_error set) for any other value
+static bool pi2_env_switch(struct pi2_device_ctx * d, const char * name, const char * on_value, const char * off_value,
+                           bool dflt, bool * out) {
+    const char * v = getenv(name);
+    *out = dflt;
+    if (v == NULL) {
+        return true;
+    }
+    if (strcmp(v, on_value) != 0 && strcmp(v, off_value) != 0) {
+        snprintf(d->config_error, sizeof(d->config_error), "%s=%s is not %s or %s", name, v, on_value, off_value);
+        return false;
+    }
+    *out = strcmp(v, on_value) == 0;
+    return true;
+}
+
 static void pi2_config_from_env(struct pi2_device_ctx * d) {
     d->sparse_batch_max = PI2_DEFAULT_SPARSE_BATCH;
     d->down_sparse_max  = PI2_DEFAULT_DOWN_SPARSE_MAX;
@@ -553,22 +568,9 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
         }
         d->down_sparse_max = v;
     }
-    d->prompt_on_cpu = true;
-    const char * prompt = getenv("PI2_PROMPT");
-    if (prompt != NULL) {
-        if (strcmp(prompt, "cpu") != 0 && strcmp(prompt, "pi2") != 0) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_PROMPT=%s is not cpu or pi2", prompt);
-            return;
-        }
-        d->prompt_on_cpu = strcmp(prompt, "cpu") == 0;
-    }
-    const char * pred = getenv("PI2_PREDICTOR");
-    if (pred != NULL) {
-        if (strcmp(pred, "always") != 0 && strcmp(pred, "auto") != 0) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_PREDICTOR=%s is not auto or always", pred);
-            return;
-        }
-        d->predictor_always = strcmp(pred, "always") == 0;
+    if (!pi2_env_switch(d, "PI2_PROMPT", "cpu", "pi2", true, &d->prompt_on_cpu) ||
+        !pi2_env_switch(d, "PI2_PREDICTOR", "always", "auto", false, &d->predictor_always)) {
+        return;
     }
     const char * mode_s = getenv("PI2_MODE");
     const char * path   = getenv("PI2_SIDECAR");

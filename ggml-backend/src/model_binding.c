@@ -58,8 +58,8 @@ static void pi2_store_row(enum ggml_type t, const float * src, char * dst, int64
 }
 
 static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, size_t errlen) {
-    const struct pi2_sidecar_layer * L = &b->sc->layer[il];
-    struct pi2_binding_layer *       B = &b->layer[il];
+    struct pi2_sidecar_layer * L = &b->sc->layer[il];
+    struct pi2_binding_layer * B = &b->layer[il];
     // the reader checked that the bundles lie inside the file it read; the mapping is that file
     if (L->bundles_offset + (uint64_t) L->n_ff * L->bundle_size > b->map_size) {
         snprintf(err, errlen, "sidecar %s: layer %u bundles end past the file (changed since it was read?)", b->sc->path, il);
@@ -95,6 +95,11 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
         B->b2_slot[j] = L->pred_b2[i];
     }
     free(row);
+    // the converted copies replace the F16 ones for the binding's life (113 MB on Qwen2.5-1.5B)
+    free(L->pred_w1);
+    free(L->pred_w2);
+    L->pred_w1 = NULL;
+    L->pred_w2 = NULL;
     atomic_init(&B->verified, 0);
     const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
     const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);

@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "ggml-backend-impl.h"
 #include "ggml-pi2.h"
@@ -36,11 +37,26 @@ struct pi2_device_ctx {
 struct pi2_backend_ctx {
     struct pi2_device_ctx * dev;
     int                     n_threads;
-    char *                  work;      // activations converted to vec_dot_type; grows, never shrinks
+    // scratch of the node being computed (converted activations, sparse decode's per-thread buffers);
+    // nodes run one after another, so one arena serves them all. Grows, never shrinks.
+    char *                  work;
     size_t                  work_size;
-    char *                  sparse_work; // sparse decode workspace; grows, never shrinks
-    size_t                  sparse_work_size;
 };
+
+// ctx->work with at least size bytes (64-byte aligned), or NULL when memory runs out
+static inline char * pi2_work_reserve(struct pi2_backend_ctx * ctx, size_t size) {
+    if (ctx->work_size < size) {
+        const size_t rounded = (size + 4095) & ~(size_t) 4095;
+        void * p = NULL;
+        if (posix_memalign(&p, 64, rounded) != 0) {
+            return NULL;
+        }
+        free(ctx->work);
+        ctx->work      = p;
+        ctx->work_size = rounded;
+    }
+    return ctx->work;
+}
 
 static inline void pi2_count(uint64_t * counter, uint64_t v) {
     __atomic_fetch_add(counter, v, __ATOMIC_RELAXED);

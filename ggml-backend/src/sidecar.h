@@ -1,7 +1,8 @@
 // The pi2 sidecar reader (docs/FORMAT.md). pi2_sidecar_open reads the file through ggml's GGUF reader,
 // refuses anything FORMAT.md says readers must refuse, and keeps what decode needs in memory: per-layer
 // metadata and the small tensors (predictor, frequencies, order). Bundles stay on disk; only their
-// file offset is kept, for the bundle reader. A pi2_sidecar is immutable once opened.
+// file offset is kept, for the bundle reader. A pi2_sidecar is immutable once opened, except that a model
+// binding (model_binding.c), which owns its sidecar, drops the F16 predictor weights once it has its copies.
 #pragma once
 
 #include <stddef.h>

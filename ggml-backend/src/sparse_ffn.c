@@ -31,20 +31,6 @@ static size_t pi2_align64(size_t n) {
     return (n + 63) & ~(size_t) 63;
 }
 
-static char * pi2_sparse_reserve(struct pi2_backend_ctx * ctx, size_t size) {
-    if (ctx->sparse_work_size < size) {
-        const size_t rounded = (size + 4095) & ~(size_t) 4095;
-        void * p = NULL;
-        if (posix_memalign(&p, 64, rounded) != 0) {
-            return NULL;
-        }
-        free(ctx->sparse_work);
-        ctx->sparse_work      = p;
-        ctx->sparse_work_size = rounded;
-    }
-    return ctx->sparse_work;
-}
-
 static float pi2_act(enum ggml_glu_op op, float g) {
     switch (op) {
         case GGML_GLU_OP_REGLU:     return g > 0.0f ? g : 0.0f;
@@ -412,7 +398,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
         total += sizes[k];
     }
-    char * w = pi2_sparse_reserve(ctx, total);
+    char * w = pi2_work_reserve(ctx, total);
     if (w == NULL) {
         PI2_LOG_ERROR("pi2: out of memory for the sparse decode workspace (%zu bytes)\n", total);
         return GGML_STATUS_ALLOC_FAILED;
