@@ -178,3 +178,8 @@ def test_bad_env_settings_fail_the_load_with_a_message(relu_model: tuple[Path, P
                      ({"PI2_MODE": "predicted"}, "needs a sidecar")):
         r = _run_app(APP.format(model=str(model)), env)
         assert r.returncode != 0 and msg in r.stderr, (env, r.stderr[-2000:])
+
+
+def test_model_file_given_as_sidecar_is_named_as_such(smollm2: Path) -> None:
+    with pytest.raises(SidecarError, match=r"is not a pi2 sidecar: general.architecture is 'llama'.*model file"):
+        pi2_gguf.Llama(str(smollm2), sidecar=smollm2, verbose=False)

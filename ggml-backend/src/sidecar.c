@@ -249,9 +249,19 @@ static int pi2_check_extents(struct pi2_reader * rd) {
             return pi2_fail(rd, "is truncated: tensor %s needs bytes up to %" PRIu64 " but the file has %" PRIu64 " bytes",
                             name, off + size, rd->file_size);
         }
+    }
+    return 0;
+}
+
+// after the identity check, so that a model file given as a sidecar is named as such
+static int pi2_check_alignment(struct pi2_reader * rd) {
+    const uint64_t data = gguf_get_data_offset(rd->gguf);
+    const int64_t  n    = gguf_get_n_tensors(rd->gguf);
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t off = data + gguf_get_tensor_offset(rd->gguf, i);
         if (off % PI2_BUNDLE_ALIGN != 0) {
             return pi2_fail(rd, "tensor %s starts at file offset %" PRIu64 ", not a multiple of %d (general.alignment is %zu, must be %d)",
-                            name, off, PI2_BUNDLE_ALIGN, gguf_get_alignment(rd->gguf), PI2_BUNDLE_ALIGN);
+                            gguf_get_tensor_name(rd->gguf, i), off, PI2_BUNDLE_ALIGN, gguf_get_alignment(rd->gguf), PI2_BUNDLE_ALIGN);
         }
     }
     return 0;
@@ -595,7 +605,8 @@ void pi2_sidecar_free(struct pi2_sidecar * sc) {
 }
 
 static int pi2_sidecar_read(struct pi2_reader * rd, struct pi2_sidecar * sc) {
-    if (pi2_open_gguf(rd) != 0 || pi2_check_extents(rd) != 0 || pi2_check_identity(rd) != 0) {
+    if (pi2_open_gguf(rd) != 0 || pi2_check_extents(rd) != 0 || pi2_check_identity(rd) != 0 ||
+        pi2_check_alignment(rd) != 0) {
         return -1;
     }
     uint32_t n_layer = 0;
