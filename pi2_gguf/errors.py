@@ -26,3 +26,7 @@ class ModelFetchError(Pi2Error):
 class SidecarError(Pi2Error):
     """A pi2 sidecar is missing, unreadable, not of this format version, inconsistent, or made for
     another model (the message is the C reader's: "sidecar PATH: problem")."""
+
+
+class MemoryBudgetError(Pi2Error):
+    """A memory budget is malformed, or too small to run the model (the message states the minimum)."""

@@ -8,8 +8,9 @@ from typing import Any, Sequence
 
 import llama_cpp
 
+from . import memory_budget as budgets
 from . import plugin
-from .errors import SidecarError
+from .errors import MemoryBudgetError, SidecarError
 from .gguf_check import check_model_file
 from .sidecar_format import sidecar_path_for
 
@@ -72,16 +73,33 @@ class Llama(llama_cpp.Llama):
     sidecar: the model's pi2 sidecar (default: PI2_SIDECAR, else MODEL.pi2.gguf beside the model if it
     exists; False: none). mode: "predicted" (default with a sidecar), "oracle" or "dense" (default
     without); PI2_MODE overrides the default. The model file is validated first, so a missing, non-GGUF
-    or truncated file raises pi2_gguf.ModelFileError naming the problem instead of a loader failure."""
+    or truncated file raises pi2_gguf.ModelFileError naming the problem instead of a loader failure.
+
+    memory_budget ("600MB", "2GiB", bytes; default PI2_MEMORY_BUDGET): the whole process stays within it.
+    The FFN then stays on flash: llama loads without mmap and PI2 keeps none of the FFN weights it is
+    handed (it checks them against the sidecar); what the budget leaves after llama's weights, KV cache
+    and compute buffers becomes the neuron cache. n_batch defaults to 32 then (llama sizes its compute
+    buffers by it). Raises MemoryBudgetError stating the minimum if the budget is too small."""
 
     def __init__(self, model_path: str | Path, *args: Any, sidecar: SidecarArg = None, mode: str | None = None,
-                 check_recall: bool = False, **kwargs: Any) -> None:
+                 check_recall: bool = False, memory_budget: str | int | None = None, **kwargs: Any) -> None:
         path = check_model_file(model_path)
         plugin.register()
         self.pi2_sidecar, self.pi2_mode = prepare_sidecar(path, sidecar, mode)
-        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode)
+        budget_arg = memory_budget if memory_budget is not None else os.environ.get("PI2_MEMORY_BUDGET") or None
+        self.pi2_memory_budget = None if budget_arg is None else budgets.parse_size(budget_arg)
+        if self.pi2_memory_budget is not None:
+            if self.pi2_sidecar is None:
+                raise MemoryBudgetError(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`")
+            if kwargs.get("use_mmap", False):
+                raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
+            kwargs["use_mmap"] = False
+            kwargs.setdefault("n_batch", 32)
+            budgets.precheck(self.pi2_memory_budget, path, self.pi2_sidecar)
+        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None)
         try:
-            super().__init__(str(path), *args, **kwargs)
+            with budgets.compute_buffer_log() as compute:
+                super().__init__(str(path), *args, **kwargs)
         except BaseException:
             if self.pi2_binding:
                 plugin.release_binding(self.pi2_binding)
@@ -89,8 +107,21 @@ class Llama(llama_cpp.Llama):
         finally:
             plugin.load_end()
         self._pi2_constructed = True
+        if self.pi2_memory_budget is not None:
+            # what llama will still touch: its compute buffers, and the logits array with logits_all
+            reserved = sum(compute) + (self.scores.nbytes if self._logits_all else 0)
+            budgets.drop_page_cache(path)
+            try:
+                plugin.set_budget(self.pi2_binding, self.pi2_memory_budget, reserved)
+            except MemoryBudgetError:
+                self.close()
+                raise
         if check_recall:
             self.set_check_recall(True)
+
+    def cache_info(self) -> plugin.CacheInfo | None:
+        """The neuron cache's segments, with a memory budget; None without."""
+        return plugin.cache_info(self.pi2_binding) if self.pi2_binding else None
 
     def set_mode(self, mode: str) -> None:
         """Switches between dense, oracle and predicted decode without reloading."""

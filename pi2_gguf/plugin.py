@@ -45,7 +45,42 @@ class _LayerCounters(ctypes.Structure):
         ("down_sparse_tokens", ctypes.c_uint64),
         ("checked_tokens", ctypes.c_uint64),
         ("missed", ctypes.c_uint64),
+        ("hot_hits", ctypes.c_uint64),
+        ("cold_hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("bytes_read", ctypes.c_uint64),
+        ("io_requests", ctypes.c_uint64),
+        ("io_wait_ns", ctypes.c_uint64),
     ]
+
+
+class _CacheInfo(ctypes.Structure):
+    _fields_ = [
+        ("fixed_bytes", ctypes.c_uint64),
+        ("hot_bytes", ctypes.c_uint64),
+        ("cold_bytes", ctypes.c_uint64),
+        ("hot_neurons", ctypes.c_uint64),
+        ("n_cold", ctypes.c_uint32),
+        ("direct_io", ctypes.c_uint32),
+        ("freq_cutoff", ctypes.c_float),
+        ("pad", ctypes.c_uint32),
+        ("ffn_ns", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The neuron cache of a model with a memory budget: segment sizes (bytes), hot neurons (all layers),
+    cold entries, whether reads bypass the page cache, and time spent in its FFN layers."""
+
+    fixed_bytes: int
+    hot_bytes: int
+    cold_bytes: int
+    hot_neurons: int
+    n_cold: int
+    direct_io: bool
+    freq_cutoff: float
+    ffn_seconds: float
 
 
 class _Counters(ctypes.Structure):
@@ -81,6 +116,14 @@ class Counters:
     down_sparse_tokens: np.ndarray
     checked_tokens: np.ndarray
     missed: np.ndarray
+    # flash-resident FFN (memory budget), per layer: bundles found in the hot segment, in the cold
+    # segment, read from the sidecar; bytes read; read requests; time the threads waited (ns, per thread)
+    hot_hits: np.ndarray
+    cold_hits: np.ndarray
+    misses: np.ndarray
+    bytes_read: np.ndarray
+    io_requests: np.ndarray
+    io_wait_ns: np.ndarray
 
     def active_per_token(self) -> np.ndarray:
         """Mean active neurons per sparsely decoded token, per layer (nan where none ran sparse)."""
@@ -176,6 +219,15 @@ def register() -> Path:
             raise PluginError(f"PI2 plugin: {err.value.decode('utf-8', 'replace')}")
         plugin.pi2_load_begin.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         plugin.pi2_load_begin.restype = ctypes.c_int
+        plugin.pi2_load_begin_flash.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_load_begin_flash.restype = ctypes.c_int
+        plugin.pi2_binding_set_budget.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
+                                                  ctypes.c_size_t]
+        plugin.pi2_binding_set_budget.restype = ctypes.c_int
+        plugin.pi2_binding_cache_info.argtypes = [ctypes.c_int, ctypes.POINTER(_CacheInfo)]
+        plugin.pi2_binding_cache_info.restype = ctypes.c_int
+        plugin.pi2_binding_inject_read_fault.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+        plugin.pi2_binding_inject_read_fault.restype = ctypes.c_int
         plugin.pi2_load_end.argtypes = []
         plugin.pi2_load_end.restype = None
         for fn in ("pi2_binding_set_mode", "pi2_binding_set_check_recall"):
@@ -225,7 +277,8 @@ def read_counters() -> Counters:
         glu_calls=np.array([lc.glu_calls for lc in layers], dtype=np.uint64),
         glu_tokens=np.array([lc.glu_tokens for lc in layers], dtype=np.uint64),
         **{name: np.array([getattr(lc, name) for lc in layers], dtype=np.uint64)
-           for name in ("sparse_tokens", "neurons", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed")},
+           for name in ("sparse_tokens", "neurons", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed",
+                        "hot_hits", "cold_hits", "misses", "bytes_read", "io_requests", "io_wait_ns")},
     )
 
 
@@ -239,11 +292,13 @@ def mode_value(mode: str) -> int:
     return MODES[mode]
 
 
-def load_begin(sidecar: str | os.PathLike[str] | None, mode: str) -> int:
+def load_begin(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = False) -> int:
     """Binds the PI2 weight buffers of the next model load to this sidecar and mode (the sidecar is
-    opened and checked now). Returns the binding id (0 without a sidecar). Pair with load_end()."""
+    opened and checked now). Returns the binding id (0 without a sidecar). Pair with load_end().
+    flash: the FFN stays on flash (a memory budget; size the cache with set_budget after the load)."""
     err = ctypes.create_string_buffer(_ERR_LEN)
-    rc = _require().pi2_load_begin(None if sidecar is None else os.fsencode(sidecar), mode_value(mode), err, _ERR_LEN)
+    begin = _require().pi2_load_begin_flash if flash else _require().pi2_load_begin
+    rc = begin(None if sidecar is None else os.fsencode(sidecar), mode_value(mode), err, _ERR_LEN)
     if rc < 0:
         raise SidecarError(err.value.decode("utf-8", "replace"))
     return int(rc)
@@ -268,6 +323,31 @@ def binding_error(binding: int) -> str:
     if _require().pi2_binding_error(binding, err, _ERR_LEN) != 0:
         return ""
     return err.value.decode("utf-8", "replace")
+
+
+def set_budget(binding: int, budget: int, reserved: int) -> None:
+    """Sizes a flash binding's neuron cache: budget minus this process's resident memory now, minus
+    reserved (bytes that will be touched later), minus tables and margin; reads the hot segment.
+    Raises MemoryBudgetError stating the minimum when the budget is too small."""
+    from .errors import MemoryBudgetError
+
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _require().pi2_binding_set_budget(binding, int(budget), int(reserved), err, _ERR_LEN) != 0:
+        raise MemoryBudgetError(err.value.decode("utf-8", "replace"))
+
+
+def cache_info(binding: int) -> CacheInfo | None:
+    raw = _CacheInfo()
+    if _require().pi2_binding_cache_info(binding, ctypes.byref(raw)) != 0:
+        return None
+    return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons), int(raw.n_cold),
+                     bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9)
+
+
+def inject_read_fault(binding: int, after: int, errno_value: int) -> None:
+    """Testing: the bundle read after `after` more reads fails with errno_value."""
+    if _require().pi2_binding_inject_read_fault(binding, int(after), int(errno_value)) != 0:
+        raise PluginError(f"PI2 binding {binding} has no neuron cache")
 
 
 def release_binding(binding: int) -> None:

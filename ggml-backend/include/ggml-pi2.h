@@ -46,6 +46,13 @@ struct pi2_layer_counters {
     uint64_t down_sparse_tokens; // tokens whose down ran as a sum of active columns (else dense rows)
     uint64_t checked_tokens;     // tokens with the recall check on
     uint64_t missed;             // active neurons the predictor did not select (recall check only)
+    // flash-resident FFN (a memory budget): bundles the tokens needed, by where they were found
+    uint64_t hot_hits;           // in the pinned hot segment
+    uint64_t cold_hits;          // in the cold segment
+    uint64_t misses;             // read from the sidecar
+    uint64_t bytes_read;         // by those reads
+    uint64_t io_requests;        // reads issued (consecutive bundles share one)
+    uint64_t io_wait_ns;         // time the compute threads waited for bundles (per thread, on average)
 };
 
 struct pi2_counters {
@@ -70,6 +77,30 @@ GGML_BACKEND_API const char * pi2_build_info(void);
 // Without these calls, PI2_SIDECAR and PI2_MODE (read when the backend registers) apply to every load.
 GGML_BACKEND_API int  pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen);
 GGML_BACKEND_API void pi2_load_end(void);
+// As pi2_load_begin, for a model whose FFN stays on flash: its weight buffers keep nothing (each upload is
+// checked against the sidecar), and bundles are read through a neuron cache sized by pi2_binding_set_budget
+// (or, without that call, from PI2_MEMORY_BUDGET at the first compute). Load with use_mmap off.
+GGML_BACKEND_API int  pi2_load_begin_flash(const char * sidecar_path, int mode, char * err, size_t errlen);
+// Sizes the neuron cache of a flash binding for a whole-process memory budget: budget minus this process's
+// resident memory now, minus `reserved` (bytes the caller knows will be touched later, e.g. llama's
+// compute buffers), minus the cache's tables and a margin. Reads the hot segment. 0, or -1 with err stating
+// the minimum budget.
+GGML_BACKEND_API int  pi2_binding_set_budget(int id, uint64_t budget, uint64_t reserved, char * err, size_t errlen);
+
+struct pi2_cache_info {
+    uint64_t fixed_bytes;   // predictors
+    uint64_t hot_bytes, cold_bytes;
+    uint64_t hot_neurons;   // summed over layers
+    uint32_t n_cold;        // cold entries
+    uint32_t direct_io;     // 1 when reads bypass the page cache (O_DIRECT)
+    float    freq_cutoff;   // neurons at least this frequently active (profile) are hot
+    uint32_t pad;
+    uint64_t ffn_ns;        // time in flash FFN layers since the cache was made
+};
+// -1 for an unknown id or a binding without a cache
+GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);
+// Testing: the request after `after` more bundle reads fails with errno err (0 disarms)
+GGML_BACKEND_API int  pi2_binding_inject_read_fault(int id, int64_t after, int err);
 // -1 and the message when PI2_SIDECAR/PI2_MODE/PI2_SPARSE_BATCH/PI2_DOWN_SPARSE_MAX were refused at
 // registration (every weight buffer allocation then fails); 0 otherwise
 GGML_BACKEND_API int pi2_config_error(char * err, size_t errlen);

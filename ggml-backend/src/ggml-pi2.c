@@ -1,10 +1,15 @@
 // PI2 ggml backend: glue only (buffer type, backend, device, registry), in the shape of ggml-blas.
 // The FFN work itself lives in ffn_exec.c (scheduling) and the kernel files beside it.
+// MAP_ANONYMOUS and MAP_NORESERVE are outside POSIX
+#define _DEFAULT_SOURCE
 #include "ggml-pi2.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/mman.h>
 
 #include "ffn_exec.h"
 #include "ffn_names.h"
@@ -37,15 +42,23 @@ static struct pi2_device_ctx * pi2_device_ctx(void);
 
 // A PI2 buffer: its memory (owned, or llama's mmap of the model file) and the model binding that was
 // pending when llama allocated it (NULL for models without a sidecar).
+// A flash buffer (the binding has a memory budget) holds no memory: its address range is reserved
+// PROT_NONE so tensors get addresses, and any stray access faults instead of reading garbage.
 struct pi2_buffer_ctx {
     void *               data;
     bool                 owned;
+    bool                 flash;
+    size_t               reserved; // flash: bytes of address space
     struct pi2_binding * binding;
 };
 
 static void pi2_buffer_free(ggml_backend_buffer_t buffer) {
     struct pi2_buffer_ctx * bc = buffer->context;
-    if (bc->owned) {
+    if (bc->flash) {
+        if (bc->data != NULL && munmap(bc->data, bc->reserved) != 0) {
+            PI2_LOG_ERROR("pi2: munmap of a flash weight buffer failed: %s\n", strerror(errno));
+        }
+    } else if (bc->owned) {
         free(bc->data);
     }
     pi2_binding_unref(bc->binding);
@@ -59,32 +72,58 @@ static void * pi2_buffer_get_base(ggml_backend_buffer_t buffer) {
 }
 
 static void pi2_buffer_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, uint8_t value, size_t offset, size_t size) {
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    if (bc->flash) {
+        return; // nothing is kept
+    }
     memset((char *) tensor->data + offset, value, size);
-    GGML_UNUSED(buffer);
+}
+
+// flash: llama uploads an FFN weight; it is checked against the sidecar (which holds its bytes as
+// bundles) and not kept
+static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor * tensor, const void * data, size_t offset,
+                                 size_t size) {
+    int layer = -1;
+    enum pi2_matrix m;
+    if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
+        PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
+        return;
+    }
+    pi2_binding_check_upload(bc->binding, layer, m, tensor, data, offset == 0 ? size : 0);
 }
 
 static void pi2_buffer_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    if (bc->flash) {
+        pi2_flash_set_tensor(bc, tensor, data, offset, size);
+        return;
+    }
     memcpy((char *) tensor->data + offset, data, size);
-    GGML_UNUSED(buffer);
 }
 
 static void pi2_buffer_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    if (bc->flash) {
+        // the weights are on flash in bundle form; NaN rather than plausible zeros if anything asks
+        PI2_LOG_ERROR("pi2: %s lives on flash and cannot be read back\n", tensor->name);
+        memset(data, 0xff, size);
+        return;
+    }
     memcpy(data, (const char *) tensor->data + offset, size);
-    GGML_UNUSED(buffer);
 }
 
 static bool pi2_buffer_cpy_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * src, struct ggml_tensor * dst) {
-    if (ggml_backend_buffer_is_host(src->buffer)) {
+    const struct pi2_buffer_ctx * bc = buffer->context;
+    if (!bc->flash && ggml_backend_buffer_is_host(src->buffer)) {
         memcpy(dst->data, src->data, ggml_nbytes(src));
         return true;
     }
     return false;
-    GGML_UNUSED(buffer);
 }
 
 static void pi2_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
     const struct pi2_buffer_ctx * bc = buffer->context;
-    if (bc->data != NULL) {
+    if (bc->data != NULL && !bc->flash) {
         memset(bc->data, value, buffer->size);
     }
 }
@@ -135,6 +174,28 @@ static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     return bc;
 }
 
+static ggml_backend_buffer_t pi2_flash_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+    const size_t reserved = size > 0 ? (size + 4095) & ~(size_t) 4095 : 0;
+    void * data = NULL;
+    if (reserved > 0) {
+        data = mmap(NULL, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (data == MAP_FAILED) {
+            PI2_LOG_ERROR("pi2: cannot reserve %zu bytes of address space: %s\n", reserved, strerror(errno));
+            return NULL;
+        }
+    }
+    struct pi2_buffer_ctx * bc = pi2_buffer_ctx_new(data, true);
+    if (bc == NULL) {
+        if (data != NULL) {
+            munmap(data, reserved);
+        }
+        return NULL;
+    }
+    bc->flash    = true;
+    bc->reserved = reserved;
+    return ggml_backend_buffer_init(buft, pi2_buffer_i, bc, size);
+}
+
 static ggml_backend_buffer_t pi2_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
     void * data = NULL;
     if (size > 0) {
@@ -162,6 +223,12 @@ static bool pi2_buft_is_host(ggml_backend_buffer_type_t buft) {
     GGML_UNUSED(buft);
 }
 
+// not host memory: llama then uploads each weight through set_tensor instead of reading into ->data
+static bool pi2_flash_buft_is_host(ggml_backend_buffer_type_t buft) {
+    return false;
+    GGML_UNUSED(buft);
+}
+
 static const struct ggml_backend_buffer_type_i pi2_buft_i = {
     /* .get_name       = */ pi2_buft_get_name,
     /* .alloc_buffer   = */ pi2_buft_alloc_buffer,
@@ -169,6 +236,16 @@ static const struct ggml_backend_buffer_type_i pi2_buft_i = {
     /* .get_max_size   = */ NULL,
     /* .get_alloc_size = */ NULL,
     /* .is_host        = */ pi2_buft_is_host,
+};
+
+// weights of a model loaded with a memory budget (the binding pending at load is flash)
+static const struct ggml_backend_buffer_type_i pi2_flash_buft_i = {
+    /* .get_name       = */ pi2_buft_get_name,
+    /* .alloc_buffer   = */ pi2_flash_buft_alloc_buffer,
+    /* .get_alignment  = */ pi2_buft_get_alignment,
+    /* .get_max_size   = */ NULL,
+    /* .get_alloc_size = */ NULL,
+    /* .is_host        = */ pi2_flash_buft_is_host,
 };
 
 //
@@ -218,7 +295,8 @@ static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct ggml_cgrap
         return 4;
     }
     const int mode = atomic_load(&b->mode);
-    if (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > ctx->dev->sparse_batch_max) {
+    // flash: every batch and mode runs here, the weights being nowhere else
+    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > ctx->dev->sparse_batch_max)) {
         return 0;
     }
     *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
@@ -368,9 +446,16 @@ static ggml_backend_t pi2_device_init_backend(ggml_backend_dev_t dev, const char
     GGML_UNUSED(params);
 }
 
+// A model loading for a memory budget gets the flash buffer type for its weights. llama allocates all
+// weight buffers before it uploads any weight, and creates contexts (compute buffers, which must be real
+// memory) after; llama-cpp-python does both inside one constructor, so the first upload ends the flash
+// answers.
 static ggml_backend_buffer_type_t pi2_device_get_buffer_type(ggml_backend_dev_t dev) {
     struct pi2_device_ctx * dctx = dev->context;
-    return &dctx->buft;
+    pthread_mutex_lock(&dctx->lock);
+    const bool flash = dctx->pending != NULL && dctx->pending->flash && !atomic_load(&dctx->pending->uploading);
+    pthread_mutex_unlock(&dctx->lock);
+    return flash ? &dctx->flash_buft : &dctx->buft;
 }
 
 static ggml_backend_buffer_t pi2_device_buffer_from_host_ptr(ggml_backend_dev_t dev, void * ptr, size_t size, size_t max_tensor_size) {
@@ -383,7 +468,8 @@ static ggml_backend_buffer_t pi2_device_buffer_from_host_ptr(ggml_backend_dev_t 
 }
 
 static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
-    return t != NULL && t->buffer != NULL && t->buffer->buft == pi2_device_get_buffer_type(dev);
+    const struct pi2_device_ctx * dctx = dev->context;
+    return t != NULL && t->buffer != NULL && (t->buffer->buft == &dctx->buft || t->buffer->buft == &dctx->flash_buft);
 }
 
 // MUL_MAT of an FFN weight held in a PI2 buffer by an f32 activation ggml-cpu can dot with it
@@ -427,9 +513,10 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
 // weights in place from PI2's host buffer: its batched matmul measured 1.5-2.5x PI2's row-by-row kernel
 // here. llama's weight-placement probe asks with a 512-token batch and an empty buffer; that must still
 // say yes, or the weights would not be placed in PI2 at all.
+// (Flash weights are not in memory, so their prompts stay in PI2.)
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
-    return d->prompt_on_cpu && w->buffer != NULL && ggml_backend_buffer_get_size(w->buffer) > 0 &&
+    return d->prompt_on_cpu && w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0 &&
            n_tokens > d->sparse_batch_max;
 }
 
@@ -458,8 +545,8 @@ static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_ten
 }
 
 static bool pi2_device_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {
-    return ggml_backend_buft_is_host(buft);
-    GGML_UNUSED(dev);
+    const struct pi2_device_ctx * dctx = dev->context;
+    return ggml_backend_buft_is_host(buft) || buft == &dctx->flash_buft;
 }
 
 static const struct ggml_backend_device_i pi2_device_i = {
@@ -545,6 +632,31 @@ static bool pi2_env_switch(struct pi2_device_ctx * d, const char * name, const c
     return true;
 }
 
+// "600MB" (10^6), "2GiB" (2^30), "1500000000" -> bytes; 0 on success
+static int pi2_parse_size(const char * s, uint64_t * out) {
+    char * end = NULL;
+    errno = 0;
+    const double v = strtod(s, &end);
+    if (end == s || errno != 0 || !(v > 0.0)) {
+        return -1;
+    }
+    while (*end == ' ') {
+        end++;
+    }
+    static const struct { const char * unit; double mul; } units[] = {
+        { "", 1.0 }, { "B", 1.0 }, { "K", 1e3 }, { "KB", 1e3 }, { "KiB", 1024.0 }, { "M", 1e6 }, { "MB", 1e6 },
+        { "MiB", 1048576.0 }, { "G", 1e9 }, { "GB", 1e9 }, { "GiB", 1073741824.0 }, { "T", 1e12 }, { "TB", 1e12 },
+        { "TiB", 1099511627776.0 },
+    };
+    for (size_t k = 0; k < sizeof(units) / sizeof(units[0]); ++k) {
+        if (strcasecmp(end, units[k].unit) == 0) {
+            *out = (uint64_t) (v * units[k].mul);
+            return 0;
+        }
+    }
+    return -1;
+}
+
 static void pi2_config_from_env(struct pi2_device_ctx * d) {
     d->sparse_batch_max = PI2_DEFAULT_SPARSE_BATCH;
     d->down_sparse_max  = PI2_DEFAULT_DOWN_SPARSE_MAX;
@@ -580,18 +692,30 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
         return;
     }
     if (path == NULL || path[0] == '\0') {
+        if (getenv("PI2_MEMORY_BUDGET") != NULL) {
+            snprintf(d->config_error, sizeof(d->config_error), "PI2_MEMORY_BUDGET needs a sidecar: set PI2_SIDECAR "
+                     "(pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)");
+            return;
+        }
         if (mode_s != NULL && mode != PI2_MODE_DENSE) {
             snprintf(d->config_error, sizeof(d->config_error), "PI2_MODE=%s needs a sidecar: set PI2_SIDECAR "
                      "(pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)", mode_s);
         }
         return;
     }
+    const char * budget_s = getenv("PI2_MEMORY_BUDGET");
+    uint64_t budget = 0;
+    if (budget_s != NULL && budget_s[0] != '\0' && pi2_parse_size(budget_s, &budget) != 0) {
+        snprintf(d->config_error, sizeof(d->config_error), "PI2_MEMORY_BUDGET=%s is not a size (e.g. 600MB, 2GiB, 1500000000)", budget_s);
+        return;
+    }
     char err[sizeof(d->config_error) - 16];
-    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, err, sizeof(err));
+    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, budget > 0, err, sizeof(err));
     if (d->env_binding == NULL) {
         snprintf(d->config_error, sizeof(d->config_error), "PI2_SIDECAR: %s", err);
         return;
     }
+    d->env_binding->env_budget = budget;
     d->pending = d->env_binding;
 }
 
@@ -603,6 +727,11 @@ ggml_backend_reg_t ggml_backend_pi2_reg(void) {
         pi2_glu_tables_init(&pi2_dev_ctx.glu);
         pi2_dev_ctx.buft = (struct ggml_backend_buffer_type) {
             /* .iface   = */ pi2_buft_i,
+            /* .device  = */ &pi2_device,
+            /* .context = */ &pi2_dev_ctx,
+        };
+        pi2_dev_ctx.flash_buft = (struct ggml_backend_buffer_type) {
+            /* .iface   = */ pi2_flash_buft_i,
             /* .device  = */ &pi2_device,
             /* .context = */ &pi2_dev_ctx,
         };
@@ -629,13 +758,17 @@ void pi2_counters_reset(void) {
     memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
 }
 
-int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
+static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, char * err, size_t errlen) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
         snprintf(err, errlen, "mode %d is not dense (0), oracle (1) or predicted (2)", mode);
         return -1;
     }
     if (sidecar_path == NULL) {
+        if (flash) {
+            snprintf(err, errlen, "a memory budget needs a sidecar (pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)");
+            return -1;
+        }
         if (mode != PI2_MODE_DENSE) {
             snprintf(err, errlen, "mode %s needs a sidecar", mode == PI2_MODE_ORACLE ? "oracle" : "predicted");
             return -1;
@@ -661,7 +794,7 @@ int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errle
         snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
         return -1;
     }
-    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, err, errlen);
+    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, err, errlen);
     if (b == NULL) {
         return -1;
     }
@@ -677,6 +810,14 @@ int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errle
     d->pending = b;         // the pending reference, dropped by pi2_load_end
     pthread_mutex_unlock(&d->lock);
     return id;
+}
+
+int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, false, err, errlen);
+}
+
+int pi2_load_begin_flash(const char * sidecar_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, true, err, errlen);
 }
 
 int pi2_config_error(char * err, size_t errlen) {
@@ -744,6 +885,61 @@ int pi2_binding_error(int id, char * err, size_t errlen) {
     snprintf(err, errlen, "%s", b->error);
     pi2_binding_unref(b);
     return 0;
+}
+
+int pi2_binding_set_budget(int id, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        snprintf(err, errlen, "no model binding %d", id);
+        return -1;
+    }
+    char msg[1024];
+    const int r = pi2_binding_size_cache(b, budget, reserved, msg, sizeof(msg));
+    if (r != 0) {
+        snprintf(err, errlen, "%s", msg);
+    }
+    pi2_binding_unref(b);
+    return r;
+}
+
+int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    int r = -1;
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&b->cache_lock);
+    if (b->cache != NULL) {
+        const struct pi2_cache_plan * plan = pi2_cache_get_plan(b->cache);
+        out->fixed_bytes = b->fixed_bytes;
+        out->hot_bytes   = plan->hot_bytes;
+        out->cold_bytes  = plan->cold_bytes;
+        out->hot_neurons = plan->hot_neurons;
+        out->n_cold      = plan->n_cold;
+        out->freq_cutoff = plan->freq_cutoff;
+        out->direct_io   = pi2_cache_direct_io(b->cache);
+        out->ffn_ns      = b->ffn_ns;
+        r = 0;
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    pi2_binding_unref(b);
+    return r;
+}
+
+int pi2_binding_inject_read_fault(int id, int64_t after, int err) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    pthread_mutex_lock(&b->cache_lock);
+    const int r = b->cache != NULL ? 0 : -1;
+    if (b->cache != NULL) {
+        pi2_cache_inject_fault(b->cache, after, err);
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    pi2_binding_unref(b);
+    return r;
 }
 
 int pi2_binding_release(int id) {

@@ -14,6 +14,8 @@
 #include "pi2_log.h"
 
 static void pi2_binding_destroy(struct pi2_binding * b) {
+    pi2_cache_free(b->cache);
+    pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {
         for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
             free(b->layer[il].w1);
@@ -61,7 +63,7 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
     struct pi2_sidecar_layer * L = &b->sc->layer[il];
     struct pi2_binding_layer * B = &b->layer[il];
     // the reader checked that the bundles lie inside the file it read; the mapping is that file
-    if (L->bundles_offset + (uint64_t) L->n_ff * L->bundle_size > b->map_size) {
+    if (!b->flash && L->bundles_offset + (uint64_t) L->n_ff * L->bundle_size > b->map_size) {
         snprintf(err, errlen, "sidecar %s: layer %u bundles end past the file (changed since it was read?)", b->sc->path, il);
         return -1;
     }
@@ -70,7 +72,7 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
                  b->sc->path, il, ggml_type_name(L->down_type));
         return -1;
     }
-    B->bundles = b->map + L->bundles_offset;
+    B->bundles = b->flash ? NULL : b->map + L->bundles_offset;
     const uint32_t n_embd = b->sc->n_embd;
     B->pred_type = (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     B->w1_stride = ggml_row_size(B->pred_type, n_embd);
@@ -101,13 +103,17 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
     L->pred_w1 = NULL;
     L->pred_w2 = NULL;
     atomic_init(&B->verified, 0);
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        atomic_init(&B->uploaded[m], 0);
+    }
+    b->fixed_bytes += (uint64_t) L->rank * B->w1_stride + (uint64_t) L->n_ff * (B->w2_stride + sizeof(float));
     const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
     const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
     B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
     return 0;
 }
 
-struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, char * err, size_t errlen) {
+struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, char * err, size_t errlen) {
     struct pi2_binding * b = calloc(1, sizeof(*b));
     if (b == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
@@ -117,6 +123,10 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     atomic_init(&b->refs, 1);
     atomic_init(&b->mode, mode);
     atomic_init(&b->check_recall, 0);
+    pthread_mutex_init(&b->cache_lock, NULL);
+    b->flash      = flash;
+    atomic_init(&b->uploading, false);
+    b->io_threads = 8;
     if (pi2_sidecar_open(sidecar_path, &b->sc, err, errlen) != 0) {
         free(b);
         return NULL;
@@ -127,7 +137,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
         pi2_binding_destroy(b);
         return NULL;
     }
-    if (pi2_map_file(b, err, errlen) != 0) {
+    if (!flash && pi2_map_file(b, err, errlen) != 0) {
         pi2_binding_destroy(b);
         return NULL;
     }
@@ -163,6 +173,21 @@ bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct gg
         return state > 0;
     }
     const struct ggml_tensor * w[PI2_N_MATRIX] = { w_gate, w_up, w_down };
+    if (b->flash) { // the weights were checked as llama uploaded them (pi2_binding_check_upload)
+        for (int m = 0; m < PI2_N_MATRIX; ++m) {
+            const int up = atomic_load(&B->uploaded[m]);
+            if (up == 0) {
+                snprintf(b->error, sizeof(b->error), "sidecar %s: weight %s was not uploaded whole, so it could not be "
+                         "checked against the sidecar", b->sc->path, w[m]->name);
+            }
+            if (up <= 0) {
+                atomic_store(&B->verified, -1);
+                return false;
+            }
+        }
+        atomic_store(&B->verified, 1);
+        return true;
+    }
     char err[sizeof(b->error)];
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
         if (pi2_sidecar_check_tensor(b->sc, layer, m, w[m]->type, w[m]->ne[0], w[m]->ne[1], w[m]->data,
@@ -190,4 +215,80 @@ int pi2_mode_parse(const char * s) {
         return PI2_MODE_PREDICTED;
     }
     return -1;
+}
+
+void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, const struct ggml_tensor * w, const void * data,
+                              size_t nbytes) {
+    if (layer < 0 || (uint32_t) layer >= b->sc->n_layer) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s has %u layers, but the model has a layer %d: "
+                 "the sidecar was made for another model", b->sc->path, b->sc->n_layer, layer);
+        return; // verify_layer refuses the layer at the first compute
+    }
+    atomic_store(&b->uploading, true);
+    char err[sizeof(b->error)];
+    struct pi2_binding_layer * B = &b->layer[layer];
+    if (nbytes != ggml_nbytes(w)) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s: weight %s was uploaded in parts, which a memory budget "
+                 "cannot check", b->sc->path, w->name);
+        atomic_store(&B->uploaded[matrix], 0);
+        return;
+    }
+    if (pi2_sidecar_check_tensor(b->sc, layer, matrix, w->type, w->ne[0], w->ne[1], data, nbytes, err, sizeof(err)) != 0) {
+        memcpy(b->error, err, sizeof(err));
+        atomic_store(&B->uploaded[matrix], -1);
+        return;
+    }
+    atomic_store(&B->uploaded[matrix], 1);
+}
+
+uint64_t pi2_resident_bytes(void) {
+    FILE * f = fopen("/proc/self/statm", "r");
+    if (f == NULL) {
+        return 0;
+    }
+    unsigned long long size = 0, resident = 0;
+    const int n = fscanf(f, "%llu %llu", &size, &resident);
+    fclose(f);
+    const long page = sysconf(_SC_PAGESIZE);
+    return n == 2 && page > 0 ? (uint64_t) resident * (uint64_t) page : 0;
+}
+
+static double pi2_mb(uint64_t v) {
+    return (double) v / 1e6;
+}
+
+int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
+    if (!b->flash) {
+        snprintf(err, errlen, "sidecar %s: the model was loaded without a memory budget", b->sc->path);
+        return -1;
+    }
+    pthread_mutex_lock(&b->cache_lock);
+    if (b->cache != NULL) { // a new budget replaces the cache (its hot segment is read again)
+        pi2_cache_free(b->cache);
+        b->cache = NULL;
+    }
+    const uint64_t resident = pi2_resident_bytes();
+    const uint64_t overhead = pi2_cache_overhead_bytes(b->sc) + PI2_BUDGET_MARGIN;
+    const uint64_t min_cache = pi2_cache_min_bytes(b->sc);
+    const uint64_t fixed = resident + reserved + overhead;
+    if (resident == 0 || budget < fixed + min_cache) {
+        snprintf(err, errlen, "memory budget %.0f MB is too small for this model: it needs at least %.0f MB "
+                 "(resident now %.0f MB: llama.cpp's weights and KV cache, the predictors %.0f MB, the runtime; "
+                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles; tables and margin %.0f MB)",
+                 pi2_mb(budget), pi2_mb(fixed + min_cache), pi2_mb(resident), pi2_mb(b->fixed_bytes), pi2_mb(reserved),
+                 pi2_mb(min_cache), pi2_mb(overhead));
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
+    struct pi2_cache_plan plan;
+    if (!pi2_cache_plan(b->sc, budget - fixed, &plan)) {
+        snprintf(err, errlen, "sidecar %s: cannot plan a neuron cache of %.0f MB", b->sc->path, pi2_mb(budget - fixed));
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
+    b->cache = pi2_cache_create(b->sc, &plan, b->io_threads, err, errlen);
+    memset(&b->io, 0, sizeof(b->io));
+    b->io_wait_ns = b->ffn_ns = 0;
+    pthread_mutex_unlock(&b->cache_lock);
+    return b->cache != NULL ? 0 : -1;
 }

@@ -6,16 +6,18 @@
 // up rows and down columns front to back.
 #pragma once
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 #include "ggml-pi2.h"
 #include "ggml.h"
+#include "neuron_cache.h"
 #include "sidecar.h"
 
 struct pi2_binding_layer {
-    const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping)
+    const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping); NULL on flash
     // predictor weights in pred_type (Q8_0 where the widths allow: ggml's F16 dot measured ~5x slower
     // than its Q8_0 dot here), layer 2 rows in slot order
     enum ggml_type  pred_type;
@@ -24,6 +26,7 @@ struct pi2_binding_layer {
     size_t          w1_stride, w2_stride;
     float *         b2_slot;  // [n_ff]
     atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
+    atomic_int      uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
     // predicted mode runs the predictor only where it pays: its bytes (w1, w2) below the gate bytes it
     // saves, (1 - predictor density) * gate bytes. Elsewhere every gate row is computed (as oracle).
     bool            use_predictor;
@@ -39,10 +42,35 @@ struct pi2_binding {
     atomic_int                 mode;         // enum pi2_mode
     atomic_int                 check_recall; // predicted mode also runs the full gate to count misses
     char                       error[512];   // why a compute failed (fingerprint mismatch), for the frontend
+
+    // Flash-resident FFN (a memory budget): the weight buffers keep nothing, each upload is checked
+    // against the sidecar instead, and bundles come through the neuron cache, made once the budget is set.
+    bool                      flash;
+    atomic_bool               uploading;   // llama started uploading weights: its weight buffers all exist
+    uint64_t                  env_budget;  // PI2_MEMORY_BUDGET: the cache is sized at the first compute
+    int                       io_threads;
+    pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
+    struct pi2_neuron_cache * cache;
+    uint64_t                  fixed_bytes; // predictor weights kept in RAM
+    struct pi2_cache_token_stats io;       // totals since the cache was made (under cache_lock)
+    uint64_t                  io_wait_ns, ffn_ns;
 };
 
+// Budget accounting: a cache sized from `budget` minus what the process holds now (resident memory),
+// minus `reserved` (memory the caller knows will be touched later: llama's compute buffers, logits
+// arrays) and the cache's own tables and a margin. 0, or -1 with err naming the minimum budget.
+#define PI2_BUDGET_MARGIN (32ull << 20)
+int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen);
+// Resident memory of this process (bytes), from /proc/self/statm; 0 if unreadable.
+uint64_t pi2_resident_bytes(void);
+
+// flash: an upload of blk.<layer>.ffn_* weight `matrix` (the whole tensor) is checked, then dropped
+void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, const struct ggml_tensor * w, const void * data,
+                              size_t nbytes);
+
 // Opens the sidecar and maps its bundles; NULL with err set on failure.
-struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, char * err, size_t errlen);
+// flash: bundles are read through a neuron cache (pi2_binding_set_budget) instead of a mapping.
+struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, char * err, size_t errlen);
 void                 pi2_binding_ref(struct pi2_binding * b);
 void                 pi2_binding_unref(struct pi2_binding * b);
 

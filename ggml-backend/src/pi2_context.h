@@ -17,6 +17,7 @@ struct pi2_binding;
 
 struct pi2_device_ctx {
     struct ggml_backend_buffer_type buft;
+    struct ggml_backend_buffer_type flash_buft; // weights of models with a memory budget (not host memory)
     struct pi2_glu_tables           glu;
     struct pi2_counters             counters; // updated with atomic adds: several contexts may compute at once
 

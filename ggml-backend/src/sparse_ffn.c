@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <omp.h>
 
@@ -15,8 +16,8 @@
 #define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
 
 struct pi2_active {
-    int32_t slot;
-    float   a; // act(gate) * up
+    const uint8_t * bundle;
+    float           a; // act(gate) * up
 };
 
 struct pi2_thread_stats {
@@ -24,7 +25,8 @@ struct pi2_thread_stats {
     int64_t active;    // of those, active under the threshold
     int64_t missed;    // active but not predicted (recall check only)
     int64_t n_list;    // entries in this thread's active list for the current token
-    char    pad[32];   // one cache line per thread
+    uint64_t wait_ns;  // flash: time spent waiting for bundles
+    char    pad[24];   // one cache line per thread
 };
 
 static size_t pi2_align64(size_t n) {
@@ -89,6 +91,14 @@ struct pi2_sparse_plan {
     bool                             relu;
     bool                             predicted;
     bool                             check;
+    bool                             all_active; // dense mode on flash: every neuron, no threshold
+    // flash: bundles come through the neuron cache; want[slot] 1 = predicted, 2 = recall check only
+    struct pi2_neuron_cache *        cache;
+    int                              layer;
+    uint8_t *                        want;
+    struct pi2_cache_token_stats     io;
+    atomic_int                       failed;
+    char                             error[512];
     int64_t                          n_embd, n_ff, rank, n_tokens;
     // kernels
     ggml_vec_dot_t     gate_dot, up_dot, pred_dot, down_dot;
@@ -109,13 +119,34 @@ struct pi2_sparse_plan {
     struct pi2_thread_stats * stats;  // [nth]
     char *                    gluq;   // glu row in down_vdt (dense down)
     int                       nth;
-    bool                      down_sparse[64]; // per token, decided after the gate/up phase
+    int64_t                   n_down_sparse; // tokens whose down ran by columns
 };
 
 static inline void pi2_prefetch(const void * p, size_t n) {
     for (size_t off = 0; off < n; off += 64) {
         __builtin_prefetch((const char *) p + off, 0, 0);
     }
+}
+
+// bundle of slot s: in the mapping, or (flash) from the cache once read; NULL if its read failed
+static inline const uint8_t * pi2_bundle_at(struct pi2_sparse_plan * p, int64_t s, struct pi2_thread_stats * st) {
+    if (p->cache == NULL) {
+        return p->B->bundles + (size_t) s * p->L->bundle_size;
+    }
+    const uint8_t * b = pi2_cache_get(p->cache, p->layer, s, &st->wait_ns);
+    if (b == NULL) {
+        atomic_store(&p->failed, 1);
+    }
+    return b;
+}
+
+// the predictor's score of slot s is above the layer's cutoff (p->hq holds the hidden layer)
+static inline bool pi2_predict_slot(const struct pi2_sparse_plan * p, int64_t s) {
+    float z = 0.0f;
+    p->pred_dot((int) p->rank, &z, 0, p->B->w2 + (size_t) s * p->B->w2_stride, 0, p->hq, 0, 1);
+    z += p->B->b2_slot[s];
+    const float score = p->relu ? z : fabsf(pi2_act(p->op, z));
+    return score > p->L->cutoff;
 }
 
 static bool pi2_needs_convert(enum ggml_type t) {
@@ -133,8 +164,6 @@ static void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, 
 // gate/up/GLU of the clusters assigned to thread ith, for token t
 static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
     const struct pi2_sidecar_layer * L = p->L;
-    const uint8_t * bundles = p->B->bundles;
-    const size_t    bsize   = L->bundle_size;
     const char *    xq      = p->xq + (size_t) t * p->xq_stride;
     const char *    xqu     = p->xq_up + (size_t) t * p->xq_up_stride;
     float * gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]);
@@ -143,7 +172,6 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     struct pi2_active *       list = p->list + (size_t) ith * p->n_ff;
     struct pi2_thread_stats * st   = &p->stats[ith];
     const float thr    = L->threshold;
-    const float cutoff = L->cutoff;
     const size_t gate_bytes = L->up_offset;
     const size_t up_bytes   = L->down_offset - L->up_offset;
     const size_t down_bytes = L->data_end - L->down_offset;
@@ -152,27 +180,32 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     // rows stream from memory instead of stalling one row at a time.
     int32_t cand[PI2_CLUSTER];   // slots whose gate is computed
     bool    cand_pred[PI2_CLUSTER];
+    const uint8_t * act_bundle[PI2_CLUSTER];
     int32_t act_slot[PI2_CLUSTER];
     float   act_val[PI2_CLUSTER];
     int64_t n = 0;
-    for (int64_t c = ith; c < n_clusters; c += p->nth) {
+    // flash: clusters in slot order, hot (pinned) ones first, so compute overlaps the reads of the rest
+    for (int64_t c = ith; c < n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += p->nth) {
         const int64_t s0 = c * PI2_CLUSTER;
         const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
-        // pass 1: predictor rows -> candidates
+        // pass 1: predictor rows -> candidates (flash: chosen before the reads were issued)
         int nc = 0;
         for (int64_t s = s0; s < s1; ++s) {
             bool pred = true;
-            if (p->predicted) {
-                float z = 0.0f;
-                p->pred_dot((int) p->rank, &z, 0, p->B->w2 + (size_t) s * p->B->w2_stride, 0, p->hq, 0, 1);
-                z += p->B->b2_slot[s];
-                const float score = p->relu ? z : fabsf(pi2_act(p->op, z));
-                pred = score > cutoff;
-                if (!pred && !p->check) {
+            if (p->cache != NULL) {
+                if (p->want[s] == 0) {
                     continue;
                 }
+                pred = p->want[s] == 1;
+            } else {
+                if (p->predicted) {
+                    pred = pi2_predict_slot(p, s);
+                    if (!pred && !p->check) {
+                        continue;
+                    }
+                }
+                pi2_prefetch(p->B->bundles + (size_t) s * L->bundle_size, gate_bytes);
             }
-            pi2_prefetch(bundles + (size_t) s * bsize, gate_bytes);
             cand[nc]      = (int32_t) s;
             cand_pred[nc] = pred;
             nc++;
@@ -180,11 +213,14 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
         // pass 2: gate rows -> active neurons
         int na = 0;
         for (int k = 0; k < nc; ++k) {
-            const uint8_t * bundle = bundles + (size_t) cand[k] * bsize;
+            const uint8_t * bundle = pi2_bundle_at(p, cand[k], st);
+            if (bundle == NULL) {
+                break;
+            }
             float g = 0.0f;
             p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, xq, 0, 1);
             const float act    = pi2_act(p->op, g);
-            const bool  active = p->relu ? g > 0.0f : fabsf(act) > thr;
+            const bool  active = p->all_active || (p->relu ? g > 0.0f : fabsf(act) > thr);
             if (!cand_pred[k]) { // recall check: the gate was computed only to count what the predictor missed
                 st->missed += active;
                 continue;
@@ -195,19 +231,20 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
                 continue;
             }
             pi2_prefetch(bundle + L->up_offset, up_bytes + (p->down_cols ? down_bytes : 0));
-            act_slot[na]  = cand[k];
-            act_val[na++] = act;
+            act_bundle[na] = bundle;
+            act_slot[na]   = cand[k];
+            act_val[na++]  = act;
         }
         // pass 3: up rows of the active neurons
         for (int k = 0; k < na; ++k) {
-            const uint8_t * bundle = bundles + (size_t) act_slot[k] * bsize;
+            const uint8_t * bundle = act_bundle[k];
             float u = 0.0f;
             p->up_dot((int) p->n_embd, &u, 0, bundle + L->up_offset, 0, xqu, 0, 1);
             const int32_t neuron = L->order[act_slot[k]];
             up_out[neuron]  = u;
             glu_out[neuron] = act_val[k] * u;
-            list[n].slot = act_slot[k];
-            list[n].a    = act_val[k] * u;
+            list[n].bundle = bundle;
+            list[n].a      = act_val[k] * u;
             n++;
         }
         st->active += na;
@@ -215,7 +252,28 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     st->n_list = n;
 }
 
+// flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
+static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
+    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    for (int64_t c = ith; c < n_clusters; c += nth) {
+        const int64_t s0 = c * PI2_CLUSTER;
+        const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
+        for (int64_t s = s0; s < s1; ++s) {
+            p->want[s] = !p->predicted || pi2_predict_slot(p, s) ? 1 : (p->check ? 2 : 0);
+        }
+    }
+    #pragma omp barrier
+    if (ith == 0 && pi2_cache_request(p->cache, p->layer, p->want, &p->io, p->error, sizeof(p->error)) != 0) {
+        atomic_store(&p->failed, 1);
+    }
+    #pragma omp barrier
+}
+
 static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
+    // the flag is only set after the barrier below, so every thread takes the same branch here
+    if (atomic_load(&p->failed)) {
+        return;
+    }
     const int64_t n_ff   = p->n_ff;
     const int64_t n_embd = p->n_embd;
     const float * xt     = (const float *) ((const char *) p->x->data + t * p->x->nb[1]);
@@ -253,6 +311,9 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     }
 
     // phase 2: the clusters, through predictor row, gate, threshold, up
+    if (p->cache != NULL) {
+        pi2_sparse_request(p, ith, nth);
+    }
     pi2_sparse_clusters(p, ith, t);
     #pragma omp barrier
 
@@ -262,18 +323,18 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         n_active += p->stats[k].n_list;
     }
     float * out = (float *) ((char *) p->down->data + t * p->down->nb[1]);
-    const bool sparse_down = (float) n_active <= p->down_sparse_max * (float) n_ff;
+    // flash has no down rows in memory: always by columns
+    const bool sparse_down = p->cache != NULL || (float) n_active <= p->down_sparse_max * (float) n_ff;
     if (ith == 0) {
-        p->down_sparse[t] = sparse_down;
+        p->n_down_sparse += sparse_down;
     }
     if (sparse_down) {
         float * y   = p->y + (size_t) ith * n_embd;
         float * tmp = p->tmp + (size_t) ith * n_embd;
         memset(y, 0, (size_t) n_embd * sizeof(float));
         const struct pi2_active * list = p->list + (size_t) ith * n_ff;
-        const size_t bsize = p->L->bundle_size;
         for (int64_t k = 0; k < p->stats[ith].n_list; ++k) {
-            const uint8_t * col = p->B->bundles + (size_t) list[k].slot * bsize + p->L->down_offset;
+            const uint8_t * col = list[k].bundle + p->L->down_offset;
             pi2_column_axpy(p->L->down_type, n_embd, y, list[k].a, col, tmp);
         }
         #pragma omp barrier
@@ -317,10 +378,7 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
     }
     pi2_count(&lc->glu_calls, 1);
     pi2_count(&lc->glu_tokens, (uint64_t) p->n_tokens);
-    int64_t sparse_down_tokens = 0;
-    for (int64_t t = 0; t < p->n_tokens; ++t) {
-        sparse_down_tokens += p->down_sparse[t];
-    }
+    const int64_t sparse_down_tokens = p->n_down_sparse;
     pi2_count(&lc->rows[PI2_MATRIX_GATE], (uint64_t) (predicted + (p->check ? p->n_ff * p->n_tokens - predicted : 0)));
     pi2_count(&lc->rows[PI2_MATRIX_UP], (uint64_t) active);
     pi2_count(&lc->rows[PI2_MATRIX_DOWN], (uint64_t) ((p->n_tokens - sparse_down_tokens) * p->n_embd));
@@ -333,6 +391,86 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
         pi2_count(&lc->checked_tokens, (uint64_t) p->n_tokens);
         pi2_count(&lc->missed, (uint64_t) missed);
     }
+    if (p->cache != NULL) {
+        uint64_t wait = 0;
+        for (int k = 0; k < p->nth; ++k) {
+            wait += p->stats[k].wait_ns;
+        }
+        pi2_count(&lc->hot_hits, p->io.hot_hits);
+        pi2_count(&lc->cold_hits, p->io.cold_hits);
+        pi2_count(&lc->misses, p->io.misses);
+        pi2_count(&lc->bytes_read, p->io.bytes_read);
+        pi2_count(&lc->io_requests, p->io.requests);
+        pi2_count(&lc->io_wait_ns, wait / (uint64_t) p->nth); // per thread, on average
+    }
+}
+
+static uint64_t pi2_clock_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+static void pi2_sparse_run(struct pi2_sparse_plan * p, int nth) {
+    #pragma omp parallel num_threads(nth)
+    {
+        // the runtime may give fewer threads than asked; the workspace fits any count up to nth
+        #pragma omp single
+        p->nth = omp_get_num_threads();
+        const int ith = omp_get_thread_num();
+        for (int64_t t = 0; t < p->n_tokens; ++t) {
+            pi2_sparse_token(p, ith, p->nth, t);
+        }
+    }
+}
+
+// A layer of a flash-resident model: the same engine, bundles through the neuron cache. The cache is
+// made at the first compute when the budget came from PI2_MEMORY_BUDGET (other frontends).
+static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct pi2_sparse_plan * p) {
+    pthread_mutex_lock(&b->cache_lock);
+    if (b->cache == NULL) {
+        pthread_mutex_unlock(&b->cache_lock);
+        if (b->env_budget == 0 ||
+            pi2_binding_size_cache(b, b->env_budget, b->env_budget / 20, b->error, sizeof(b->error)) != 0) {
+            if (b->env_budget == 0) {
+                snprintf(b->error, sizeof(b->error), "sidecar %s: the model was loaded for a memory budget, but none was "
+                         "set (pi2_gguf.Llama(memory_budget=) or PI2_MEMORY_BUDGET)", b->sc->path);
+            }
+            PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+            return GGML_STATUS_FAILED;
+        }
+        pthread_mutex_lock(&b->cache_lock);
+    }
+    p->cache = b->cache;
+    const uint64_t t0 = pi2_clock_ns();
+    pi2_sparse_run(p, ctx->n_threads > 0 ? ctx->n_threads : 1);
+    // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
+    char err[sizeof(p->error)];
+    const bool ok = !atomic_load(&p->failed) && pi2_cache_finish(p->cache, err, sizeof(err)) == 0;
+    if (!ok) {
+        if (atomic_load(&p->failed)) {
+            pi2_cache_finish(p->cache, err, sizeof(err));
+            if (p->error[0] == '\0') {
+                snprintf(p->error, sizeof(p->error), "%s", err[0] != '\0' ? err : pi2_cache_error(p->cache));
+            }
+        } else {
+            snprintf(p->error, sizeof(p->error), "%s", err);
+        }
+        snprintf(b->error, sizeof(b->error), "%s", p->error);
+    }
+    b->io.hot_hits += p->io.hot_hits;
+    b->io.cold_hits += p->io.cold_hits;
+    b->io.misses += p->io.misses;
+    b->io.bytes_read += p->io.bytes_read;
+    b->io.requests += p->io.requests;
+    b->ffn_ns += pi2_clock_ns() - t0;
+    pthread_mutex_unlock(&b->cache_lock);
+    if (!ok) {
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    pi2_sparse_count(&ctx->dev->counters, p->layer, p);
+    return GGML_STATUS_SUCCESS;
 }
 
 enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, int layer,
@@ -340,25 +478,23 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     struct ggml_tensor * gate = glu->src[0];
     struct ggml_tensor * up   = glu->src[1];
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
+    const int mode = atomic_load(&b->mode);
     struct pi2_sparse_plan p = {
         .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
         .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer],
         .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
-        .predicted = atomic_load(&b->mode) == PI2_MODE_PREDICTED &&
-                     (b->layer[layer].use_predictor || ctx->dev->predictor_always),
+        .predicted = mode == PI2_MODE_PREDICTED && (b->layer[layer].use_predictor || ctx->dev->predictor_always),
+        .all_active = mode == PI2_MODE_DENSE, .layer = layer,
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank, .n_tokens = gate->src[1]->ne[1],
         .down_sparse_max = ctx->dev->down_sparse_max,
     };
-    p.check = atomic_load(&b->mode) == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
+    p.check = mode == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
+    atomic_init(&p.failed, 0);
     if (pi2_glu_for(b->sc->activation) != p.op) {
         snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
                  "%s llama.cpp runs for layer %d (a ReLU-family model needs the patched llama.cpp of patches/)",
                  b->sc->path, ggml_glu_op_name(p.op), layer);
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-        return GGML_STATUS_FAILED;
-    }
-    if (p.n_tokens > (int64_t) (sizeof(p.down_sparse) / sizeof(p.down_sparse[0]))) {
-        PI2_LOG_ERROR("pi2: sparse decode of %lld tokens at once is not supported\n", (long long) p.n_tokens);
         return GGML_STATUS_FAILED;
     }
     // bundles hold the model's gate/up rows byte for byte, so the gate/up types are the model's
@@ -393,6 +529,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64((size_t) nth * p.n_ff * sizeof(struct pi2_active)),
         pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
         pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
+        b->flash ? pi2_align64((size_t) p.n_ff) : 0,
     };
     size_t total = 0;
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
@@ -412,19 +549,15 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.tmp   = (float *) w;                w += sizes[6];
     p.list  = (struct pi2_active *) w;    w += sizes[7];
     p.stats = (struct pi2_thread_stats *) w; w += sizes[8];
-    p.gluq  = w;
+    p.gluq  = w;                          w += sizes[9];
+    p.want  = (uint8_t *) w;
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
-    #pragma omp parallel num_threads(nth)
-    {
-        // the runtime may give fewer threads than asked; the workspace fits any count up to nth
-        #pragma omp single
-        p.nth = omp_get_num_threads();
-        const int ith = omp_get_thread_num();
-        for (int64_t t = 0; t < p.n_tokens; ++t) {
-            pi2_sparse_token(&p, ith, p.nth, t);
-        }
+    if (b->flash) {
+        return pi2_exec_flash(ctx, b, &p);
     }
+
+    pi2_sparse_run(&p, nth);
     pi2_sparse_count(&ctx->dev->counters, layer, &p);
     return GGML_STATUS_SUCCESS;
 }

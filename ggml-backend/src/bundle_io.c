@@ -1,0 +1,261 @@
+// O_DIRECT is a Linux open flag outside POSIX
+#define _GNU_SOURCE
+#include "bundle_io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define PI2_IO_MAX_THREADS 64
+
+struct pi2_bundle_file {
+    char *          path;
+    int             fd;        // O_DIRECT when `direct`, else buffered
+    int             fd_plain;  // buffered, for reads O_DIRECT refuses (EINVAL)
+    atomic_bool     direct;
+    struct stat     st0;       // at open: size and mtime a changed file no longer has
+    pi2_io_done_fn  done;
+    void *          done_ctx;
+
+    pthread_mutex_t     lock;
+    pthread_cond_t      wake;
+    struct pi2_io_req * reqs;  // current batch
+    int                 n_reqs, next;
+    bool                stop;
+    pthread_t           threads[PI2_IO_MAX_THREADS];
+    int                 n_threads;
+
+    atomic_uint_fast64_t bytes_read, reads;
+    atomic_int_fast64_t  fault_after;
+    atomic_int           fault_err;
+};
+
+static int pi2_stat_changed(const struct stat * a, const struct stat * b) {
+    return a->st_size != b->st_size || a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec ||
+           a->st_ino != b->st_ino;
+}
+
+int pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen) {
+    struct stat st;
+    if (fstat(f->fd_plain, &st) != 0) {
+        snprintf(err, errlen, "sidecar %s: fstat failed: %s", f->path, strerror(errno));
+        return -1;
+    }
+    if (pi2_stat_changed(&st, &f->st0)) {
+        snprintf(err, errlen, "sidecar %s changed on disk while the model was running (size %lld, was %lld); "
+                 "reload the model", f->path, (long long) st.st_size, (long long) f->st0.st_size);
+        return -1;
+    }
+    return 0;
+}
+
+// preadv until done; 0, or an errno (EIO for a short read: the file ended early)
+static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size_t * got) {
+    *got = 0;
+    int k = 0;
+    while (k < n) {
+        const ssize_t r = preadv(fd, iov + k, n - k, (off_t) (off + *got));
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return errno;
+        }
+        if (r == 0) {
+            return EIO;
+        }
+        *got += (size_t) r;
+        size_t left = (size_t) r;
+        while (k < n && left >= iov[k].iov_len) { // a partial read: resume inside the iovec it stopped in
+            left -= iov[k].iov_len;
+            k++;
+        }
+        if (left > 0) {
+            iov[k].iov_base = (char *) iov[k].iov_base + left;
+            iov[k].iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+// one request into its iovecs: O_DIRECT, falling back to buffered where the filesystem refuses
+static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, char * why, size_t whylen) {
+    struct iovec iov[PI2_IO_MAX_RUN];
+    size_t total = 0;
+    for (int k = 0; k < r->n; ++k) {
+        iov[k] = r->iov[k];
+        total += r->iov[k].iov_len;
+    }
+    const int64_t left = atomic_fetch_sub(&f->fault_after, 1);
+    const int inject = atomic_load(&f->fault_err);
+    if (inject != 0 && left == 0) {
+        atomic_store(&f->fault_err, 0);
+        snprintf(why, whylen, "sidecar %s: read of %zu bytes at offset %llu failed: %s (injected)", f->path, total,
+                 (unsigned long long) r->offset, strerror(inject));
+        return inject;
+    }
+    size_t got = 0;
+    int e = pi2_preadv_full(atomic_load(&f->direct) ? f->fd : f->fd_plain, iov, r->n, r->offset, &got);
+    if (e == EINVAL && atomic_load(&f->direct)) {
+        atomic_store(&f->direct, false);
+        for (int k = 0; k < r->n; ++k) {
+            iov[k] = r->iov[k];
+        }
+        e = pi2_preadv_full(f->fd_plain, iov, r->n, r->offset, &got);
+    }
+    if (e != 0) {
+        snprintf(why, whylen, "sidecar %s: read of %zu bytes at offset %llu failed after %zu bytes: %s%s", f->path, total,
+                 (unsigned long long) r->offset, got, strerror(e), e == EIO && got < total ? " (was the file truncated?)" : "");
+        return e;
+    }
+    atomic_fetch_add(&f->bytes_read, total);
+    atomic_fetch_add(&f->reads, 1);
+    return 0;
+}
+
+static void * pi2_io_thread(void * arg) {
+    struct pi2_bundle_file * f = arg;
+    char why[512];
+    for (;;) {
+        pthread_mutex_lock(&f->lock);
+        while (!f->stop && f->next >= f->n_reqs) {
+            pthread_cond_wait(&f->wake, &f->lock);
+        }
+        if (f->stop) {
+            pthread_mutex_unlock(&f->lock);
+            return NULL;
+        }
+        const struct pi2_io_req * r = &f->reqs[f->next++];
+        pthread_mutex_unlock(&f->lock);
+        why[0] = '\0';
+        const int e = pi2_read_req(f, r, why, sizeof(why));
+        f->done(f->done_ctx, r, e, why);
+    }
+}
+
+int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, pi2_io_done_fn done,
+                         void * done_ctx, char * err, size_t errlen) {
+    *out = NULL;
+    struct pi2_bundle_file * f = calloc(1, sizeof(*f));
+    if (f == NULL || (f->path = strdup(path)) == NULL) {
+        free(f);
+        snprintf(err, errlen, "sidecar %s: out of memory", path);
+        return -1;
+    }
+    f->fd = f->fd_plain = -1;
+    f->done     = done;
+    f->done_ctx = done_ctx;
+    f->fd_plain = open(path, O_RDONLY | O_CLOEXEC);
+    if (f->fd_plain < 0) {
+        snprintf(err, errlen, "sidecar %s: cannot open: %s", path, strerror(errno));
+        pi2_bundle_file_close(f);
+        return -1;
+    }
+    if (fstat(f->fd_plain, &f->st0) != 0) {
+        snprintf(err, errlen, "sidecar %s: fstat failed: %s", path, strerror(errno));
+        pi2_bundle_file_close(f);
+        return -1;
+    }
+    // O_DIRECT keeps bundle reads out of the page cache, which a memory cgroup would charge to us
+    f->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+    atomic_init(&f->direct, f->fd >= 0);
+    if (f->fd < 0) {
+        f->fd = f->fd_plain; // tmpfs and some others refuse O_DIRECT
+    }
+    atomic_init(&f->bytes_read, 0);
+    atomic_init(&f->reads, 0);
+    atomic_init(&f->fault_after, -1);
+    atomic_init(&f->fault_err, 0);
+    pthread_mutex_init(&f->lock, NULL);
+    pthread_cond_init(&f->wake, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 64 * 1024); // a few frames and a message buffer
+    if (n_threads < 1) {
+        n_threads = 1;
+    }
+    if (n_threads > PI2_IO_MAX_THREADS) {
+        n_threads = PI2_IO_MAX_THREADS;
+    }
+    for (int k = 0; k < n_threads; ++k) {
+        const int e = pthread_create(&f->threads[k], &attr, pi2_io_thread, f);
+        if (e != 0) {
+            pthread_attr_destroy(&attr);
+            snprintf(err, errlen, "sidecar %s: cannot start I/O thread: %s", path, strerror(e));
+            pi2_bundle_file_close(f);
+            return -1;
+        }
+        f->n_threads++;
+    }
+    pthread_attr_destroy(&attr);
+    *out = f;
+    return 0;
+}
+
+void pi2_bundle_file_close(struct pi2_bundle_file * f) {
+    if (f == NULL) {
+        return;
+    }
+    if (f->n_threads > 0) {
+        pthread_mutex_lock(&f->lock);
+        f->stop = true;
+        pthread_cond_broadcast(&f->wake);
+        pthread_mutex_unlock(&f->lock);
+        for (int k = 0; k < f->n_threads; ++k) {
+            pthread_join(f->threads[k], NULL);
+        }
+        pthread_mutex_destroy(&f->lock);
+        pthread_cond_destroy(&f->wake);
+    }
+    if (f->fd >= 0 && f->fd != f->fd_plain) {
+        close(f->fd);
+    }
+    if (f->fd_plain >= 0) {
+        close(f->fd_plain);
+    }
+    free(f->path);
+    free(f);
+}
+
+void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs, int n) {
+    pthread_mutex_lock(&f->lock);
+    f->reqs   = reqs;
+    f->n_reqs = n;
+    f->next   = 0;
+    if (n == 1) {
+        pthread_cond_signal(&f->wake);
+    } else if (n > 1) {
+        pthread_cond_broadcast(&f->wake);
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
+int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen) {
+    struct pi2_io_req r = { .offset = off, .n = 1 };
+    r.iov[0].iov_base = dst;
+    r.iov[0].iov_len  = n;
+    return pi2_read_req(f, &r, err, errlen) == 0 ? 0 : -1;
+}
+
+bool pi2_bundle_file_direct(const struct pi2_bundle_file * f) {
+    return atomic_load(&f->direct);
+}
+
+uint64_t pi2_bundle_file_bytes_read(const struct pi2_bundle_file * f) {
+    return atomic_load(&f->bytes_read);
+}
+
+uint64_t pi2_bundle_file_reads(const struct pi2_bundle_file * f) {
+    return atomic_load(&f->reads);
+}
+
+void pi2_bundle_file_inject_fault(struct pi2_bundle_file * f, int64_t after, int err) {
+    atomic_store(&f->fault_after, after);
+    atomic_store(&f->fault_err, err);
+}

@@ -1,0 +1,470 @@
+// syscall() and MAP_ANONYMOUS are outside POSIX
+#define _GNU_SOURCE
+#include "neuron_cache.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bundle_io.h"
+
+#define PI2_COLD_SHARE 0.2 // of the cache, at least, for the cold segment (the rest pins the hottest neurons)
+
+enum { PI2_ENTRY_EMPTY, PI2_ENTRY_PENDING, PI2_ENTRY_READY, PI2_ENTRY_FAILED };
+
+struct pi2_cold_entry {
+    int32_t    layer, slot; // what it holds (layer -1: nothing)
+    uint32_t   pin;         // epoch of the request that needs it
+    uint8_t    ref;         // CLOCK's second-chance bit
+    atomic_int state;
+};
+
+struct pi2_cache_layer {
+    uint8_t * hot;     // hot_k bundles, slot order
+    uint32_t  hot_k, n_ff, bsize;
+    uint64_t  offset;  // of slot 0 in the file
+    int32_t * where;   // [n_ff] cold entry holding the slot, or -1
+};
+
+struct pi2_neuron_cache {
+    struct pi2_cache_plan    plan;
+    uint32_t                 n_layer;
+    struct pi2_cache_layer * layer;
+    uint8_t *                hot_mem;
+    size_t                   hot_map;
+    uint8_t *                cold;
+    size_t                   cold_map, entry_size;
+    struct pi2_cold_entry *  ent;
+    uint32_t                 n_cold, hand, epoch;
+    struct pi2_io_req *      reqs;
+    uint32_t                 max_reqs;
+    struct pi2_bundle_file * file;
+
+    atomic_uint     completions; // futex word: bumped by every finished request
+    atomic_int      waiters;
+    atomic_int      outstanding; // requests of the current batch not finished
+    pthread_mutex_t err_lock;
+    char            error[512];
+};
+
+static void pi2_futex_wait(atomic_uint * addr, unsigned val) {
+    syscall(SYS_futex, (unsigned *) addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void pi2_futex_wake(atomic_uint * addr) {
+    syscall(SYS_futex, (unsigned *) addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static uint64_t pi2_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_ff) {
+    uint32_t b = 0, n = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        b = sc->layer[il].bundle_size > b ? sc->layer[il].bundle_size : b;
+        n = sc->layer[il].n_ff > n ? sc->layer[il].n_ff : n;
+    }
+    *max_n_ff = n;
+    return b;
+}
+
+uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
+    // with nothing hot, the cold segment must hold a whole layer (oracle and dense modes need every neuron)
+    uint32_t n_ff = 0;
+    const uint32_t bsize = pi2_max_bundle(sc, &n_ff);
+    return (uint64_t) n_ff * bsize;
+}
+
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
+    uint32_t n_ff = 0;
+    pi2_max_bundle(sc, &n_ff);
+    uint64_t slots = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        slots += sc->layer[il].n_ff;
+    }
+    // slot maps, entry table (an entry per slot at most), request buffers, frequency sort at planning
+    return slots * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
+           (uint64_t) n_ff * sizeof(struct pi2_io_req);
+}
+
+struct pi2_freq_item {
+    float    f;
+    uint32_t layer;
+};
+
+static int pi2_freq_desc(const void * a, const void * b) {
+    const float x = ((const struct pi2_freq_item *) a)->f, y = ((const struct pi2_freq_item *) b)->f;
+    return (x < y) - (x > y);
+}
+
+// hot_k per layer for at most `budget` hot bytes, the hottest neurons of the whole model first
+static uint64_t pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
+                              uint64_t budget, uint32_t * hot_k, float * cutoff) {
+    memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
+    uint64_t used = 0;
+    *cutoff = 1.0f;
+    for (size_t k = 0; k < n_items; ++k) {
+        const uint32_t bsize = sc->layer[items[k].layer].bundle_size;
+        if (used + bsize > budget) {
+            break;
+        }
+        used += bsize;
+        hot_k[items[k].layer]++;
+        *cutoff = items[k].f;
+    }
+    return used;
+}
+
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out) {
+    memset(out, 0, sizeof(*out));
+    if (bytes < pi2_cache_min_bytes(sc)) {
+        return false;
+    }
+    uint32_t max_n_ff = 0;
+    const uint32_t entry = pi2_max_bundle(sc, &max_n_ff);
+    size_t n_items = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        n_items += sc->layer[il].n_ff;
+    }
+    struct pi2_freq_item * items = malloc(n_items * sizeof(*items));
+    uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
+    if (items == NULL || hot_k == NULL) {
+        free(items);
+        free(hot_k);
+        return false;
+    }
+    size_t k = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        for (uint32_t j = 0; j < L->n_ff; ++j) {
+            items[k++] = (struct pi2_freq_item) { L->freq[L->order[j]], il };
+        }
+    }
+    qsort(items, n_items, sizeof(*items), pi2_freq_desc);
+    // the largest hot budget (up to 1 - PI2_COLD_SHARE of the cache) that leaves the cold segment room for
+    // every non-hot neuron of any one layer
+    uint64_t lo = 0, hi = (uint64_t) ((1.0 - PI2_COLD_SHARE) * (double) bytes), best = 0;
+    float cutoff = 1.0f;
+    while (lo <= hi) {
+        const uint64_t mid = lo + (hi - lo) / 2;
+        const uint64_t used = pi2_hot_split(sc, items, n_items, mid, hot_k, &cutoff);
+        uint32_t need = 0;
+        for (uint32_t il = 0; il < sc->n_layer; ++il) {
+            const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
+            need = rest > need ? rest : need;
+        }
+        if ((bytes - used) / entry >= need) {
+            best = mid;
+            lo = mid + 1;
+        } else if (mid == 0) {
+            break;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    out->hot_bytes = pi2_hot_split(sc, items, n_items, best, hot_k, &cutoff);
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        out->hot_neurons += hot_k[il];
+    }
+    out->freq_cutoff = out->hot_neurons > 0 ? cutoff : 1.0f;
+    const uint64_t cold_entries = (bytes - out->hot_bytes) / entry;
+    out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
+    out->cold_bytes = (uint64_t) out->n_cold * entry;
+    free(items);
+    free(hot_k);
+    return true;
+}
+
+static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
+    struct pi2_neuron_cache * c = ctx;
+    if (err != 0) {
+        pthread_mutex_lock(&c->err_lock);
+        if (c->error[0] == '\0') {
+            snprintf(c->error, sizeof(c->error), "%s", why);
+        }
+        pthread_mutex_unlock(&c->err_lock);
+    }
+    for (int k = 0; k < r->n; ++k) {
+        atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
+    }
+    atomic_fetch_sub(&c->outstanding, 1);
+    atomic_fetch_add(&c->completions, 1);
+    if (atomic_load(&c->waiters) > 0) {
+        pi2_futex_wake(&c->completions);
+    }
+}
+
+static void * pi2_map_anon(size_t n) {
+    if (n == 0) {
+        return NULL;
+    }
+    void * p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+void pi2_cache_free(struct pi2_neuron_cache * c) {
+    if (c == NULL) {
+        return;
+    }
+    pi2_bundle_file_close(c->file); // joins the I/O threads before their targets go away
+    if (c->layer != NULL) {
+        for (uint32_t il = 0; il < c->n_layer; ++il) {
+            free(c->layer[il].where);
+        }
+    }
+    free(c->layer);
+    if (c->hot_mem != NULL) {
+        munmap(c->hot_mem, c->hot_map);
+    }
+    if (c->cold != NULL) {
+        munmap(c->cold, c->cold_map);
+    }
+    free(c->ent);
+    free(c->reqs);
+    pthread_mutex_destroy(&c->err_lock);
+    free(c);
+}
+
+struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan, int io_threads,
+                                           char * err, size_t errlen) {
+    struct pi2_neuron_cache * c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+        return NULL;
+    }
+    pthread_mutex_init(&c->err_lock, NULL);
+    c->plan    = *plan;
+    c->n_layer = sc->n_layer;
+    uint32_t max_n_ff = 0;
+    c->entry_size = pi2_max_bundle(sc, &max_n_ff);
+    c->n_cold     = plan->n_cold;
+    c->max_reqs   = max_n_ff;
+    c->layer = calloc(sc->n_layer, sizeof(*c->layer));
+    c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
+    c->reqs  = calloc(max_n_ff, sizeof(*c->reqs));
+    c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
+    c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
+    c->hot_mem  = pi2_map_anon(c->hot_map);
+    c->cold     = pi2_map_anon(c->cold_map);
+    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
+        (c->cold_map > 0 && c->cold == NULL)) {
+        snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
+                 (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
+        pi2_cache_free(c);
+        return NULL;
+    }
+    for (uint32_t e = 0; e < c->n_cold; ++e) {
+        c->ent[e].layer = -1;
+        atomic_init(&c->ent[e].state, PI2_ENTRY_EMPTY);
+    }
+    if (pi2_bundle_file_open(&c->file, sc->path, io_threads, pi2_cache_done, c, err, errlen) != 0) {
+        pi2_cache_free(c);
+        return NULL;
+    }
+    // hot_k per layer again from the plan's frequency cutoff, within the planned bytes
+    uint64_t hot_left = plan->hot_bytes;
+    uint8_t * hot = c->hot_mem;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        struct pi2_cache_layer * C = &c->layer[il];
+        C->n_ff   = L->n_ff;
+        C->bsize  = L->bundle_size;
+        C->offset = L->bundles_offset;
+        C->where  = malloc(L->n_ff * sizeof(int32_t));
+        if (C->where == NULL) {
+            snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+            pi2_cache_free(c);
+            return NULL;
+        }
+        memset(C->where, 0xff, L->n_ff * sizeof(int32_t));
+        uint32_t k = 0;
+        while (k < L->n_ff && plan->hot_neurons > 0 && L->freq[L->order[k]] >= plan->freq_cutoff && hot_left >= L->bundle_size) {
+            hot_left -= L->bundle_size;
+            k++;
+        }
+        C->hot_k = k;
+        C->hot   = hot;
+        // one sequential read per layer
+        if (k > 0 && pi2_bundle_file_read(c->file, hot, (size_t) k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
+            pi2_cache_free(c);
+            return NULL;
+        }
+        hot += (size_t) k * L->bundle_size;
+    }
+    uint32_t need = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const uint32_t rest = c->layer[il].n_ff - c->layer[il].hot_k;
+        need = rest > need ? rest : need;
+    }
+    if (need > c->n_cold) { // ties at the cutoff can shift a few neurons between layers
+        snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
+        pi2_cache_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+static int64_t pi2_victim(struct pi2_neuron_cache * c) {
+    for (uint64_t step = 0; step < 2 * (uint64_t) c->n_cold + 1; ++step) {
+        const uint32_t e = c->hand;
+        c->hand = c->hand + 1 < c->n_cold ? c->hand + 1 : 0;
+        struct pi2_cold_entry * E = &c->ent[e];
+        if (E->pin == c->epoch) {
+            continue;
+        }
+        if (E->ref) {
+            E->ref = 0;
+            continue;
+        }
+        return e;
+    }
+    return -1;
+}
+
+static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
+    while (atomic_load(&c->outstanding) > 0) {
+        atomic_fetch_add(&c->waiters, 1);
+        const unsigned g = atomic_load(&c->completions);
+        if (atomic_load(&c->outstanding) > 0) {
+            pi2_futex_wait(&c->completions, g);
+        }
+        atomic_fetch_sub(&c->waiters, 1);
+    }
+}
+
+int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
+                      char * err, size_t errlen) {
+    pi2_wait_outstanding(c);
+    if (pi2_bundle_file_check(c->file, err, errlen) != 0) {
+        return -1;
+    }
+    c->error[0] = '\0';
+    c->epoch++;
+    struct pi2_cache_layer * L = &c->layer[layer];
+    for (uint32_t s = 0; s < L->hot_k; ++s) {
+        st->hot_hits += want[s] != 0;
+    }
+    uint32_t nreq = 0;
+    bool failed = false;
+    struct pi2_io_req * cur = NULL;
+    int64_t last = -2;
+    for (uint32_t s = L->hot_k; s < L->n_ff; ++s) {
+        if (!want[s]) {
+            continue;
+        }
+        int64_t e = L->where[s];
+        if (e >= 0 && atomic_load(&c->ent[e].state) == PI2_ENTRY_READY) {
+            c->ent[e].ref = 1;
+            c->ent[e].pin = c->epoch;
+            st->cold_hits++;
+            continue;
+        }
+        if (e < 0) {
+            e = pi2_victim(c);
+            if (e < 0) {
+                snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
+                failed = true;
+                break;
+            }
+            struct pi2_cold_entry * E = &c->ent[e];
+            if (E->layer >= 0) {
+                c->layer[E->layer].where[E->slot] = -1;
+            }
+            E->layer = layer;
+            E->slot  = (int32_t) s;
+            L->where[s] = (int32_t) e;
+        }
+        struct pi2_cold_entry * E = &c->ent[e];
+        E->ref = 1;
+        E->pin = c->epoch;
+        atomic_store(&E->state, PI2_ENTRY_PENDING);
+        if (cur == NULL || last != (int64_t) s - 1 || cur->n == PI2_IO_MAX_RUN) {
+            cur = &c->reqs[nreq++];
+            cur->offset = L->offset + (uint64_t) s * L->bsize;
+            cur->n      = 0;
+        }
+        cur->iov[cur->n].iov_base = c->cold + (size_t) e * c->entry_size;
+        cur->iov[cur->n].iov_len  = L->bsize;
+        cur->tag[cur->n++]        = (int32_t) e;
+        last = s;
+        st->misses++;
+        st->bytes_read += L->bsize;
+    }
+    st->requests += nreq;
+    atomic_store(&c->outstanding, (int) nreq);
+    if (nreq > 0) {
+        pi2_bundle_file_submit(c->file, c->reqs, (int) nreq);
+    }
+    return failed ? -1 : 0;
+}
+
+const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns) {
+    const struct pi2_cache_layer * L = &c->layer[layer];
+    if (slot < L->hot_k) {
+        return L->hot + (size_t) slot * L->bsize;
+    }
+    const int32_t e = L->where[slot];
+    if (e < 0) {
+        return NULL;
+    }
+    struct pi2_cold_entry * E = &c->ent[e];
+    int s = atomic_load_explicit(&E->state, memory_order_acquire);
+    if (s != PI2_ENTRY_READY) {
+        const uint64_t t0 = pi2_now_ns();
+        for (int spin = 0; s == PI2_ENTRY_PENDING; ++spin) {
+            if (spin < 100) {
+                __builtin_ia32_pause();
+            } else {
+                atomic_fetch_add(&c->waiters, 1);
+                const unsigned g = atomic_load(&c->completions);
+                if (atomic_load(&E->state) == PI2_ENTRY_PENDING) {
+                    pi2_futex_wait(&c->completions, g);
+                }
+                atomic_fetch_sub(&c->waiters, 1);
+            }
+            s = atomic_load_explicit(&E->state, memory_order_acquire);
+        }
+        *wait_ns += pi2_now_ns() - t0;
+        if (s != PI2_ENTRY_READY) {
+            return NULL;
+        }
+    }
+    return c->cold + (size_t) e * c->entry_size;
+}
+
+int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen) {
+    pi2_wait_outstanding(c);
+    if (c->error[0] != '\0') {
+        snprintf(err, errlen, "%s", c->error);
+        return -1;
+    }
+    return pi2_bundle_file_check(c->file, err, errlen);
+}
+
+const char * pi2_cache_error(struct pi2_neuron_cache * c) {
+    return c->error;
+}
+
+void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err) {
+    pi2_bundle_file_inject_fault(c->file, after, err);
+}
+
+bool pi2_cache_direct_io(const struct pi2_neuron_cache * c) {
+    return pi2_bundle_file_direct(c->file);
+}
+
+const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache * c) {
+    return &c->plan;
+}

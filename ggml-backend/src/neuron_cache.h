@@ -1,0 +1,61 @@
+// The segmented neuron cache of a model whose FFN lives on flash (PowerInfer-2 section 4.3):
+//  - hot segment: per layer, the first hot_k bundle slots (the most frequently active neurons; slots are
+//    in rank order), read sequentially when the cache is made and pinned. hot_k comes from one global
+//    frequency cutoff over all layers, so the bytes go where the profile says activations are.
+//  - cold segment: fixed-size entries holding single bundles, replaced by CLOCK (second chance, an LRU
+//    approximation that costs one bit per entry). Entries requested for the token being computed are
+//    pinned until the next request.
+// The predictors (the fixed segment) stay in the model binding.
+//
+// Use, per layer and token: one thread calls pi2_cache_request with the slots the predictor selected,
+// which issues every missing bundle to the I/O threads at once; then any thread may pi2_cache_get a
+// requested slot, which returns as soon as that bundle is in memory.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sidecar.h"
+
+struct pi2_neuron_cache;
+
+struct pi2_cache_plan {
+    uint64_t hot_bytes, cold_bytes;
+    uint32_t n_cold;       // cold entries
+    uint64_t hot_neurons;  // summed over layers
+    float    freq_cutoff;  // neurons at least this frequently active are hot
+};
+
+// Cache bytes below which some layer could not hold every neuron one token may need.
+uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
+// Bytes the cache spends outside its segments (slot maps, entry table, request buffers).
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc);
+// How `bytes` splits into hot and cold segments; false if bytes < pi2_cache_min_bytes.
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out);
+
+// Makes the cache and reads the hot segments; NULL with err on failure.
+struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan, int io_threads,
+                                           char * err, size_t errlen);
+void pi2_cache_free(struct pi2_neuron_cache * c);
+
+struct pi2_cache_token_stats {
+    uint64_t hot_hits, cold_hits, misses, bytes_read, requests;
+};
+
+// Looks up the slots with want[slot] != 0 of one layer and queues reads for the missing ones.
+// 0, or -1 with err (the file changed, or the cache cannot hold them).
+int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
+                      char * err, size_t errlen);
+// The bundle of a requested slot once it is in memory; NULL if its read failed (pi2_cache_error says why).
+// Adds the time spent waiting to *wait_ns.
+const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);
+// Waits for every queued read (after an error, before entries may be reused), then checks that the file
+// did not change while they ran. 0, or -1 with err.
+int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen);
+// The first read error since the last request, or "".
+const char * pi2_cache_error(struct pi2_neuron_cache * c);
+
+void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err);
+bool pi2_cache_direct_io(const struct pi2_neuron_cache * c);
+const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache * c);

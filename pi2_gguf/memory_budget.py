@@ -1,0 +1,101 @@
+"""Memory budgets: parsing "600MB", the lower bound a model needs before it loads, llama.cpp's compute
+buffer sizes as llama reports them, and the page cache a budgeted load leaves behind.
+
+The budget bounds the whole process. After the model and context exist, the plugin measures this
+process's resident memory (llama's non-FFN weights, KV cache, predictors, Python), subtracts it and the
+compute buffers captured here, and makes the rest the neuron cache (pi2_binding_set_budget)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import MemoryBudgetError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes from 600MB / 0.6GB (powers of 10), 512MiB (powers of 2) or a plain number of bytes; the same
+    units as PI2_MEMORY_BUDGET in the plugin."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise MemoryBudgetError(f"memory budget {value} is not a positive size")
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise MemoryBudgetError(f"memory budget '{value}' is not a size (e.g. 600MB, 2GiB, 1500000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def precheck(budget: int, model: Path, sidecar: Path) -> None:
+    """Refuses, before anything loads, a budget below what the model needs at the very least: what this
+    process holds now, the model's non-FFN weights, the predictors, one layer of bundles and the margin
+    (the plugin states the exact minimum, with KV cache and compute buffers, after the load)."""
+    from . import sidecar as sidecar_mod
+    from .model_ffn import ModelFfn
+
+    ffn = ModelFfn(model)
+    non_ffn = model.stat().st_size - sum(int(t.data.nbytes) for layer in ffn.layers for t in layer.values())
+    kv = sidecar_mod.read(sidecar).kv
+    n_embd = int(kv["pi2.n_embd"])
+    n_ff = [int(x) for x in kv["pi2.n_ff"]]
+    rank = [int(x) for x in kv["pi2.predictor.rank"]]
+    # Q8_0: 34 bytes per 32 weights, as the plugin re-quantizes them
+    predictors = sum((r * n_embd + f * r) * 34 // 32 + 4 * f for f, r in zip(n_ff, rank))
+    one_layer = max(f * int(b) for f, b in zip(n_ff, kv["pi2.bundle.size"]))
+    need = resident_bytes() + non_ffn + predictors + one_layer + MARGIN
+    if budget < need:
+        raise MemoryBudgetError(
+            f"memory budget {budget / 1e6:.0f} MB is too small for {model.name}: it needs more than {need / 1e6:.0f} MB "
+            f"(this process {resident_bytes() / 1e6:.0f} MB, non-FFN weights {non_ffn / 1e6:.0f} MB, predictors "
+            f"{predictors / 1e6:.0f} MB, neuron cache at least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; "
+            f"plus KV cache and compute buffers)")
+
+
+_COMPUTE = re.compile(r"compute buffer size\s*=\s*([0-9.]+)\s*MiB")
+
+
+@contextmanager
+def compute_buffer_log() -> Iterator[list[int]]:
+    """Collects the compute buffer sizes llama.cpp logs while a context is created (bytes, one per
+    backend); the log still reaches llama-cpp-python's own handler."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    sizes: list[int] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        m = _COMPUTE.search(text.decode("utf-8", "replace"))
+        if m:
+            sizes.append(int(float(m.group(1)) * 2**20))
+        _logger.llama_log_callback(level, text, user_data)
+
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    try:
+        yield sizes
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def drop_page_cache(path: Path) -> None:
+    """Asks the kernel to drop a file's cached pages (a budgeted load reads the model once, buffered)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
