@@ -41,7 +41,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from . import Llama, reset_counters
 
         cls = Llama  # validates the file itself
-    kwargs = {} if args.no_plugin else {"sidecar": args.sidecar, "mode": args.mode}
+    if args.no_plugin and args.memory_budget:
+        raise Pi2Error("--memory-budget needs the PI2 plugin (drop --no-plugin)")
+    kwargs = {} if args.no_plugin else {"sidecar": args.sidecar, "mode": args.mode, "memory_budget": args.memory_budget}
     llm = cls(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
               seed=args.seed, verbose=args.verbose, **kwargs)
     if not args.no_plugin:
@@ -58,6 +60,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if g.tokens:
         print(f"decode          {len(g.tokens)} tokens, {g.decode_tps:.1f} tok/s")
     print(f"peak RSS        {_peak_rss_mb():.0f} MB")
+    info = None if args.no_plugin else llm.cache_info()
+    if info is not None:
+        print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
+              f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
+              f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
     if not args.no_plugin:
         from . import read_counters
 
@@ -68,6 +75,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             per_layer = c.active_per_token()
             print(f"active neurons  {np.nanmean(per_layer):.0f} per layer per decoded token "
                   f"(layers {np.nanmin(per_layer):.0f}-{np.nanmax(per_layer):.0f})")
+        if info is not None:
+            found = int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())
+            print(f"bundles         {found} needed: {int(c.hot_hits.sum())} hot, {int(c.cold_hits.sum())} cold hits, "
+                  f"{int(c.misses.sum())} read ({c.bytes_read.sum() / 1e6:.0f} MB); threads waited "
+                  f"{c.io_wait_ns.sum() / 1e9:.2f} s")
     return 0
 
 
@@ -84,6 +96,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="PI2 decode mode (default: PI2_MODE, else predicted with a sidecar, dense without)")
     p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: PI2_SIDECAR, else MODEL.pi2.gguf "
                    "beside the model if it exists)")
+    p.add_argument("--memory-budget", help="keep the whole process within this much memory, e.g. 600MB; the FFN "
+                   "stays on flash behind a neuron cache (default: PI2_MEMORY_BUDGET)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     p.set_defaults(func=cmd_run)
 
@@ -95,6 +109,7 @@ _DELEGATED = {
     "convert": ("convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
     "inspect": ("inspect_sidecar", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
     "perplexity": ("perplexity", "perplexity over text, computed as llama-perplexity does"),
+    "bench": ("bench", "stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; needs root)"),
 }
 
 

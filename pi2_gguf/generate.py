@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,9 @@ class Greedy:
     logits_first: list[float] = field(default_factory=list)  # logits after the prompt, for numeric checks
     pi2_matmuls: int = 0  # FFN matmuls PI2 executed (subprocess runs with --pi2)
     active_fraction: float = 0.0  # sparse decode: active neurons / all neurons, over sparsely decoded tokens
+    # with a memory budget, over the decoded tokens: bundle bytes read, bundles found per cache segment,
+    # time the compute threads waited for reads; and what the process read from disk in all (/proc/self/io)
+    io: dict = field(default_factory=dict)
 
     @property
     def prompt_tps(self) -> float:
@@ -40,7 +44,8 @@ class Greedy:
 
 
 def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, keep_logits: bool = False,
-           prefix: list[int] | None = None, prompt_limit: int = 0) -> Greedy:
+           prefix: list[int] | None = None, prompt_limit: int = 0,
+           after_prompt: Callable[[], None] | None = None) -> Greedy:
     """Evaluates the prompt, then samples n tokens greedily. Graph evaluations: one for the prompt
     (when it fits in n_batch) plus n - 1 single-token ones (the last sampled token is not evaluated)."""
     llm.reset()
@@ -55,6 +60,8 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
         # read from the context: Llama.scores is only filled with logits_all=True
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(float).tolist()
+    if after_prompt is not None:
+        after_prompt()
     t1 = time.perf_counter()  # decode time starts after the logits copy
     out: list[int] = []
     for i in range(n):
@@ -74,8 +81,27 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
                          timeout: float = 1800) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin."""
+    cmd = greedy_command(model, prompts, n, pi2, threads, ctx, eog_stop, repack, sidecar, mode, keep_prefix,
+                         prompt_limit, logits)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"greedy decoding of {model} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return parse_results(res.stdout)
+
+
+def parse_results(stdout: str) -> list[Greedy]:
+    return [Greedy(**r) for r in json.loads(stdout)]
+
+
+def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2, ctx: int = 512,
+                   eog_stop: bool = False, repack: bool = True, sidecar: str | Path | None = None,
+                   mode: str | None = None, keep_prefix: list[int] | None = None, prompt_limit: int = 0,
+                   logits: bool = True, memory_budget: int | None = None) -> list[str]:
+    """The command line of a greedy_in_subprocess run (for runners that start it themselves)."""
     cmd = [sys.executable, "-m", "pi2_gguf.generate", "--model", str(model), "-n", str(n),
            "--threads", str(threads), "--ctx", str(ctx)]
+    if memory_budget:
+        cmd += ["--memory-budget", str(memory_budget)]
     if logits:
         cmd.append("--logits")
     for p in prompts:
@@ -94,10 +120,14 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
         cmd += ["--prefix", ",".join(map(str, keep_prefix))]
     if prompt_limit:
         cmd += ["--prompt-limit", str(prompt_limit)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise RuntimeError(f"greedy decoding of {model} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-    return [Greedy(**r) for r in json.loads(res.stdout)]
+    return cmd
+
+
+def _proc_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-repack", action="store_true", help="stock CPU path without weight repacking")
     ap.add_argument("--sidecar", help="pi2 sidecar (with --pi2)")
     ap.add_argument("--mode", help="PI2 decode mode (with --pi2)")
+    ap.add_argument("--memory-budget", help="whole-process memory budget (with --pi2 and a sidecar)")
     args = ap.parse_args(argv)
     from .plugin import read_counters, register, reset_counters
 
@@ -125,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             from .llama import Llama
 
             llm = Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                        verbose=False, sidecar=args.sidecar or False, mode=args.mode)
+                        verbose=False, sidecar=args.sidecar or False, mode=args.mode, memory_budget=args.memory_budget)
         else:
             llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                                   verbose=False)
@@ -134,13 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.prompt:
         if args.pi2:
             reset_counters()
+        read0 = [0]
+        at_decode: list = []
+
+        def decode_starts() -> None:  # the I/O figures below are the decode's only
+            read0[0] = _proc_read_bytes()
+            if args.pi2:
+                at_decode.append(read_counters())
+
         g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
-                   prompt_limit=args.prompt_limit)
+                   prompt_limit=args.prompt_limit, after_prompt=decode_starts)
+        g.io = {"process_read_bytes": _proc_read_bytes() - read0[0]}
         if args.pi2:
             c = read_counters()
             g.pi2_matmuls = int(c.matmul_calls.sum())
             if c.sparse_tokens.sum():
                 g.active_fraction = float(c.active.sum()) / float(c.neurons.sum())
+            c0 = at_decode[0]
+            g.io.update(bundle_bytes=int(c.bytes_read.sum() - c0.bytes_read.sum()),
+                        hot_hits=int(c.hot_hits.sum() - c0.hot_hits.sum()),
+                        cold_hits=int(c.cold_hits.sum() - c0.cold_hits.sum()),
+                        misses=int(c.misses.sum() - c0.misses.sum()),
+                        io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
         res.append(asdict(g))
     json.dump(res, sys.stdout)
     return 0

@@ -8,6 +8,7 @@ compute buffers captured here, and makes the rest the neuron cache (pi2_binding_
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import re
 from collections.abc import Iterator
@@ -48,6 +49,8 @@ def precheck(budget: int, model: Path, sidecar: Path) -> None:
     from . import sidecar as sidecar_mod
     from .model_ffn import ModelFfn
 
+    gc.collect()  # unmaps what earlier GGUF readers (sidecar checks) mapped: mapped pages count as resident
+    held = resident_bytes()  # before the readers below map (and count) file pages
     ffn = ModelFfn(model)
     non_ffn = model.stat().st_size - sum(int(t.data.nbytes) for layer in ffn.layers for t in layer.values())
     kv = sidecar_mod.read(sidecar).kv
@@ -57,11 +60,12 @@ def precheck(budget: int, model: Path, sidecar: Path) -> None:
     # Q8_0: 34 bytes per 32 weights, as the plugin re-quantizes them
     predictors = sum((r * n_embd + f * r) * 34 // 32 + 4 * f for f, r in zip(n_ff, rank))
     one_layer = max(f * int(b) for f, b in zip(n_ff, kv["pi2.bundle.size"]))
-    need = resident_bytes() + non_ffn + predictors + one_layer + MARGIN
+    del ffn
+    need = held + non_ffn + predictors + one_layer + MARGIN
     if budget < need:
         raise MemoryBudgetError(
             f"memory budget {budget / 1e6:.0f} MB is too small for {model.name}: it needs more than {need / 1e6:.0f} MB "
-            f"(this process {resident_bytes() / 1e6:.0f} MB, non-FFN weights {non_ffn / 1e6:.0f} MB, predictors "
+            f"(this process {held / 1e6:.0f} MB, non-FFN weights {non_ffn / 1e6:.0f} MB, predictors "
             f"{predictors / 1e6:.0f} MB, neuron cache at least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; "
             f"plus KV cache and compute buffers)")
 

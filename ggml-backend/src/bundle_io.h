@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define PI2_IO_MAX_RUN 8 // bundles of consecutive slots read by one request (one preadv)
+#define PI2_IO_MAX_RUN 32 // bundles of consecutive slots read by one request (one preadv)
 
 struct pi2_io_req {
     uint64_t     offset;

@@ -1,0 +1,186 @@
+"""Flash-resident FFN under a memory budget: decoding equals the in-RAM sparse decode bit for bit, a
+budget too small is refused with its minimum, read errors and a sidecar changed while running end the
+generation with a clear error, and under a cgroup limit equal to the budget the process stays within it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import pi2_gguf
+from pi2_gguf import cgroup, plugin
+from pi2_gguf.errors import MemoryBudgetError, SidecarError
+from pi2_gguf.generate import greedy_command, parse_results
+from pi2_gguf.memory_budget import parse_size
+
+PROMPT = "The history of the Roman Empire"
+N_STEPS = 16
+
+
+def test_parse_size() -> None:
+    assert parse_size("600MB") == 600_000_000
+    assert parse_size("0.5 GiB") == 2**29
+    assert parse_size("1500000000") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    for bad in ("", "600XB", "-5MB", "0", "MB"):
+        with pytest.raises(MemoryBudgetError, match="not a"):
+            parse_size(bad)
+
+
+def _steps(llm: pi2_gguf.Llama, n: int = N_STEPS) -> np.ndarray:
+    """Logits after the prompt and after each of n greedy steps."""
+    llm.reset()
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    rows = []
+    for _ in range(n):
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        rows.append(row)
+        llm.eval([int(np.argmax(row))])
+    return np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def same_engine_settings():
+    """In RAM, prompts and many-active tokens take other kernels (ggml-cpu, the model's down rows); on
+    flash every token runs the sparse engine. Comparing the engine with itself needs those off in RAM."""
+    plugin.register()
+    plugin.set_sparse_limits(64, 1.0)
+    yield
+    plugin.set_sparse_limits(4, 0.2)
+
+
+def _minimum(model: Path, sidecar: Path) -> int:
+    """The smallest budget the plugin accepts for this model now (from its refusal of 1 MB)."""
+    with pytest.raises(MemoryBudgetError) as e:
+        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="1MB", n_ctx=256, n_threads=2, verbose=False)
+    m = re.search(r"needs (?:at least|more than) (\d+) MB", str(e.value))
+    assert m, str(e.value)
+    return int(m.group(1)) * 1_000_000
+
+
+def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted") -> pi2_gguf.Llama:
+    """A budget of 1 GB, its neuron cache capped at 6 MB (PI2_CACHE_MAX): the test model's 16 MB of bundles
+    then mostly stay on flash, whatever this test process holds."""
+    os.environ["PI2_CACHE_MAX"] = str(6 << 20)
+    try:
+        return pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, memory_budget="1GB", n_ctx=256, n_threads=2,
+                              verbose=False)
+    finally:
+        del os.environ["PI2_CACHE_MAX"]
+
+
+@pytest.mark.parametrize("mode", ["predicted", "oracle"])
+def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path, list], same_engine_settings,
+                                                   mode: str) -> None:
+    model, sidecar, _ = relu_model
+    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False)
+    want = _steps(ram)
+    ram.close()
+    flash = _load_small_cache(model, sidecar, mode)
+    info = flash.cache_info()
+    assert info is not None and info.n_cold > 0 and info.hot_bytes + info.cold_bytes <= 6 << 20
+    plugin.reset_counters()
+    got = _steps(flash)
+    c = plugin.read_counters()
+    flash.close()
+    assert np.array_equal(got, want)  # bit for bit: same kernels, same order, bundles as read from the file
+    # the smallest cache leaves most neurons on flash: they were read, and the counters add up
+    needed = int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())
+    assert int(c.misses.sum()) > 0 and int(c.hot_hits.sum()) > 0
+    assert needed == int(c.predicted.sum())  # every neuron whose gate was computed came through the cache
+    assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * 4096
+
+
+def test_budget_too_small_states_the_minimum(relu_model: tuple[Path, Path, list]) -> None:
+    model, sidecar, _ = relu_model
+    with pytest.raises(MemoryBudgetError, match=r"memory budget 50 MB is too small .* needs (at least|more than) \d+ MB"):
+        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="50MB", n_ctx=256, verbose=False)
+
+
+def test_budget_needs_a_sidecar(smollm2: Path) -> None:
+    with pytest.raises(MemoryBudgetError, match="needs the model's sidecar"):
+        pi2_gguf.Llama(str(smollm2), sidecar=False, memory_budget="2GB", verbose=False)
+
+
+def test_read_error_ends_generation_with_a_message(relu_model: tuple[Path, Path, list]) -> None:
+    model, sidecar, _ = relu_model
+    llm = _load_small_cache(model, sidecar)
+    _steps(llm, 2)
+    plugin.inject_read_fault(llm.pi2_binding, 5, errno.EIO)
+    with pytest.raises(SidecarError, match=r"read of \d+ bytes at offset \d+ failed.*Input/output error \(injected\)"):
+        _steps(llm, 8)
+    _steps(llm, 2)  # the fault was one read: the next generation reads again and works
+    llm.close()
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten"])
+def test_sidecar_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list], tmp_path: Path,
+                                                       change: str) -> None:
+    model, sidecar, _ = relu_model
+    copy = tmp_path / "relu.pi2.gguf"
+    shutil.copyfile(sidecar, copy)
+    llm = _load_small_cache(model, copy)
+    _steps(llm, 2)
+    if change == "truncated":
+        os.truncate(copy, copy.stat().st_size // 2)
+    else:  # same size, other bytes: a careless copy over the file
+        with open(copy, "r+b") as f:
+            f.seek(copy.stat().st_size - 8192)
+            f.write(os.urandom(4096))
+    with pytest.raises(SidecarError, match="changed on disk while the model was running"):
+        _steps(llm, 4)
+    llm.close()
+    assert sidecar.stat().st_size > copy.stat().st_size or change == "rewritten"
+
+
+def test_env_budget_for_other_frontends(relu_model: tuple[Path, Path, list], same_engine_settings) -> None:
+    """PI2_SIDECAR + PI2_MEMORY_BUDGET with plain llama_cpp.Llama (use_mmap off): the plugin sizes the
+    cache itself at the first compute, and decodes as in RAM."""
+    model, sidecar, _ = relu_model
+    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False)
+    want = [int(np.argmax(r)) for r in _steps(ram, 8)]
+    ram.close()
+    code = (
+        "import sys, json, numpy as np, llama_cpp, pi2_gguf\n"
+        "from pi2_gguf import plugin\n"
+        "pi2_gguf.register(); plugin.set_sparse_limits(64, 1.0)\n"
+        f"llm = llama_cpp.Llama({str(model)!r}, use_mmap=False, n_ctx=256, n_threads=2, n_batch=32, verbose=False)\n"
+        f"llm.eval(llm.tokenize({PROMPT!r}.encode(), add_bos=True)); out = []\n"
+        "for _ in range(8):\n"
+        "    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))\n"
+        "    out.append(int(np.argmax(row))); llm.eval([out[-1]])\n"
+        "c = plugin.read_counters(); print(json.dumps([out, int(c.misses.sum() + c.hot_hits.sum())]))\n")
+    env = dict(os.environ, PI2_SIDECAR=str(sidecar), PI2_MEMORY_BUDGET="4GB")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got, found = __import__("json").loads(res.stdout.strip().splitlines()[-1])
+    assert got == want
+    assert found > 0  # bundles came through the cache
+
+
+@pytest.mark.skipif(cgroup.available() is not None, reason=str(cgroup.available()))
+def test_peak_memory_stays_within_the_budget_in_a_cgroup(relu_model: tuple[Path, Path, list]) -> None:
+    """A cgroup v1 limit equal to the budget, cold page cache: the run completes without an OOM kill,
+    the group's peak stays within the budget, and the tokens equal the in-RAM sparse decode's."""
+    model, sidecar, _ = relu_model
+    budget = _minimum(model, sidecar) + 40_000_000
+    cmd = greedy_command(model, [PROMPT], N_STEPS, pi2=True, sidecar=sidecar, logits=False, memory_budget=budget)
+    env = dict(os.environ, PI2_SPARSE_BATCH="64", PI2_DOWN_SPARSE_MAX="1")
+    flash_env = dict(env, PI2_CACHE_MAX=str(6 << 20))  # most bundles on flash
+    ram_env = subprocess.run(greedy_command(model, [PROMPT], N_STEPS, pi2=True, sidecar=sidecar, logits=False),
+                             capture_output=True, text=True, check=True, timeout=300, env=env)
+    r = cgroup.run(cmd, budget, [model, sidecar], timeout=300, env=flash_env)
+    assert r.returncode == 0 and r.oom_kills == 0, r.stderr[-2000:]
+    assert r.peak_bytes <= budget
+    got = parse_results(r.stdout)[0]
+    assert got.tokens == parse_results(ram_env.stdout)[0].tokens
+    assert len(got.tokens) == N_STEPS and got.io["misses"] > 0
