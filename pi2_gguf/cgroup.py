@@ -98,12 +98,11 @@ def run(cmd: list[str], memory_limit: int | None, files: list[Path], read_bps: i
             swap = mem / "memory.memsw.limit_in_bytes"
             if swap.exists():
                 swap.write_text(str(memory_limit))
-        if read_bps or read_iops:
-            dev = _block_device(files[0] if files else Path.cwd())
-            if read_bps:
-                (blk / "blkio.throttle.read_bps_device").write_text(f"{dev} {read_bps}")
-            if read_iops:
-                (blk / "blkio.throttle.read_iops_device").write_text(f"{dev} {read_iops}")
+        # a rule on the device also turns on the group's read accounting (1 PB/s when uncapped)
+        dev = _block_device(files[0] if files else Path.cwd())
+        (blk / "blkio.throttle.read_bps_device").write_text(f"{dev} {read_bps or 10**15}")
+        if read_iops:
+            (blk / "blkio.throttle.read_iops_device").write_text(f"{dev} {read_iops}")
         if cold:
             drop_caches(files)
 

@@ -54,6 +54,7 @@ struct pi2_neuron_cache {
     struct pi2_cold_entry *  ent;
     uint32_t                 n_cold, hand, epoch;
     uint32_t                 gap; // slots a read may bridge between two misses
+    uint8_t *                sink; // where bridged bundles land: gap entries
     struct pi2_io_req *      reqs;
     uint32_t                 max_reqs;
     struct pi2_bundle_file * file;
@@ -206,7 +207,9 @@ static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, con
         pthread_mutex_unlock(&c->err_lock);
     }
     for (int k = 0; k < r->n; ++k) {
-        atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
+        if (r->tag[k] >= 0) {
+            atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
+        }
     }
     atomic_fetch_sub(&c->outstanding, 1);
     atomic_fetch_add(&c->completions, 1);
@@ -240,6 +243,9 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     if (c->cold != NULL) {
         munmap(c->cold, c->cold_map);
     }
+    if (c->sink != NULL) {
+        munmap(c->sink, (size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
+    }
     free(c->ent);
     free(c->reqs);
     pthread_mutex_destroy(&c->err_lock);
@@ -263,6 +269,9 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     const char * gap = getenv("PI2_IO_GAP");
     const long gap_bytes = gap != NULL ? atol(gap) : 32768;
     c->gap = c->entry_size > 0 && gap_bytes > 0 ? (uint32_t) (gap_bytes / (long) c->entry_size) : 0;
+    if (c->gap > PI2_IO_MAX_RUN - 1) {
+        c->gap = PI2_IO_MAX_RUN - 1;
+    }
     c->max_reqs   = max_n_ff;
     c->layer = calloc(sc->n_layer, sizeof(*c->layer));
     c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
@@ -271,7 +280,8 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
     c->hot_mem  = pi2_map_anon(c->hot_map);
     c->cold     = pi2_map_anon(c->cold_map);
-    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
+    c->sink     = pi2_map_anon((size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
+    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->sink == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
         (c->cold_map > 0 && c->cold == NULL)) {
         snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
                  (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
@@ -419,18 +429,24 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             cur->offset = L->offset + (uint64_t) s * L->bsize;
             cur->n      = 0;
         }
-        for (int64_t g = from; g <= s; ++g) {
-            const int64_t ge = pi2_claim(c, layer, (uint32_t) g);
-            if (ge < 0) {
-                snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
-                failed = true;
-                break;
-            }
-            cur->iov[cur->n].iov_base = c->cold + (size_t) ge * c->entry_size;
+        // the bundles between go to a sink (one gap's worth, shared: its contents are never used); kept in
+        // the cache they evicted entries worth keeping (measured: the cold segment's hits went to zero)
+        for (int64_t g = from; g < s; ++g) {
+            cur->iov[cur->n].iov_base = c->sink + (size_t) (g - from) * c->entry_size;
             cur->iov[cur->n].iov_len  = L->bsize;
-            cur->tag[cur->n++]        = (int32_t) ge;
+            cur->tag[cur->n++]        = -1;
             st->bytes_read += L->bsize;
         }
+        const int64_t ge = pi2_claim(c, layer, s);
+        if (ge < 0) {
+            snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
+            failed = true;
+            break;
+        }
+        cur->iov[cur->n].iov_base = c->cold + (size_t) ge * c->entry_size;
+        cur->iov[cur->n].iov_len  = L->bsize;
+        cur->tag[cur->n++]        = (int32_t) ge;
+        st->bytes_read += L->bsize;
         last = s;
     }
     if (cur != NULL && cur->n == 0) { // a run that failed before its first bundle
