@@ -37,8 +37,8 @@ struct pi2_bundle_file {
 };
 
 static int pi2_stat_changed(const struct stat * a, const struct stat * b) {
-    return a->st_size != b->st_size || a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec ||
-           a->st_ino != b->st_ino;
+    // (an fd keeps its inode: a sidecar replaced by rename is still read whole from the old file)
+    return a->st_size != b->st_size || a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec;
 }
 
 int pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen) {

@@ -839,16 +839,24 @@ void pi2_load_end(void) {
     }
 }
 
+// the registry slot of the binding with this id, or -1 (d->lock held)
+static int pi2_binding_slot(const struct pi2_device_ctx * d, int id) {
+    for (int k = 0; k < PI2_MAX_BINDINGS; ++k) {
+        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
+            return k;
+        }
+    }
+    return -1;
+}
+
 // the registered binding with this id, referenced (caller unrefs), or NULL
 static struct pi2_binding * pi2_binding_find(int id) {
     struct pi2_device_ctx * d = pi2_device_ctx();
-    struct pi2_binding * found = NULL;
     pthread_mutex_lock(&d->lock);
-    for (int k = 0; k < PI2_MAX_BINDINGS && found == NULL; ++k) {
-        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
-            found = d->bindings[k];
-            pi2_binding_ref(found);
-        }
+    const int k = pi2_binding_slot(d, id);
+    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
+    if (found != NULL) {
+        pi2_binding_ref(found);
     }
     pthread_mutex_unlock(&d->lock);
     return found;
@@ -944,13 +952,11 @@ int pi2_binding_inject_read_fault(int id, int64_t after, int err) {
 
 int pi2_binding_release(int id) {
     struct pi2_device_ctx * d = pi2_device_ctx();
-    struct pi2_binding * found = NULL;
     pthread_mutex_lock(&d->lock);
-    for (int k = 0; k < PI2_MAX_BINDINGS && found == NULL; ++k) {
-        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
-            found = d->bindings[k];
-            d->bindings[k] = NULL;
-        }
+    const int k = pi2_binding_slot(d, id);
+    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
+    if (k >= 0) {
+        d->bindings[k] = NULL;
     }
     pthread_mutex_unlock(&d->lock);
     if (found == NULL) {

@@ -297,8 +297,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         return -1;
     }
     b->cache = pi2_cache_create(b->sc, &plan, b->io_threads, err, errlen);
-    memset(&b->io, 0, sizeof(b->io));
-    b->io_wait_ns = b->ffn_ns = 0;
+    b->ffn_ns = 0;
     pthread_mutex_unlock(&b->cache_lock);
     return b->cache != NULL ? 0 : -1;
 }

@@ -52,8 +52,7 @@ struct pi2_binding {
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
     struct pi2_neuron_cache * cache;
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
-    struct pi2_cache_token_stats io;       // totals since the cache was made (under cache_lock)
-    uint64_t                  io_wait_ns, ffn_ns;
+    uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
 };
 
 // Budget accounting: a cache sized from `budget` minus what the process holds now (resident memory),

@@ -445,24 +445,13 @@ static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_
     const uint64_t t0 = pi2_clock_ns();
     pi2_sparse_run(p, ctx->n_threads > 0 ? ctx->n_threads : 1);
     // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
-    char err[sizeof(p->error)];
-    const bool ok = !atomic_load(&p->failed) && pi2_cache_finish(p->cache, err, sizeof(err)) == 0;
-    if (!ok) {
-        if (atomic_load(&p->failed)) {
-            pi2_cache_finish(p->cache, err, sizeof(err));
-            if (p->error[0] == '\0') {
-                snprintf(p->error, sizeof(p->error), "%s", err[0] != '\0' ? err : pi2_cache_error(p->cache));
-            }
-        } else {
-            snprintf(p->error, sizeof(p->error), "%s", err);
-        }
-        snprintf(b->error, sizeof(b->error), "%s", p->error);
+    char err[sizeof(p->error)] = "";
+    const int finished = pi2_cache_finish(p->cache, err, sizeof(err));
+    const bool ok = !atomic_load(&p->failed) && finished == 0;
+    if (!ok) { // the request's own error first, then a read error or a changed file
+        snprintf(b->error, sizeof(b->error), "%s",
+                 p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_cache_error(p->cache));
     }
-    b->io.hot_hits += p->io.hot_hits;
-    b->io.cold_hits += p->io.cold_hits;
-    b->io.misses += p->io.misses;
-    b->io.bytes_read += p->io.bytes_read;
-    b->io.requests += p->io.requests;
     b->ffn_ns += pi2_clock_ns() - t0;
     pthread_mutex_unlock(&b->cache_lock);
     if (!ok) {
