@@ -65,6 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
+        if info.embedding_bytes:
+            print(f"token embedding {info.embedding_bytes / 1e6:.0f} MB left in the model file (rows read per token)")
     if not args.no_plugin:
         from . import read_counters
 

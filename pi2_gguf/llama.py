@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -96,7 +97,8 @@ class Llama(llama_cpp.Llama):
             kwargs["use_mmap"] = False
             kwargs.setdefault("n_batch", 32)
             budgets.precheck(self.pi2_memory_budget, path, self.pi2_sidecar)
-        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None)
+        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None,
+                                             model=path)
         try:
             with budgets.compute_buffer_log() as compute:
                 super().__init__(str(path), *args, **kwargs)
@@ -111,6 +113,7 @@ class Llama(llama_cpp.Llama):
             # what llama will still touch: its compute buffers, and the logits array with logits_all
             reserved = sum(compute) + (self.scores.nbytes if self._logits_all else 0)
             budgets.drop_page_cache(path)
+            gc.collect()  # GGUF readers of the checks above may still map file pages, which count as resident
             try:
                 plugin.set_budget(self.pi2_binding, self.pi2_memory_budget, reserved)
             except MemoryBudgetError:

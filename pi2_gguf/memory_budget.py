@@ -44,30 +44,30 @@ def resident_bytes() -> int:
 
 def precheck(budget: int, model: Path, sidecar: Path) -> None:
     """Refuses, before anything loads, a budget below what the model needs at the very least: what this
-    process holds now, the model's non-FFN weights, the predictors, one layer of bundles and the margin
-    (the plugin states the exact minimum, with KV cache and compute buffers, after the load)."""
+    process holds now, the model's resident non-FFN weights, one layer of bundles and the margin (the
+    plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
+    the load). A token embedding apart from the output matrix stays in the model file (the plugin reads
+    its rows per token), so it does not count."""
     from . import sidecar as sidecar_mod
     from .model_ffn import ModelFfn
 
     gc.collect()  # unmaps what earlier GGUF readers (sidecar checks) mapped: mapped pages count as resident
     held = resident_bytes()  # before the readers below map (and count) file pages
     ffn = ModelFfn(model)
+    sizes = {t.name: int(t.n_bytes) for t in ffn.reader.tensors}
     non_ffn = model.stat().st_size - sum(int(t.data.nbytes) for layer in ffn.layers for t in layer.values())
+    if "output.weight" in sizes:
+        non_ffn -= sizes.get("token_embd.weight", 0)
     kv = sidecar_mod.read(sidecar).kv
-    n_embd = int(kv["pi2.n_embd"])
-    n_ff = [int(x) for x in kv["pi2.n_ff"]]
-    rank = [int(x) for x in kv["pi2.predictor.rank"]]
-    # Q8_0: 34 bytes per 32 weights, as the plugin re-quantizes them
-    predictors = sum((r * n_embd + f * r) * 34 // 32 + 4 * f for f, r in zip(n_ff, rank))
-    one_layer = max(f * int(b) for f, b in zip(n_ff, kv["pi2.bundle.size"]))
+    one_layer = max(int(f) * int(b) for f, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.size"]))
     del ffn
-    need = held + non_ffn + predictors + one_layer + MARGIN
+    need = held + non_ffn + one_layer + MARGIN
     if budget < need:
         raise MemoryBudgetError(
             f"memory budget {budget / 1e6:.0f} MB is too small for {model.name}: it needs more than {need / 1e6:.0f} MB "
-            f"(this process {held / 1e6:.0f} MB, non-FFN weights {non_ffn / 1e6:.0f} MB, predictors "
-            f"{predictors / 1e6:.0f} MB, neuron cache at least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; "
-            f"plus KV cache and compute buffers)")
+            f"(this process {held / 1e6:.0f} MB, resident non-FFN weights {non_ffn / 1e6:.0f} MB, neuron cache at "
+            f"least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; plus predictors, KV cache and compute "
+            "buffers)")
 
 
 _COMPUTE = re.compile(r"compute buffer size\s*=\s*([0-9.]+)\s*MiB")

@@ -65,13 +65,15 @@ class _CacheInfo(ctypes.Structure):
         ("freq_cutoff", ctypes.c_float),
         ("pad", ctypes.c_uint32),
         ("ffn_ns", ctypes.c_uint64),
+        ("embd_bytes", ctypes.c_uint64),
     ]
 
 
 @dataclass(frozen=True)
 class CacheInfo:
     """The neuron cache of a model with a memory budget: segment sizes (bytes), hot neurons (all layers),
-    cold entries, whether reads bypass the page cache, and time spent in its FFN layers."""
+    cold entries, whether reads bypass the page cache, time spent in its FFN layers, and the bytes of
+    token embedding left in the model file (read per token; 0 when it is in RAM)."""
 
     fixed_bytes: int
     hot_bytes: int
@@ -81,6 +83,7 @@ class CacheInfo:
     direct_io: bool
     freq_cutoff: float
     ffn_seconds: float
+    embedding_bytes: int
 
 
 class _Counters(ctypes.Structure):
@@ -219,7 +222,8 @@ def register() -> Path:
             raise PluginError(f"PI2 plugin: {err.value.decode('utf-8', 'replace')}")
         plugin.pi2_load_begin.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         plugin.pi2_load_begin.restype = ctypes.c_int
-        plugin.pi2_load_begin_flash.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_load_begin_flash.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                                ctypes.c_size_t]
         plugin.pi2_load_begin_flash.restype = ctypes.c_int
         plugin.pi2_binding_set_budget.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
                                                   ctypes.c_size_t]
@@ -292,13 +296,19 @@ def mode_value(mode: str) -> int:
     return MODES[mode]
 
 
-def load_begin(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = False) -> int:
+def load_begin(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = False,
+               model: str | os.PathLike[str] | None = None) -> int:
     """Binds the PI2 weight buffers of the next model load to this sidecar and mode (the sidecar is
     opened and checked now). Returns the binding id (0 without a sidecar). Pair with load_end().
-    flash: the FFN stays on flash (a memory budget; size the cache with set_budget after the load)."""
+    flash: the FFN stays on flash (a memory budget; size the cache with set_budget after the load); with
+    the model file named, a token embedding apart from the output matrix stays in that file too."""
     err = ctypes.create_string_buffer(_ERR_LEN)
-    begin = _require().pi2_load_begin_flash if flash else _require().pi2_load_begin
-    rc = begin(None if sidecar is None else os.fsencode(sidecar), mode_value(mode), err, _ERR_LEN)
+    path = None if sidecar is None else os.fsencode(sidecar)
+    if flash:
+        rc = _require().pi2_load_begin_flash(path, None if model is None else os.fsencode(model), mode_value(mode),
+                                             err, _ERR_LEN)
+    else:
+        rc = _require().pi2_load_begin(path, mode_value(mode), err, _ERR_LEN)
     if rc < 0:
         raise SidecarError(err.value.decode("utf-8", "replace"))
     return int(rc)
@@ -341,7 +351,7 @@ def cache_info(binding: int) -> CacheInfo | None:
     if _require().pi2_binding_cache_info(binding, ctypes.byref(raw)) != 0:
         return None
     return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons), int(raw.n_cold),
-                     bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9)
+                     bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9, int(raw.embd_bytes))
 
 
 def inject_read_fault(binding: int, after: int, errno_value: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import pi2_gguf
 from pi2_gguf import cgroup, plugin
@@ -98,6 +99,59 @@ def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path,
     assert int(c.misses.sum()) > 0 and int(c.hot_hits.sum()) > 0
     assert needed == int(c.predicted.sum())  # every neuron whose gate was computed came through the cache
     assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * 4096
+
+
+def _untied_copy(src: Path, dst: Path) -> Path:
+    """src with its output matrix as a tensor of its own (a copy of token_embd), as most models have it."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:  # the test model is F32 with an F16 embedding: numpy dtypes carry the types
+        w.add_tensor(t.name, np.array(t.data))
+        if t.name == "token_embd.weight":
+            w.add_tensor("output.weight", np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], same_engine_settings,
+                                           tmp_path: Path) -> None:
+    """A token embedding apart from the output matrix is not loaded: PI2 reads its rows from the model
+    file per token, and decoding stays bit-identical to the in-RAM run. A tied one stays in RAM."""
+    model, sidecar, _ = relu_model
+    untied = _untied_copy(model, tmp_path / "untied.gguf")
+    ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False)
+    want = _steps(ram)
+    ram.close()
+    flash = _load_small_cache(untied, sidecar)
+    info = flash.cache_info()
+    got = _steps(flash)
+    flash.close()
+    embd = next(t for t in GGUFReader(untied).tensors if t.name == "token_embd.weight")
+    assert info is not None and info.embedding_bytes == int(embd.n_bytes)
+    assert np.array_equal(got, want)
+    tied = _load_small_cache(model, sidecar)
+    assert tied.cache_info().embedding_bytes == 0  # the output matmul reads it whole every token
+    tied.close()
+
+
+def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],
+                                                             tmp_path: Path) -> None:
+    model, sidecar, _ = relu_model
+    untied = _untied_copy(model, tmp_path / "untied.gguf")
+    llm = _load_small_cache(untied, sidecar)
+    _steps(llm, 2)
+    os.utime(untied, ns=(0, 0))  # as if rewritten in place: another model's rows could be read
+    with pytest.raises(SidecarError, match="untied.gguf changed on disk while the model was running"):
+        _steps(llm, 2)
+    llm.close()
 
 
 def test_budget_too_small_states_the_minimum(relu_model: tuple[Path, Path, list]) -> None:

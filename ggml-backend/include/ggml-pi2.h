@@ -80,7 +80,9 @@ GGML_BACKEND_API void pi2_load_end(void);
 // As pi2_load_begin, for a model whose FFN stays on flash: its weight buffers keep nothing (each upload is
 // checked against the sidecar), and bundles are read through a neuron cache sized by pi2_binding_set_budget
 // (or, without that call, from PI2_MEMORY_BUDGET at the first compute). Load with use_mmap off.
-GGML_BACKEND_API int  pi2_load_begin_flash(const char * sidecar_path, int mode, char * err, size_t errlen);
+// model_path (may be NULL) names the model file: a token embedding apart from the output matrix then stays
+// there, its rows read per token, and llama's upload of it is compared with the file.
+GGML_BACKEND_API int  pi2_load_begin_flash(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen);
 // Sizes the neuron cache of a flash binding for a whole-process memory budget: budget minus this process's
 // resident memory now, minus `reserved` (bytes the caller knows will be touched later, e.g. llama's
 // compute buffers), minus the cache's tables and a margin. Reads the hot segment. 0, or -1 with err stating
@@ -96,6 +98,7 @@ struct pi2_cache_info {
     float    freq_cutoff;   // neurons at least this frequently active (profile) are hot
     uint32_t pad;
     uint64_t ffn_ns;        // time in flash FFN layers since the cache was made
+    uint64_t embd_bytes;    // token embedding left in the model file, its rows read per token (0: in RAM)
 };
 // -1 for an unknown id or a binding without a cache
 GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);

@@ -237,9 +237,9 @@ void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs
 }
 
 int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen) {
-    struct pi2_io_req r = { .offset = off, .n = 1 };
-    r.iov[0].iov_base = dst;
-    r.iov[0].iov_len  = n;
+    struct iovec      iov = { .iov_base = dst, .iov_len = n };
+    int32_t           tag = -1;
+    struct pi2_io_req r   = { .offset = off, .n = 1, .iov = &iov, .tag = &tag };
     return pi2_read_req(f, &r, err, errlen) == 0 ? 0 : -1;
 }
 

@@ -10,13 +10,15 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define PI2_IO_MAX_RUN 32 // bundles of consecutive slots read by one request (one preadv)
+#define PI2_IO_MAX_RUN 256 // most bundles of consecutive slots one request (one preadv) reads; <= IOV_MAX
 
+// the iovecs and tags live in the submitter's arrays (one slot's bundle per iovec, so a layer's requests
+// need at most n_ff of them in all)
 struct pi2_io_req {
-    uint64_t     offset;
-    int          n;                   // iovecs, each a whole bundle: 4 KiB aligned address and length
-    struct iovec iov[PI2_IO_MAX_RUN];
-    int32_t      tag[PI2_IO_MAX_RUN]; // the submitter's (cache entry of each iovec)
+    uint64_t       offset;
+    int            n;   // iovecs, each a whole bundle: 4 KiB aligned address and length
+    struct iovec * iov;
+    int32_t *      tag; // the submitter's (cache entry of each iovec)
 };
 
 // called on an I/O thread for each finished request; err 0 on success, else why (errno-style text in why)

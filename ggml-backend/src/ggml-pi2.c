@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "ffn_exec.h"
 #include "ffn_names.h"
@@ -85,6 +86,19 @@ static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_t
                                  size_t size) {
     int layer = -1;
     enum pi2_matrix m;
+    if (bc->binding != NULL && pi2_embedding_matches(bc->binding->embd, tensor)) {
+        const size_t scratch_size = 1u << 20;
+        void * scratch = malloc(scratch_size);
+        if (scratch == NULL) {
+            snprintf(bc->binding->embd->error, sizeof(bc->binding->embd->error), "out of memory checking %s", tensor->name);
+            atomic_store(&bc->binding->embd->checked, -1);
+            return;
+        }
+        atomic_store(&bc->binding->uploading, true);
+        pi2_embedding_check_upload(bc->binding->embd, data, offset, size, scratch, scratch_size);
+        free(scratch);
+        return;
+    }
     if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
         PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
         return;
@@ -303,6 +317,34 @@ static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct ggml_cgrap
     return 4;
 }
 
+// the embedding rows of a decode or prompt batch, read from the model file
+static enum ggml_status pi2_exec_embedding_rows(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
+    struct pi2_binding * b = pi2_weight_binding(node->src[0]);
+    if (b == NULL || b->embd == NULL) {
+        PI2_LOG_ERROR("pi2: %s is not a token embedding PI2 reads from a file\n", node->src[0]->name);
+        return GGML_STATUS_FAILED;
+    }
+    if (!pi2_embedding_verified(b->embd)) {
+        snprintf(b->error, sizeof(b->error), "%s", b->embd->error);
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    void * scratch = pi2_work_reserve(ctx, b->embd->row_size);
+    if (scratch == NULL) {
+        PI2_LOG_ERROR("pi2: out of memory for an embedding row (%zu bytes)\n", b->embd->row_size);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    const struct ggml_tensor * ids = node->src[1];
+    char err[sizeof(b->error)];
+    if (pi2_embedding_rows(b->embd, (const int32_t *) ids->data, ids->nb[0], ids->ne[0], (float *) node->data, node->nb[1], scratch,
+                           err, sizeof(err)) != 0) {
+        memcpy(b->error, err, sizeof(err));
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
 static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph) {
     struct pi2_backend_ctx * ctx = backend->context;
     pi2_count(&ctx->dev->counters.graph_computes, 1);
@@ -339,6 +381,9 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
                 break;
             case GGML_OP_GLU:
                 st = pi2_exec_glu(ctx, node);
+                break;
+            case GGML_OP_GET_ROWS:
+                st = pi2_exec_embedding_rows(ctx, node);
                 break;
             case GGML_OP_NONE:
             case GGML_OP_RESHAPE:
@@ -509,6 +554,26 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
            ggml_are_same_shape(a, b) && ggml_is_contiguous_1(a) && ggml_is_contiguous_1(b) && ggml_is_contiguous_1(op);
 }
 
+// GET_ROWS of a token embedding left in the model file (a flash binding with an embedding)
+static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * w   = op->src[0];
+    const struct ggml_tensor * ids = op->src[1];
+    const struct pi2_device_ctx * dctx = dev->context;
+    if (w == NULL || ids == NULL || w->buffer == NULL || w->buffer->buft != &dctx->flash_buft) {
+        return false;
+    }
+    // llama's placement probe asks with a zero-size buffer, which has no context: the pending load's binding
+    const struct pi2_buffer_ctx * bc = w->buffer->context;
+    struct pi2_device_ctx * d = dev->context;
+    pthread_mutex_lock(&d->lock);
+    const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
+    const bool embd = b != NULL && pi2_embedding_matches(b->embd, w);
+    pthread_mutex_unlock(&d->lock);
+    return embd && ids->type == GGML_TYPE_I32 &&
+           ids->ne[1] == 1 && ids->ne[2] == 1 && ids->ne[3] == 1 && op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) &&
+           op->ne[0] == w->ne[0] && op->ne[1] == ids->ne[0] && op->ne[2] == 1 && op->ne[3] == 1;
+}
+
 // Prompt batches (more tokens than the sparse limit) go to ggml-cpu's own kernels, which read the
 // weights in place from PI2's host buffer: its batched matmul measured 1.5-2.5x PI2's row-by-row kernel
 // here. llama's weight-placement probe asks with a 512-token batch and an empty buffer; that must still
@@ -537,6 +602,8 @@ static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_ten
             return pi2_is_own_buffer(dev, op) || (op->view_src != NULL && pi2_is_own_buffer(dev, op->view_src));
         case GGML_OP_MUL_MAT:
             return pi2_supports_ffn_mul_mat(dev, op);
+        case GGML_OP_GET_ROWS:
+            return pi2_supports_embedding_rows(dev, op);
         case GGML_OP_GLU:
             return pi2_supports_ffn_glu(dev, op);
         default:
@@ -710,7 +777,17 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
         return;
     }
     char err[sizeof(d->config_error) - 16];
-    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, budget > 0, err, sizeof(err));
+    // the model is not named to the plugin: its embedding stays in the model file only when the sidecar is
+    // MODEL.pi2.gguf beside MODEL.gguf (llama's upload is compared with that file, so a wrong guess fails)
+    char model[4096] = "";
+    const size_t n = strlen(path);
+    const char * suffix = ".pi2.gguf";
+    if (n > strlen(suffix) && n < sizeof(model) && strcmp(path + n - strlen(suffix), suffix) == 0) {
+        snprintf(model, sizeof(model), "%.*s.gguf", (int) (n - strlen(suffix)), path);
+    }
+    const bool beside = model[0] != '\0' && access(model, R_OK) == 0;
+    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, budget > 0, beside ? model : NULL, d->predictor_always,
+                                        err, sizeof(err));
     if (d->env_binding == NULL) {
         snprintf(d->config_error, sizeof(d->config_error), "PI2_SIDECAR: %s", err);
         return;
@@ -758,7 +835,7 @@ void pi2_counters_reset(void) {
     memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
 }
 
-static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, char * err, size_t errlen) {
+static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, const char * model_path, char * err, size_t errlen) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
         snprintf(err, errlen, "mode %d is not dense (0), oracle (1) or predicted (2)", mode);
@@ -794,7 +871,8 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
         snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
         return -1;
     }
-    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, err, errlen);
+    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, model_path, d->predictor_always,
+                                                err, errlen);
     if (b == NULL) {
         return -1;
     }
@@ -813,11 +891,11 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
 }
 
 int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
-    return pi2_load_begin_impl(sidecar_path, mode, false, err, errlen);
+    return pi2_load_begin_impl(sidecar_path, mode, false, NULL, err, errlen);
 }
 
-int pi2_load_begin_flash(const char * sidecar_path, int mode, char * err, size_t errlen) {
-    return pi2_load_begin_impl(sidecar_path, mode, true, err, errlen);
+int pi2_load_begin_flash(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, true, model_path, err, errlen);
 }
 
 int pi2_config_error(char * err, size_t errlen) {
@@ -928,6 +1006,7 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->freq_cutoff = plan->freq_cutoff;
         out->direct_io   = pi2_cache_direct_io(b->cache);
         out->ffn_ns      = b->ffn_ns;
+        out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
         r = 0;
     }
     pthread_mutex_unlock(&b->cache_lock);

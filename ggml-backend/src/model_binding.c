@@ -15,6 +15,7 @@
 
 static void pi2_binding_destroy(struct pi2_binding * b) {
     pi2_cache_free(b->cache);
+    pi2_embedding_free(b->embd);
     pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {
         for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
@@ -59,7 +60,7 @@ static void pi2_store_row(enum ggml_type t, const float * src, char * dst, int64
     }
 }
 
-static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, size_t errlen) {
+static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_predictor, char * err, size_t errlen) {
     struct pi2_sidecar_layer * L = &b->sc->layer[il];
     struct pi2_binding_layer * B = &b->layer[il];
     // the reader checked that the bundles lie inside the file it read; the mapping is that file
@@ -73,10 +74,25 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
         return -1;
     }
     B->bundles = b->flash ? NULL : b->map + L->bundles_offset;
+    atomic_init(&B->verified, 0);
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        atomic_init(&B->uploaded[m], 0);
+    }
     const uint32_t n_embd = b->sc->n_embd;
     B->pred_type = (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     B->w1_stride = ggml_row_size(B->pred_type, n_embd);
     B->w2_stride = ggml_row_size(B->pred_type, L->rank);
+    const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
+    const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
+    B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
+    if (b->flash && !B->use_predictor && !keep_predictor) {
+        // under a budget every byte kept is a byte less of neuron cache (61 MB of them on Qwen2.5-1.5B)
+        free(L->pred_w1);
+        free(L->pred_w2);
+        L->pred_w1 = NULL;
+        L->pred_w2 = NULL;
+        return 0;
+    }
     B->w1      = malloc((size_t) L->rank * B->w1_stride);
     B->w2      = malloc((size_t) L->n_ff * B->w2_stride);
     B->b2_slot = malloc((size_t) L->n_ff * sizeof(float));
@@ -102,18 +118,12 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
     free(L->pred_w2);
     L->pred_w1 = NULL;
     L->pred_w2 = NULL;
-    atomic_init(&B->verified, 0);
-    for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        atomic_init(&B->uploaded[m], 0);
-    }
     b->fixed_bytes += (uint64_t) L->rank * B->w1_stride + (uint64_t) L->n_ff * (B->w2_stride + sizeof(float));
-    const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
-    const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
-    B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
     return 0;
 }
 
-struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, char * err, size_t errlen) {
+struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, const char * model_path,
+                                        bool keep_predictors, char * err, size_t errlen) {
     struct pi2_binding * b = calloc(1, sizeof(*b));
     if (b == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
@@ -145,10 +155,14 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
         return NULL;
     }
     for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
-        if (pi2_prepare_layer(b, il, err, errlen) != 0) {
+        if (pi2_prepare_layer(b, il, keep_predictors, err, errlen) != 0) {
             pi2_binding_destroy(b);
             return NULL;
         }
+    }
+    if (flash && model_path != NULL && pi2_embedding_open(model_path, &b->embd, err, errlen) < 0) {
+        pi2_binding_destroy(b);
+        return NULL;
     }
     return b;
 }

@@ -13,6 +13,7 @@
 
 #include "ggml-pi2.h"
 #include "ggml.h"
+#include "embedding_rows.h"
 #include "neuron_cache.h"
 #include "sidecar.h"
 
@@ -52,6 +53,7 @@ struct pi2_binding {
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
     struct pi2_neuron_cache * cache;
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
+    struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
 };
 
@@ -68,8 +70,11 @@ void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, con
                               size_t nbytes);
 
 // Opens the sidecar and maps its bundles; NULL with err set on failure.
-// flash: bundles are read through a neuron cache (pi2_binding_set_budget) instead of a mapping.
-struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, char * err, size_t errlen);
+// flash: bundles are read through a neuron cache (pi2_binding_set_budget) instead of a mapping; only the
+// predictors that run are kept (all of them with keep_predictors); model_path (may be NULL) is the model
+// file, whose token embedding then stays there (embedding_rows.h).
+struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, const char * model_path,
+                                        bool keep_predictors, char * err, size_t errlen);
 void                 pi2_binding_ref(struct pi2_binding * b);
 void                 pi2_binding_unref(struct pi2_binding * b);
 

@@ -56,7 +56,10 @@ struct pi2_neuron_cache {
     uint32_t                 gap; // slots a read may bridge between two misses
     uint8_t *                sink; // where bridged bundles land: gap entries
     struct pi2_io_req *      reqs;
+    struct iovec *           iov;  // [max_reqs]: the requests' iovecs and tags, carved in order
+    int32_t *                tags;
     uint32_t                 max_reqs;
+    uint32_t                 max_run; // bundles per request at most
     struct pi2_bundle_file * file;
 
     atomic_uint     completions; // futex word: bumped by every finished request
@@ -106,7 +109,7 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
     }
     // slot maps, entry table (an entry per slot at most), request buffers, frequency sort at planning
     return slots * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
-           (uint64_t) n_ff * sizeof(struct pi2_io_req);
+           (uint64_t) n_ff * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
 }
 
 struct pi2_freq_item {
@@ -248,6 +251,8 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     }
     free(c->ent);
     free(c->reqs);
+    free(c->iov);
+    free(c->tags);
     pthread_mutex_destroy(&c->err_lock);
     free(c);
 }
@@ -269,19 +274,27 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     const char * gap = getenv("PI2_IO_GAP");
     const long gap_bytes = gap != NULL ? atol(gap) : 32768;
     c->gap = c->entry_size > 0 && gap_bytes > 0 ? (uint32_t) (gap_bytes / (long) c->entry_size) : 0;
-    if (c->gap > PI2_IO_MAX_RUN - 1) {
-        c->gap = PI2_IO_MAX_RUN - 1;
+    // requests up to 1 MiB (PI2_IO_MAX_BYTES): each one costs a trip through the (virtual) disk queue, which
+    // dominated at 128 KiB when nearly every bundle of a layer is read
+    const char * run = getenv("PI2_IO_MAX_BYTES");
+    const long run_bytes = run != NULL && atol(run) > 0 ? atol(run) : 1l << 20;
+    c->max_run = c->entry_size > 0 ? (uint32_t) (run_bytes / (long) c->entry_size) : 1;
+    c->max_run = c->max_run < 1 ? 1 : (c->max_run > PI2_IO_MAX_RUN ? PI2_IO_MAX_RUN : c->max_run);
+    if (c->gap > c->max_run - 1) {
+        c->gap = c->max_run - 1;
     }
     c->max_reqs   = max_n_ff;
     c->layer = calloc(sc->n_layer, sizeof(*c->layer));
     c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
     c->reqs  = calloc(max_n_ff, sizeof(*c->reqs));
+    c->iov   = calloc(max_n_ff, sizeof(*c->iov));
+    c->tags  = calloc(max_n_ff, sizeof(*c->tags));
     c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
     c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
     c->hot_mem  = pi2_map_anon(c->hot_map);
     c->cold     = pi2_map_anon(c->cold_map);
     c->sink     = pi2_map_anon((size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
-    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->sink == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
+    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->iov == NULL || c->tags == NULL || c->sink == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
         (c->cold_map > 0 && c->cold == NULL)) {
         snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
                  (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
@@ -406,7 +419,7 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
     }
     // A miss within c->gap slots of the run before it extends that run, reading the bundles between too:
     // one larger read costs far less than another request here (they land in the cache, pinned for now).
-    uint32_t nreq = 0;
+    uint32_t nreq = 0, n_iov = 0;
     bool failed = false;
     struct pi2_io_req * cur = NULL;
     int64_t last = -1; // last slot in cur
@@ -422,13 +435,18 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             continue;
         }
         st->misses++;
-        const int64_t from = cur != NULL && (int64_t) s - last - 1 <= (int64_t) c->gap &&
-                             cur->n + ((int64_t) s - last) <= PI2_IO_MAX_RUN ? last + 1 : s;
-        if (from == s) {
+        // (a miss right after the run extends it too: from == s with extend set)
+        const bool extend = cur != NULL && (int64_t) s - last - 1 <= (int64_t) c->gap &&
+                            cur->n + ((int64_t) s - last) <= (int64_t) c->max_run;
+        const int64_t from = extend ? last + 1 : s;
+        if (!extend) {
             cur = &c->reqs[nreq++];
             cur->offset = L->offset + (uint64_t) s * L->bsize;
             cur->n      = 0;
+            cur->iov    = c->iov + n_iov;
+            cur->tag    = c->tags + n_iov;
         }
+        n_iov += (uint32_t) (s - from) + 1;
         // the bundles between go to a sink (one gap's worth, shared: its contents are never used); kept in
         // the cache they evicted entries worth keeping (measured: the cold segment's hits went to zero)
         for (int64_t g = from; g < s; ++g) {

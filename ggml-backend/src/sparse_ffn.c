@@ -472,7 +472,9 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
         .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer],
         .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
-        .predicted = mode == PI2_MODE_PREDICTED && (b->layer[layer].use_predictor || ctx->dev->predictor_always),
+        // flash keeps only the predictors that run (the others were freed at load)
+        .predicted = mode == PI2_MODE_PREDICTED && b->layer[layer].w1 != NULL &&
+                     (b->layer[layer].use_predictor || ctx->dev->predictor_always),
         .all_active = mode == PI2_MODE_DENSE, .layer = layer,
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank, .n_tokens = gate->src[1]->ne[1],
         .down_sparse_max = ctx->dev->down_sparse_max,

@@ -1,0 +1,168 @@
+#define _DEFAULT_SOURCE // posix_fadvise, pread
+#include "embedding_rows.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "gguf.h"
+
+int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
+    *out = NULL;
+    struct ggml_context * meta = NULL;
+    struct gguf_init_params params = { /* .no_alloc = */ true, /* .ctx = */ &meta };
+    struct gguf_context * g = gguf_init_from_file(model_path, params);
+    if (g == NULL) {
+        snprintf(err, errlen, "model %.300s: not a readable GGUF file", model_path);
+        return -1;
+    }
+    const int64_t id = gguf_find_tensor(g, PI2_EMBD_NAME);
+    const bool untied = gguf_find_tensor(g, "output.weight") >= 0;
+    const struct ggml_tensor * t = id >= 0 ? ggml_get_tensor(meta, PI2_EMBD_NAME) : NULL;
+    int rc = 0;
+    if (t != NULL && untied && ggml_n_dims(t) == 2 && (t->type == GGML_TYPE_F32 || ggml_get_type_traits(t->type)->to_float != NULL)) {
+        struct pi2_embedding * e = calloc(1, sizeof(*e));
+        if (e == NULL) {
+            snprintf(err, errlen, "model %.300s: out of memory", model_path);
+            rc = -1;
+        } else {
+            snprintf(e->path, sizeof(e->path), "%s", model_path);
+            e->offset   = gguf_get_data_offset(g) + gguf_get_tensor_offset(g, id);
+            e->type     = t->type;
+            e->n_embd   = t->ne[0];
+            e->n_rows   = t->ne[1];
+            e->row_size = ggml_row_size(t->type, t->ne[0]);
+            atomic_init(&e->checked, 0);
+            struct stat st;
+            e->fd = open(model_path, O_RDONLY | O_CLOEXEC);
+            if (e->fd < 0 || fstat(e->fd, &st) != 0) {
+                snprintf(err, errlen, "model %.300s: cannot open: %s", model_path, strerror(errno));
+                pi2_embedding_free(e);
+                rc = -1;
+            } else if ((uint64_t) st.st_size < e->offset || (uint64_t) st.st_size - e->offset < e->row_size * (uint64_t) e->n_rows) {
+                snprintf(err, errlen, "model %.300s is truncated: %s ends past the file's %" PRIu64 " bytes", model_path,
+                         PI2_EMBD_NAME, (uint64_t) st.st_size);
+                pi2_embedding_free(e);
+                rc = -1;
+            } else {
+                e->file_size = (uint64_t) st.st_size;
+                e->mtime_ns  = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+                *out = e;
+                rc = 1;
+            }
+        }
+    }
+    gguf_free(g);
+    ggml_free(meta);
+    return rc;
+}
+
+void pi2_embedding_free(struct pi2_embedding * e) {
+    if (e == NULL) {
+        return;
+    }
+    if (e->fd >= 0) {
+        close(e->fd);
+    }
+    free(e);
+}
+
+bool pi2_embedding_matches(const struct pi2_embedding * e, const struct ggml_tensor * t) {
+    return e != NULL && t->type == e->type && t->ne[0] == e->n_embd && t->ne[1] == e->n_rows && t->ne[2] == 1 && t->ne[3] == 1 &&
+           strcmp(t->name, PI2_EMBD_NAME) == 0;
+}
+
+static int pi2_pread_full(int fd, void * buf, size_t n, uint64_t off) {
+    size_t done = 0;
+    while (done < n) {
+        const ssize_t r = pread(fd, (char *) buf + done, n - done, (off_t) (off + done));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            if (r == 0) {
+                errno = EIO; // the file ended early: it shrank since it was opened
+            }
+            return -1;
+        }
+        done += (size_t) r;
+    }
+    return 0;
+}
+
+void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size, void * scratch,
+                                size_t scratch_size) {
+    if (atomic_load(&e->checked) < 0) {
+        return;
+    }
+    const uint64_t total = e->row_size * (uint64_t) e->n_rows;
+    if (offset > total || size > total - offset) {
+        snprintf(e->error, sizeof(e->error), "%s: llama uploaded bytes %zu..%zu of a %" PRIu64 "-byte table", PI2_EMBD_NAME,
+                 offset, offset + size, total);
+        atomic_store(&e->checked, -1);
+        return;
+    }
+    for (size_t done = 0; done < size;) {
+        const size_t n = size - done < scratch_size ? size - done : scratch_size;
+        if (pi2_pread_full(e->fd, scratch, n, e->offset + offset + done) != 0) {
+            snprintf(e->error, sizeof(e->error), "model %.300s: reading %s failed: %s", e->path, PI2_EMBD_NAME, strerror(errno));
+            atomic_store(&e->checked, -1);
+            return;
+        }
+        if (memcmp(scratch, (const char *) data + done, n) != 0) {
+            snprintf(e->error, sizeof(e->error), "model %.300s: its %s differs from the one llama.cpp loaded (is it the model "
+                     "being loaded?)", e->path, PI2_EMBD_NAME);
+            atomic_store(&e->checked, -1);
+            return;
+        }
+        done += n;
+    }
+    // the table is read row by row from now on; its pages need not stay cached
+    (void) posix_fadvise(e->fd, (off_t) (e->offset + offset), (off_t) size, POSIX_FADV_DONTNEED);
+    atomic_fetch_add(&e->checked, (long long) size);
+}
+
+bool pi2_embedding_verified(struct pi2_embedding * e) {
+    const long long c = atomic_load(&e->checked);
+    if (c >= 0 && (uint64_t) c != e->row_size * (uint64_t) e->n_rows) {
+        snprintf(e->error, sizeof(e->error), "model %.300s: %s was not uploaded whole (%lld of %" PRIu64 " bytes), so it could "
+                 "not be checked against the file", e->path, PI2_EMBD_NAME, c, e->row_size * (uint64_t) e->n_rows);
+        return false;
+    }
+    return c >= 0;
+}
+
+int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size_t id_stride, int64_t n, float * dst,
+                       size_t dst_stride, void * scratch, char * err, size_t errlen) {
+    const ggml_to_float_t to_float = ggml_get_type_traits(e->type)->to_float;
+    struct stat st; // rewritten in place, the file would give another model's rows
+    if (fstat(e->fd, &st) != 0 || (uint64_t) st.st_size != e->file_size ||
+        (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != e->mtime_ns) {
+        snprintf(err, errlen, "model %.300s changed on disk while the model was running (its %s is read from it)", e->path,
+                 PI2_EMBD_NAME);
+        return -1;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+        const int32_t id = *(const int32_t *) ((const char *) ids + (size_t) k * id_stride);
+        if (id < 0 || id >= e->n_rows) {
+            snprintf(err, errlen, "%s: token id %d is outside the table's %" PRId64 " rows", PI2_EMBD_NAME, id, e->n_rows);
+            return -1;
+        }
+        if (pi2_pread_full(e->fd, scratch, e->row_size, e->offset + (uint64_t) id * e->row_size) != 0) {
+            snprintf(err, errlen, "model %.300s: reading %s row %d failed: %s", e->path, PI2_EMBD_NAME, id, strerror(errno));
+            return -1;
+        }
+        float * row = (float *) ((char *) dst + (size_t) k * dst_stride);
+        if (e->type == GGML_TYPE_F32) {
+            memcpy(row, scratch, e->row_size);
+        } else {
+            to_float(scratch, row, e->n_embd);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,48 @@
+// The token embedding of a model under a memory budget, left in the model file. A decode step reads only
+// the rows of its tokens (GET_ROWS), so the table (131 MB on Qwen2.5-1.5B) need not be resident; rows are
+// read with pread as tokens arrive. Only for models whose output matrix is a separate tensor: a tied
+// embedding is the output matmul's weight too, read whole every token, and stays in RAM.
+#pragma once
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+
+#define PI2_EMBD_NAME "token_embd.weight"
+
+struct pi2_embedding {
+    char           path[4096];
+    int            fd;
+    uint64_t       offset;   // of row 0 in the file
+    uint64_t       file_size;
+    int64_t        mtime_ns; // a file rewritten since it was opened is refused
+    enum ggml_type type;
+    int64_t        n_embd, n_rows;
+    size_t         row_size;
+    // llama's upload is compared with the file: bytes that matched so far, or -1 after a mismatch
+    atomic_llong   checked;
+    char           error[512];
+};
+
+// Opens model_path's token embedding. 1 with *out set, 0 when the model has no separate output matrix
+// (or no token_embd.weight), -1 with err set when the file cannot be read as a GGUF model.
+int  pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen);
+void pi2_embedding_free(struct pi2_embedding * e);
+
+// The tensor llama holds is this embedding (type and shape).
+bool pi2_embedding_matches(const struct pi2_embedding * e, const struct ggml_tensor * t);
+
+// llama uploads part of the table: compared with the file (scratch: any size > 0), then dropped.
+void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size, void * scratch,
+                                size_t scratch_size);
+
+// The whole table was uploaded and matched the file; otherwise false with e->error set.
+bool pi2_embedding_verified(struct pi2_embedding * e);
+
+// dst row k (f32, n_embd values, rows dst_stride bytes apart) = row ids[k] of the table; scratch holds one
+// row (row_size bytes). 0, or -1 with err set (an id out of range, a failed or short read).
+int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size_t id_stride, int64_t n, float * dst,
+                       size_t dst_stride, void * scratch, char * err, size_t errlen);
