@@ -245,6 +245,8 @@ def register() -> Path:
         plugin.pi2_set_sparse_limits.restype = None
         plugin.pi2_set_prompt_on_cpu.argtypes = [ctypes.c_int]
         plugin.pi2_set_prompt_on_cpu.restype = None
+        plugin.pi2_set_model_rows.argtypes = [ctypes.c_int]
+        plugin.pi2_set_model_rows.restype = None
         plugin.pi2_set_predictor_always.argtypes = [ctypes.c_int]
         plugin.pi2_set_predictor_always.restype = None
         _plugin = plugin
@@ -446,6 +448,12 @@ def fingerprint_model_c(tensor_fps: list[int]) -> int:
     """The C model fingerprint over 3 * n_layer tensor fingerprints."""
     arr = (ctypes.c_uint64 * len(tensor_fps))(*tensor_fps)
     return int(_tools_lib().pi2_fingerprint_model(arr, len(tensor_fps)))
+
+
+def set_model_rows(model: bool) -> None:
+    """In RAM, predicted-mode layers without a predictor read gate/up rows from the model's matrices
+    (True, the default) or from the sidecar's bundles (False, as oracle mode does)."""
+    _require().pi2_set_model_rows(int(model))
 
 
 def set_predictor_always(always: bool) -> None:

@@ -112,6 +112,30 @@ def test_down_by_columns_or_rows_gives_the_same_tokens(relu_llm: pi2_gguf.Llama)
     assert np.abs(cols_logits - rows_logits).max() <= 1e-4 * np.abs(rows_logits).max()
 
 
+def test_gate_and_up_rows_from_the_model_equal_the_bundles(smollm2: Path, smol_sidecar: Path) -> None:
+    """SmolLM2 at 50% CATS runs no predictor, so predicted mode computes every gate; in RAM it reads the
+    gate/up rows from the model's matrices in row order. The rows are the same bytes as the bundles', so
+    the active neurons and, with down by the model's rows (the same glu vector), the logits are identical."""
+    llm = pi2_gguf.Llama(str(smollm2), sidecar=smol_sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False)
+    plugin.set_sparse_limits(down_sparse_max=0.0)  # by columns, the two orders would sum differently
+    try:
+        out = {}
+        for model_rows in (True, False):
+            plugin.set_model_rows(model_rows)
+            plugin.reset_counters()
+            toks, logits = _decode(llm, PROMPTS[0], 16)
+            c = plugin.read_counters()
+            out[model_rows] = (toks, logits, c.active.copy(), c.predicted.copy(), c.neurons.copy())
+    finally:
+        plugin.set_model_rows(True)
+        plugin.set_sparse_limits(down_sparse_max=0.2)
+        llm.close()
+    (t1, l1, a1, p1, n1), (t0, l0, a0, p0, n0) = out[True], out[False]
+    assert t1 == t0 and np.array_equal(l1, l0)
+    assert np.array_equal(a1, a0) and a1.sum() > 0
+    assert np.array_equal(p1, n1) and np.array_equal(p0, n0)  # every gate row computed, both ways
+
+
 def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
     relu_llm.set_mode("predicted")
     relu_llm.reset()

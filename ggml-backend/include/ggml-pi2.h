@@ -120,6 +120,10 @@ GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max
 // Predicted mode runs a layer's predictor only where its bytes are below the gate bytes it saves (auto);
 // always = 1 runs every predictor (to measure them). Default: PI2_PREDICTOR=auto|always, else auto.
 GGML_BACKEND_API void pi2_set_predictor_always(int always);
+// In RAM, predicted-mode layers without a predictor compute every gate: model = 1 reads gate/up rows from
+// the model's contiguous matrices in row order, 0 from the bundles (slot order, as oracle and flash do).
+// Default: PI2_ROWS=model|bundles, else model.
+GGML_BACKEND_API void pi2_set_model_rows(int model);
 // Batches above the sparse limit (prompts) run in ggml-cpu's kernels on the weights in PI2's buffer (1,
 // the default; PI2_PROMPT=cpu) or in PI2's dense kernel (0; PI2_PROMPT=pi2). Takes effect at the next
 // graph llama schedules (llama reuses a scheduled graph for a batch of the same shape).

@@ -748,7 +748,8 @@ static void pi2_config_from_env(struct pi2_device_ctx * d) {
         d->down_sparse_max = v;
     }
     if (!pi2_env_switch(d, "PI2_PROMPT", "cpu", "pi2", true, &d->prompt_on_cpu) ||
-        !pi2_env_switch(d, "PI2_PREDICTOR", "always", "auto", false, &d->predictor_always)) {
+        !pi2_env_switch(d, "PI2_PREDICTOR", "always", "auto", false, &d->predictor_always) ||
+        !pi2_env_switch(d, "PI2_ROWS", "model", "bundles", true, &d->model_rows)) {
         return;
     }
     const char * mode_s = getenv("PI2_MODE");
@@ -1047,6 +1048,10 @@ int pi2_binding_release(int id) {
 
 void pi2_set_prompt_on_cpu(int on) {
     pi2_device_ctx()->prompt_on_cpu = on != 0;
+}
+
+void pi2_set_model_rows(int model) {
+    pi2_device_ctx()->model_rows = model != 0;
 }
 
 void pi2_set_predictor_always(int always) {

@@ -22,6 +22,7 @@ static void pi2_binding_destroy(struct pi2_binding * b) {
             free(b->layer[il].w1);
             free(b->layer[il].w2);
             free(b->layer[il].b2_slot);
+            free(b->layer[il].slot_of);
         }
     }
     free(b->layer);
@@ -74,6 +75,16 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
         return -1;
     }
     B->bundles = b->flash ? NULL : b->map + L->bundles_offset;
+    if (!b->flash) {
+        B->slot_of = malloc((size_t) L->n_ff * sizeof(int32_t));
+        if (B->slot_of == NULL) {
+            snprintf(err, errlen, "sidecar %s: out of memory for layer %u", b->sc->path, il);
+            return -1;
+        }
+        for (uint32_t j = 0; j < L->n_ff; ++j) {
+            B->slot_of[L->order[j]] = (int32_t) j; // a permutation: the reader checked it
+        }
+    }
     atomic_init(&B->verified, 0);
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
         atomic_init(&B->uploaded[m], 0);

@@ -26,6 +26,7 @@ struct pi2_binding_layer {
     char *          w2;       // [n_ff] rows of rank, slot order
     size_t          w1_stride, w2_stride;
     float *         b2_slot;  // [n_ff]
+    int32_t *       slot_of;  // [n_ff] bundle slot of each neuron (in RAM: rows walked in the model's order)
     atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
     atomic_int      uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
     // predicted mode runs the predictor only where it pays: its bytes (w1, w2) below the gate bytes it

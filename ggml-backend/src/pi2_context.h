@@ -33,6 +33,7 @@ struct pi2_device_ctx {
     float down_sparse_max;  // down by columns when at most this fraction of neurons is active
     bool  predictor_always; // run predictors even in layers where they cost more than they save
     bool  prompt_on_cpu;    // batches above sparse_batch_max run in ggml-cpu (PI2_PROMPT=cpu, the default)
+    bool  model_rows;       // predictor-less layers in RAM read gate/up from the model (PI2_ROWS=model, default)
 };
 
 struct pi2_backend_ctx {

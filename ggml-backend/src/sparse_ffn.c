@@ -92,6 +92,10 @@ struct pi2_sparse_plan {
     bool                             predicted;
     bool                             check;
     bool                             all_active; // dense mode on flash: every neuron, no threshold
+    // in RAM, predicted mode without a predictor (it would cost more than it saves): every gate row is
+    // computed anyway, so gate and up rows stream from the model's own contiguous matrices in row order
+    // instead of from the 4 KiB-strided bundles
+    bool                             model_rows;
     // flash: bundles come through the neuron cache; want[slot] 1 = predicted, 2 = recall check only
     struct pi2_neuron_cache *        cache;
     int                              layer;
@@ -252,6 +256,41 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     st->n_list = n;
 }
 
+// gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices
+static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
+    const struct pi2_sidecar_layer * L = p->L;
+    const struct ggml_tensor * wg = p->gate->src[0];
+    const struct ggml_tensor * wu = p->up->src[0];
+    const char * xq  = p->xq + (size_t) t * p->xq_stride;
+    const char * xqu = p->xq_up + (size_t) t * p->xq_up_stride;
+    float * gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]);
+    float * up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]);
+    float * glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]);
+    struct pi2_active *       list = p->list + (size_t) ith * p->n_ff;
+    struct pi2_thread_stats * st   = &p->stats[ith];
+    const int64_t f0 = p->n_ff * ith / nth, f1 = p->n_ff * (ith + 1) / nth;
+    int64_t n = 0;
+    for (int64_t i = f0; i < f1; ++i) {
+        float g = 0.0f;
+        p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + i * wg->nb[1], 0, xq, 0, 1);
+        gate_out[i] = g;
+        const float act = pi2_act(p->op, g);
+        if (!(p->relu ? g > 0.0f : fabsf(act) > L->threshold)) {
+            continue;
+        }
+        float u = 0.0f;
+        p->up_dot((int) p->n_embd, &u, 0, (const char *) wu->data + i * wu->nb[1], 0, xqu, 0, 1);
+        up_out[i]      = u;
+        glu_out[i]     = act * u;
+        list[n].bundle = p->B->bundles + (size_t) p->B->slot_of[i] * L->bundle_size;
+        list[n].a      = act * u;
+        n++;
+    }
+    st->predicted += f1 - f0;
+    st->active    += n;
+    st->n_list     = n;
+}
+
 // flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
 static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
     const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
@@ -311,10 +350,14 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     }
 
     // phase 2: the clusters, through predictor row, gate, threshold, up
-    if (p->cache != NULL) {
-        pi2_sparse_request(p, ith, nth);
+    if (p->model_rows) {
+        pi2_sparse_model_rows(p, ith, nth, t);
+    } else {
+        if (p->cache != NULL) {
+            pi2_sparse_request(p, ith, nth);
+        }
+        pi2_sparse_clusters(p, ith, t);
     }
-    pi2_sparse_clusters(p, ith, t);
     #pragma omp barrier
 
     // phase 3: down. Every thread sums the same counts, so all take the same branch.
@@ -480,6 +523,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .down_sparse_max = ctx->dev->down_sparse_max,
     };
     p.check = mode == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
+    p.model_rows = !b->flash && mode == PI2_MODE_PREDICTED && !p.predicted && !p.check && ctx->dev->model_rows &&
+                   ggml_is_contiguous(gate->src[0]) && ggml_is_contiguous(up->src[0]);
     atomic_init(&p.failed, 0);
     if (pi2_glu_for(b->sc->activation) != p.op) {
         snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
