@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Pi2Error
+from .memory_budget import drop_page_cache
 
 ROOT = Path("/sys/fs/cgroup")
 
@@ -49,11 +50,7 @@ def drop_caches(files: list[Path]) -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(f)
 
 
 def _block_device(path: Path) -> str:

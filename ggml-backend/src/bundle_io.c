@@ -56,6 +56,23 @@ int pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen)
 }
 
 // preadv until done; 0, or an errno (EIO for a short read: the file ended early)
+int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
+    for (size_t done = 0; done < n;) {
+        const ssize_t r = pread(fd, (char *) dst + done, n - done, (off_t) (off + done));
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return errno;
+        }
+        if (r == 0) {
+            return PI2_READ_EOF;
+        }
+        done += (size_t) r;
+    }
+    return 0;
+}
+
 static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size_t * got) {
     *got = 0;
     int k = 0;

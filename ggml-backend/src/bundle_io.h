@@ -42,5 +42,10 @@ bool     pi2_bundle_file_direct(const struct pi2_bundle_file * f); // O_DIRECT i
 uint64_t pi2_bundle_file_bytes_read(const struct pi2_bundle_file * f);
 uint64_t pi2_bundle_file_reads(const struct pi2_bundle_file * f);   // requests completed
 
+// Reads exactly n bytes at off from fd (any file, retrying short reads and EINTR): 0; an errno value on
+// a read error; PI2_READ_EOF when the file ends first.
+#define PI2_READ_EOF (-1)
+int  pi2_read_exact(int fd, void * dst, size_t n, uint64_t off);
+
 // Testing: the request after `after` more requests fails with errno err (0 disarms).
 void pi2_bundle_file_inject_fault(struct pi2_bundle_file * f, int64_t after, int err);

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bundle_io.h"
 #include "gguf.h"
 
 int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
@@ -77,27 +78,20 @@ bool pi2_embedding_matches(const struct pi2_embedding * e, const struct ggml_ten
            strcmp(t->name, PI2_EMBD_NAME) == 0;
 }
 
-static int pi2_pread_full(int fd, void * buf, size_t n, uint64_t off) {
-    size_t done = 0;
-    while (done < n) {
-        const ssize_t r = pread(fd, (char *) buf + done, n - done, (off_t) (off + done));
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r <= 0) {
-            if (r == 0) {
-                errno = EIO; // the file ended early: it shrank since it was opened
-            }
-            return -1;
-        }
-        done += (size_t) r;
-    }
-    return 0;
+// a read of the table as an error text: a file that ends early shrank since it was opened
+static const char * pi2_read_error(int e) {
+    return e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e);
 }
 
-void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size, void * scratch,
-                                size_t scratch_size) {
+void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size) {
     if (atomic_load(&e->checked) < 0) {
+        return;
+    }
+    const size_t scratch_size = 1u << 20;
+    void * scratch = malloc(scratch_size);
+    if (scratch == NULL) {
+        snprintf(e->error, sizeof(e->error), "out of memory checking %s", PI2_EMBD_NAME);
+        atomic_store(&e->checked, -1);
         return;
     }
     const uint64_t total = e->row_size * (uint64_t) e->n_rows;
@@ -105,23 +99,26 @@ void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, siz
         snprintf(e->error, sizeof(e->error), "%s: llama uploaded bytes %zu..%zu of a %" PRIu64 "-byte table", PI2_EMBD_NAME,
                  offset, offset + size, total);
         atomic_store(&e->checked, -1);
+        free(scratch);
         return;
     }
     for (size_t done = 0; done < size;) {
         const size_t n = size - done < scratch_size ? size - done : scratch_size;
-        if (pi2_pread_full(e->fd, scratch, n, e->offset + offset + done) != 0) {
-            snprintf(e->error, sizeof(e->error), "model %.300s: reading %s failed: %s", e->path, PI2_EMBD_NAME, strerror(errno));
-            atomic_store(&e->checked, -1);
-            return;
-        }
-        if (memcmp(scratch, (const char *) data + done, n) != 0) {
+        const int r = pi2_read_exact(e->fd, scratch, n, e->offset + offset + done);
+        if (r != 0) {
+            snprintf(e->error, sizeof(e->error), "model %.300s: reading %s failed: %s", e->path, PI2_EMBD_NAME, pi2_read_error(r));
+        } else if (memcmp(scratch, (const char *) data + done, n) != 0) {
             snprintf(e->error, sizeof(e->error), "model %.300s: its %s differs from the one llama.cpp loaded (is it the model "
                      "being loaded?)", e->path, PI2_EMBD_NAME);
+        }
+        if (e->error[0] != '\0') {
             atomic_store(&e->checked, -1);
+            free(scratch);
             return;
         }
         done += n;
     }
+    free(scratch);
     // the table is read row by row from now on; its pages need not stay cached
     (void) posix_fadvise(e->fd, (off_t) (e->offset + offset), (off_t) size, POSIX_FADV_DONTNEED);
     atomic_fetch_add(&e->checked, (long long) size);
@@ -153,8 +150,9 @@ int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size
             snprintf(err, errlen, "%s: token id %d is outside the table's %" PRId64 " rows", PI2_EMBD_NAME, id, e->n_rows);
             return -1;
         }
-        if (pi2_pread_full(e->fd, scratch, e->row_size, e->offset + (uint64_t) id * e->row_size) != 0) {
-            snprintf(err, errlen, "model %.300s: reading %s row %d failed: %s", e->path, PI2_EMBD_NAME, id, strerror(errno));
+        const int r = pi2_read_exact(e->fd, scratch, e->row_size, e->offset + (uint64_t) id * e->row_size);
+        if (r != 0) {
+            snprintf(err, errlen, "model %.300s: reading %s row %d failed: %s", e->path, PI2_EMBD_NAME, id, pi2_read_error(r));
             return -1;
         }
         float * row = (float *) ((char *) dst + (size_t) k * dst_stride);

@@ -35,9 +35,8 @@ void pi2_embedding_free(struct pi2_embedding * e);
 // The tensor llama holds is this embedding (type and shape).
 bool pi2_embedding_matches(const struct pi2_embedding * e, const struct ggml_tensor * t);
 
-// llama uploads part of the table: compared with the file (scratch: any size > 0), then dropped.
-void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size, void * scratch,
-                                size_t scratch_size);
+// llama uploads part of the table: compared with the file, then dropped.
+void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, size_t offset, size_t size);
 
 // The whole table was uploaded and matched the file; otherwise false with e->error set.
 bool pi2_embedding_verified(struct pi2_embedding * e);

@@ -87,16 +87,8 @@ static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_t
     int layer = -1;
     enum pi2_matrix m;
     if (bc->binding != NULL && pi2_embedding_matches(bc->binding->embd, tensor)) {
-        const size_t scratch_size = 1u << 20;
-        void * scratch = malloc(scratch_size);
-        if (scratch == NULL) {
-            snprintf(bc->binding->embd->error, sizeof(bc->binding->embd->error), "out of memory checking %s", tensor->name);
-            atomic_store(&bc->binding->embd->checked, -1);
-            return;
-        }
         atomic_store(&bc->binding->uploading, true);
-        pi2_embedding_check_upload(bc->binding->embd, data, offset, size, scratch, scratch_size);
-        free(scratch);
+        pi2_embedding_check_upload(bc->binding->embd, data, offset, size);
         return;
     }
     if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
@@ -558,13 +550,12 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
 static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * w   = op->src[0];
     const struct ggml_tensor * ids = op->src[1];
-    const struct pi2_device_ctx * dctx = dev->context;
-    if (w == NULL || ids == NULL || w->buffer == NULL || w->buffer->buft != &dctx->flash_buft) {
+    struct pi2_device_ctx * d = dev->context;
+    if (w == NULL || ids == NULL || w->buffer == NULL || w->buffer->buft != &d->flash_buft) {
         return false;
     }
     // llama's placement probe asks with a zero-size buffer, which has no context: the pending load's binding
     const struct pi2_buffer_ctx * bc = w->buffer->context;
-    struct pi2_device_ctx * d = dev->context;
     pthread_mutex_lock(&d->lock);
     const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
     const bool embd = b != NULL && pi2_embedding_matches(b->embd, w);

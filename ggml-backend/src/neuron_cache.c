@@ -56,9 +56,8 @@ struct pi2_neuron_cache {
     uint32_t                 gap; // slots a read may bridge between two misses
     uint8_t *                sink; // where bridged bundles land: gap entries
     struct pi2_io_req *      reqs;
-    struct iovec *           iov;  // [max_reqs]: the requests' iovecs and tags, carved in order
-    int32_t *                tags;
-    uint32_t                 max_reqs;
+    struct iovec *           iov;  // [largest n_ff] (a slot's bundle at most once per layer): the requests'
+    int32_t *                tags; // iovecs and tags, carved in order
     uint32_t                 max_run; // bundles per request at most
     struct pi2_bundle_file * file;
 
@@ -283,7 +282,6 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     if (c->gap > c->max_run - 1) {
         c->gap = c->max_run - 1;
     }
-    c->max_reqs   = max_n_ff;
     c->layer = calloc(sc->n_layer, sizeof(*c->layer));
     c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
     c->reqs  = calloc(max_n_ff, sizeof(*c->reqs));

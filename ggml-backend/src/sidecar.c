@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bundle_io.h"
 #include "fingerprint.h"
 #include "gguf.h"
 #include "sidecar_format.h"
@@ -178,20 +179,12 @@ static const char * pi2_gguf_type_name(enum gguf_type t) {
 
 // exactly n bytes at offset, or -1 with the reason
 static int pi2_read_at(struct pi2_reader * rd, void * dst, size_t n, uint64_t offset, const char * what) {
-    char * p = dst;
-    size_t done = 0;
-    while (done < n) {
-        const ssize_t got = pread(rd->fd, p + done, n - done, (off_t) (offset + done));
-        if (got < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            return pi2_fail(rd, "cannot read %s (%zu bytes at offset %" PRIu64 "): %s", what, n, offset, strerror(errno));
-        }
-        if (got == 0) {
-            return pi2_fail(rd, "is truncated: %s (%zu bytes at offset %" PRIu64 ") ends past the end of the file", what, n, offset);
-        }
-        done += (size_t) got;
+    const int e = pi2_read_exact(rd->fd, dst, n, offset);
+    if (e == PI2_READ_EOF) {
+        return pi2_fail(rd, "is truncated: %s (%zu bytes at offset %" PRIu64 ") ends past the end of the file", what, n, offset);
+    }
+    if (e != 0) {
+        return pi2_fail(rd, "cannot read %s (%zu bytes at offset %" PRIu64 "): %s", what, n, offset, strerror(e));
     }
     return 0;
 }

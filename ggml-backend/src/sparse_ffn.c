@@ -165,17 +165,51 @@ static void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, 
     }
 }
 
+// What thread ith reads and writes for token t: the converted activations, the token's gate/up/GLU
+// output rows, and its list of active neurons (for down) with its count.
+struct pi2_token_rows {
+    const char *              xq, * xqu;
+    float *                   gate_out, * up_out, * glu_out;
+    struct pi2_active *       list;
+    int64_t                   n;
+    struct pi2_thread_stats * st;
+};
+
+static struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith, int64_t t) {
+    return (struct pi2_token_rows) {
+        .xq       = p->xq + (size_t) t * p->xq_stride,
+        .xqu      = p->xq_up + (size_t) t * p->xq_up_stride,
+        .gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]),
+        .up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]),
+        .glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]),
+        .list     = p->list + (size_t) ith * p->n_ff,
+        .n        = 0,
+        .st       = &p->stats[ith],
+    };
+}
+
+// a neuron fires: every one in dense mode (flash), g > 0 on ReLU models, else |act| above the threshold
+static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float act) {
+    return p->all_active || (p->relu ? g > 0.0f : fabsf(act) > p->L->threshold);
+}
+
+// an active neuron's up row (at up_row) -> its up and GLU outputs, and an entry of the down list
+static inline void pi2_emit_active(const struct pi2_sparse_plan * p, struct pi2_token_rows * r, int32_t neuron,
+                                   const void * up_row, const uint8_t * bundle, float act) {
+    float u = 0.0f;
+    p->up_dot((int) p->n_embd, &u, 0, up_row, 0, r->xqu, 0, 1);
+    r->up_out[neuron]  = u;
+    r->glu_out[neuron] = act * u;
+    r->list[r->n].bundle = bundle;
+    r->list[r->n].a      = act * u;
+    r->n++;
+}
+
 // gate/up/GLU of the clusters assigned to thread ith, for token t
 static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
     const struct pi2_sidecar_layer * L = p->L;
-    const char *    xq      = p->xq + (size_t) t * p->xq_stride;
-    const char *    xqu     = p->xq_up + (size_t) t * p->xq_up_stride;
-    float * gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]);
-    float * up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]);
-    float * glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]);
-    struct pi2_active *       list = p->list + (size_t) ith * p->n_ff;
-    struct pi2_thread_stats * st   = &p->stats[ith];
-    const float thr    = L->threshold;
+    struct pi2_token_rows r = pi2_token_rows(p, ith, t);
+    struct pi2_thread_stats * st = r.st;
     const size_t gate_bytes = L->up_offset;
     const size_t up_bytes   = L->down_offset - L->up_offset;
     const size_t down_bytes = L->data_end - L->down_offset;
@@ -187,7 +221,6 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     const uint8_t * act_bundle[PI2_CLUSTER];
     int32_t act_slot[PI2_CLUSTER];
     float   act_val[PI2_CLUSTER];
-    int64_t n = 0;
     // flash: clusters in slot order, hot (pinned) ones first, so compute overlaps the reads of the rest
     for (int64_t c = ith; c < n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += p->nth) {
         const int64_t s0 = c * PI2_CLUSTER;
@@ -222,15 +255,15 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
                 break;
             }
             float g = 0.0f;
-            p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, xq, 0, 1);
+            p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r.xq, 0, 1);
             const float act    = pi2_act(p->op, g);
-            const bool  active = p->all_active || (p->relu ? g > 0.0f : fabsf(act) > thr);
+            const bool  active = pi2_fires(p, g, act);
             if (!cand_pred[k]) { // recall check: the gate was computed only to count what the predictor missed
                 st->missed += active;
                 continue;
             }
             st->predicted++;
-            gate_out[L->order[cand[k]]] = g;
+            r.gate_out[L->order[cand[k]]] = g;
             if (!active) {
                 continue;
             }
@@ -241,54 +274,32 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
         }
         // pass 3: up rows of the active neurons
         for (int k = 0; k < na; ++k) {
-            const uint8_t * bundle = act_bundle[k];
-            float u = 0.0f;
-            p->up_dot((int) p->n_embd, &u, 0, bundle + L->up_offset, 0, xqu, 0, 1);
-            const int32_t neuron = L->order[act_slot[k]];
-            up_out[neuron]  = u;
-            glu_out[neuron] = act_val[k] * u;
-            list[n].bundle = bundle;
-            list[n].a      = act_val[k] * u;
-            n++;
+            pi2_emit_active(p, &r, L->order[act_slot[k]], act_bundle[k] + L->up_offset, act_bundle[k], act_val[k]);
         }
         st->active += na;
     }
-    st->n_list = n;
+    st->n_list = r.n;
 }
 
 // gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices
 static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
-    const struct pi2_sidecar_layer * L = p->L;
     const struct ggml_tensor * wg = p->gate->src[0];
     const struct ggml_tensor * wu = p->up->src[0];
-    const char * xq  = p->xq + (size_t) t * p->xq_stride;
-    const char * xqu = p->xq_up + (size_t) t * p->xq_up_stride;
-    float * gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]);
-    float * up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]);
-    float * glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]);
-    struct pi2_active *       list = p->list + (size_t) ith * p->n_ff;
-    struct pi2_thread_stats * st   = &p->stats[ith];
+    struct pi2_token_rows r = pi2_token_rows(p, ith, t);
     const int64_t f0 = p->n_ff * ith / nth, f1 = p->n_ff * (ith + 1) / nth;
-    int64_t n = 0;
     for (int64_t i = f0; i < f1; ++i) {
         float g = 0.0f;
-        p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + i * wg->nb[1], 0, xq, 0, 1);
-        gate_out[i] = g;
+        p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + i * wg->nb[1], 0, r.xq, 0, 1);
+        r.gate_out[i] = g;
         const float act = pi2_act(p->op, g);
-        if (!(p->relu ? g > 0.0f : fabsf(act) > L->threshold)) {
-            continue;
+        if (pi2_fires(p, g, act)) {
+            pi2_emit_active(p, &r, (int32_t) i, (const char *) wu->data + i * wu->nb[1],
+                            p->B->bundles + (size_t) p->B->slot_of[i] * p->L->bundle_size, act);
         }
-        float u = 0.0f;
-        p->up_dot((int) p->n_embd, &u, 0, (const char *) wu->data + i * wu->nb[1], 0, xqu, 0, 1);
-        up_out[i]      = u;
-        glu_out[i]     = act * u;
-        list[n].bundle = p->B->bundles + (size_t) p->B->slot_of[i] * L->bundle_size;
-        list[n].a      = act * u;
-        n++;
     }
-    st->predicted += f1 - f0;
-    st->active    += n;
-    st->n_list     = n;
+    r.st->predicted += f1 - f0;
+    r.st->active    += r.n;
+    r.st->n_list     = r.n;
 }
 
 // flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
