@@ -92,8 +92,10 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
     const uint32_t n_embd = b->sc->n_embd;
     B->pred_type = (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     B->w1_stride = ggml_row_size(B->pred_type, n_embd);
-    B->w2_stride = ggml_row_size(B->pred_type, L->rank);
-    const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->n_ff * B->w2_stride;
+    B->w2_type   = L->n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+    B->w2_stride = ggml_row_size(B->w2_type, L->n_ff);
+    // all of w2 counted, though only the rows of non-zero hidden units are read: a bound that holds
+    const double pred_bytes = (double) L->rank * B->w1_stride + (double) L->rank * B->w2_stride;
     const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, b->sc->n_embd);
     B->use_predictor = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
     if (b->flash && !B->use_predictor && !keep_predictor) {
@@ -105,9 +107,9 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
         return 0;
     }
     B->w1      = malloc((size_t) L->rank * B->w1_stride);
-    B->w2      = malloc((size_t) L->n_ff * B->w2_stride);
+    B->w2      = malloc((size_t) L->rank * B->w2_stride);
     B->b2_slot = malloc((size_t) L->n_ff * sizeof(float));
-    float * row = malloc((size_t) (n_embd > L->rank ? n_embd : L->rank) * sizeof(float));
+    float * row = malloc((size_t) (n_embd > L->n_ff ? n_embd : L->n_ff) * sizeof(float));
     if (B->w1 == NULL || B->w2 == NULL || B->b2_slot == NULL || row == NULL) {
         free(row);
         snprintf(err, errlen, "sidecar %s: out of memory for layer %u predictor", b->sc->path, il);
@@ -117,11 +119,14 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
         ggml_fp16_to_fp32_row(L->pred_w1 + (size_t) j * n_embd, row, n_embd);
         pi2_store_row(B->pred_type, row, B->w1 + (size_t) j * B->w1_stride, n_embd);
     }
+    for (uint32_t k = 0; k < L->rank; ++k) { // the sidecar's w2 is [n_ff][rank] in neuron order
+        for (uint32_t j = 0; j < L->n_ff; ++j) {
+            row[j] = ggml_fp16_to_fp32(L->pred_w2[(size_t) L->order[j] * L->rank + k]); // order: a permutation
+        }
+        pi2_store_row(B->w2_type, row, B->w2 + (size_t) k * B->w2_stride, L->n_ff);
+    }
     for (uint32_t j = 0; j < L->n_ff; ++j) {
-        const int32_t i = L->order[j]; // a permutation: the reader checked it
-        ggml_fp16_to_fp32_row(L->pred_w2 + (size_t) i * L->rank, row, L->rank);
-        pi2_store_row(B->pred_type, row, B->w2 + (size_t) j * B->w2_stride, L->rank);
-        B->b2_slot[j] = L->pred_b2[i];
+        B->b2_slot[j] = L->pred_b2[L->order[j]];
     }
     free(row);
     // the converted copies replace the F16 ones for the binding's life (113 MB on Qwen2.5-1.5B)
@@ -129,7 +134,7 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
     free(L->pred_w2);
     L->pred_w1 = NULL;
     L->pred_w2 = NULL;
-    b->fixed_bytes += (uint64_t) L->rank * B->w1_stride + (uint64_t) L->n_ff * (B->w2_stride + sizeof(float));
+    b->fixed_bytes += (uint64_t) L->rank * (B->w1_stride + B->w2_stride) + (uint64_t) L->n_ff * sizeof(float);
     return 0;
 }
 

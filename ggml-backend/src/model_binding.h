@@ -19,11 +19,14 @@
 
 struct pi2_binding_layer {
     const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping); NULL on flash
-    // predictor weights in pred_type (Q8_0 where the widths allow: ggml's F16 dot measured ~5x slower
-    // than its Q8_0 dot here), layer 2 rows in slot order
-    enum ggml_type  pred_type;
+    // predictor weights, Q8_0 where the widths allow (ggml's F16 dot measured ~5x slower than its Q8_0
+    // dot here), else F16. Layer 2 is stored transposed, one row per hidden unit over the slots: relu
+    // leaves about half of the hidden units at zero, and only the others' rows are read (as columns
+    // added into the scores), half the bytes of one dot product per slot.
+    enum ggml_type  pred_type; // w1
+    enum ggml_type  w2_type;
     char *          w1;       // [rank] rows of n_embd
-    char *          w2;       // [n_ff] rows of rank, slot order
+    char *          w2;       // [rank] rows of n_ff, slot order
     size_t          w1_stride, w2_stride;
     float *         b2_slot;  // [n_ff]
     int32_t *       slot_of;  // [n_ff] bundle slot of each neuron (in RAM: rows walked in the model's order)

@@ -116,9 +116,10 @@ struct pi2_sparse_plan {
     size_t                    xq_stride, xq_up_stride;
     char *                    xp;     // x in the predictor's vec_dot type
     float *                   h;      // [rank]
-    char *                    hq;     // h in the predictor's vec_dot type
+    float *                   z;      // [n_ff] predictor scores, slot order
     float *                   y;      // [nth][n_embd] partial down sums
-    float *                   tmp;    // [nth][n_embd] dequantization scratch
+    float *                   tmp;    // [nth][tmp_stride] dequantization scratch
+    int64_t                   tmp_stride;
     struct pi2_active *       list;   // [nth][n_ff]
     struct pi2_thread_stats * stats;  // [nth]
     char *                    gluq;   // glu row in down_vdt (dense down)
@@ -144,13 +145,44 @@ static inline const uint8_t * pi2_bundle_at(struct pi2_sparse_plan * p, int64_t 
     return b;
 }
 
-// the predictor's score of slot s is above the layer's cutoff (p->hq holds the hidden layer)
+// the predictor's score of slot s is above the layer's cutoff (p->z holds the token's scores)
 static inline bool pi2_predict_slot(const struct pi2_sparse_plan * p, int64_t s) {
-    float z = 0.0f;
-    p->pred_dot((int) p->rank, &z, 0, p->B->w2 + (size_t) s * p->B->w2_stride, 0, p->hq, 0, 1);
-    z += p->B->b2_slot[s];
+    const float z     = p->z[s];
     const float score = p->relu ? z : fabsf(pi2_act(p->op, z));
     return score > p->L->cutoff;
+}
+
+// the predictor's output layer for thread ith's share of slots: z = b2 + W2 h, as the W2 columns of the
+// hidden units that fired added four at a time (a fixed order: z does not depend on the thread count)
+static void pi2_predictor_scores(struct pi2_sparse_plan * p, int ith, int nth) {
+    const struct pi2_binding_layer * B = p->B;
+    const int64_t blk = ggml_blck_size(B->w2_type);
+    const int64_t nb  = p->n_ff / blk;
+    const int64_t z0 = nb * ith / nth * blk, z1 = nb * (ith + 1) / nth * blk;
+    if (z1 == z0) {
+        return;
+    }
+    const size_t off = ggml_row_size(B->w2_type, z0);
+    float * z   = p->z + z0;
+    float * tmp = p->tmp + (size_t) ith * p->tmp_stride;
+    memcpy(z, B->b2_slot + z0, (size_t) (z1 - z0) * sizeof(float));
+    float        a[4];
+    const void * cols[4];
+    int          n4 = 0;
+    for (int64_t k = 0; k < p->rank; ++k) {
+        if (p->h[k] <= 0.0f) {
+            continue;
+        }
+        a[n4]      = p->h[k];
+        cols[n4++] = B->w2 + (size_t) k * B->w2_stride + off;
+        if (n4 == 4) {
+            pi2_column_axpy4(B->w2_type, z1 - z0, z, a, cols, tmp);
+            n4 = 0;
+        }
+    }
+    for (int c = 0; c < n4; ++c) {
+        pi2_column_axpy(B->w2_type, z1 - z0, z, a[c], cols[c], tmp);
+    }
 }
 
 static bool pi2_needs_convert(enum ggml_type t) {
@@ -354,9 +386,7 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
             p->h[j] = v > 0.0f ? v : 0.0f;
         }
         #pragma omp barrier
-        if (ith == 0) {
-            pi2_convert_row(p->to_pred_vdt, p->h, p->hq, p->rank);
-        }
+        pi2_predictor_scores(p, ith, nth);
         #pragma omp barrier
     }
 
@@ -384,12 +414,20 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     }
     if (sparse_down) {
         float * y   = p->y + (size_t) ith * n_embd;
-        float * tmp = p->tmp + (size_t) ith * n_embd;
+        float * tmp = p->tmp + (size_t) ith * p->tmp_stride;
         memset(y, 0, (size_t) n_embd * sizeof(float));
         const struct pi2_active * list = p->list + (size_t) ith * n_ff;
-        for (int64_t k = 0; k < p->stats[ith].n_list; ++k) {
-            const uint8_t * col = list[k].bundle + p->L->down_offset;
-            pi2_column_axpy(p->L->down_type, n_embd, y, list[k].a, col, tmp);
+        const int64_t n_list = p->stats[ith].n_list;
+        const size_t  down   = p->L->down_offset;
+        int64_t k = 0;
+        for (; k + 4 <= n_list; k += 4) {
+            const float  a[4]    = { list[k].a, list[k + 1].a, list[k + 2].a, list[k + 3].a };
+            const void * cols[4] = { list[k].bundle + down, list[k + 1].bundle + down, list[k + 2].bundle + down,
+                                     list[k + 3].bundle + down };
+            pi2_column_axpy4(p->L->down_type, n_embd, y, a, cols, tmp);
+        }
+        for (; k < n_list; ++k) {
+            pi2_column_axpy(p->L->down_type, n_embd, y, list[k].a, list[k].bundle + down, tmp);
         }
         #pragma omp barrier
         // fixed summation order over threads: reproducible for a given thread count
@@ -562,6 +600,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
     p.xq_stride    = ggml_row_size(p.gate_vdt, p.n_embd);
+    p.tmp_stride   = p.n_embd > 256 ? p.n_embd : 256; // the F16 kernel converts 256 at a time
     p.xq_up_stride = ggml_row_size(p.up_vdt, p.n_embd);
     const bool same_vdt = p.gate_vdt == p.up_vdt;
     // workspace: one arena, carved in 64-byte aligned pieces
@@ -570,9 +609,9 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         same_vdt ? 0 : pi2_align64(p.xq_up_stride * (size_t) p.n_tokens),
         pi2_align64(ggml_row_size(tp->vec_dot_type, p.n_embd)),
         pi2_align64((size_t) p.rank * sizeof(float)),
-        pi2_align64(ggml_row_size(tp->vec_dot_type, p.rank)),
+        pi2_align64((size_t) p.n_ff * sizeof(float)),
         pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
-        pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
+        pi2_align64((size_t) nth * p.tmp_stride * sizeof(float)),
         pi2_align64((size_t) nth * p.n_ff * sizeof(struct pi2_active)),
         pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
         pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
@@ -591,7 +630,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.xq_up = same_vdt ? p.xq : w;        w += sizes[1];
     p.xp    = w;                          w += sizes[2];
     p.h     = (float *) w;                w += sizes[3];
-    p.hq    = w;                          w += sizes[4];
+    p.z     = (float *) w;                w += sizes[4];
     p.y     = (float *) w;                w += sizes[5];
     p.tmp   = (float *) w;                w += sizes[6];
     p.list  = (struct pi2_active *) w;    w += sizes[7];
