@@ -398,6 +398,9 @@ def _tools_lib() -> ctypes.CDLL:
             lib.pi2_fingerprint_tensor.restype = ctypes.c_uint64
             lib.pi2_fingerprint_model.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
             lib.pi2_fingerprint_model.restype = ctypes.c_uint64
+            lib.pi2_columns_add.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_void_p]
+            lib.pi2_columns_add.restype = ctypes.c_int
         except AttributeError as e:
             raise PluginError(f"PI2 plugin {path} has no sidecar reader ({e}); rebuild it with tools/bootstrap.py") from e
         _tools = lib
@@ -464,3 +467,16 @@ def set_predictor_always(always: bool) -> None:
 def set_prompt_on_cpu(on: bool) -> None:
     """Prompt batches in ggml-cpu's kernels (True, the default) or in PI2's dense kernel (False)."""
     _require().pi2_set_prompt_on_cpu(int(on))
+
+
+def columns_add(qtype: int, y: np.ndarray, a: np.ndarray, columns: np.ndarray) -> None:
+    """y += sum of a[c] * column c, in place, by the plugin's down-column kernels, grouped as sparse decode
+    groups its active neurons. columns: [n_cols] rows of quantized bytes of y's length each (for tests)."""
+    y = np.asarray(y)
+    if y.dtype != np.float32 or not y.flags.c_contiguous:
+        raise ValueError("y must be a contiguous float32 array")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    columns = np.ascontiguousarray(columns, dtype=np.uint8)
+    ptrs = (ctypes.c_void_p * len(a))(*[columns[c].ctypes.data for c in range(len(a))])
+    if _tools_lib().pi2_columns_add(int(qtype), y.size, y.ctypes.data, len(a), a.ctypes.data, ptrs) != 0:
+        raise ValueError(f"no column kernel for type {qtype} and length {y.size}")

@@ -129,6 +129,12 @@ GGML_BACKEND_API void pi2_set_model_rows(int model);
 // graph llama schedules (llama reuses a scheduled graph for a batch of the same shape).
 GGML_BACKEND_API void pi2_set_prompt_on_cpu(int on);
 
+// Testing the down-column kernels: y[0..n) += sum of a[c] * column c, columns in a ggml type (blocks
+// along n), summed the way sparse decode sums its active neurons' columns. 0, or -1 for a type without
+// a kernel or an n that is not a multiple of its block size.
+GGML_BACKEND_API int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a,
+                                     const void * const * cols);
+
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.
 GGML_BACKEND_API int pi2_sidecar_validate(const char * path, char * err, size_t errlen);

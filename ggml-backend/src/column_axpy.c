@@ -211,3 +211,10 @@ void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const v
             return;
     }
 }
+
+void pi2_column_sum_finish(struct pi2_column_sum * s) {
+    for (int c = 0; c < s->k; ++c) {
+        pi2_column_axpy(s->type, s->n, s->y, s->a[c], s->col[c], s->tmp);
+    }
+    s->k = 0;
+}

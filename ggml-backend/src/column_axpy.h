@@ -25,3 +25,26 @@ void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const v
 // The sum's rounding differs from four one-column calls.
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
                       float * tmp);
+
+// A running sum of columns into y, four per kernel call: add columns one by one, then finish once.
+// The grouping depends only on the order the columns come in, so the sum is reproducible.
+struct pi2_column_sum {
+    enum ggml_type type;
+    int64_t        n;
+    float *        y;
+    float *        tmp;
+    int            k;
+    float          a[4];
+    const void *   col[4];
+};
+
+static inline void pi2_column_sum_add(struct pi2_column_sum * s, float a, const void * column) {
+    s->a[s->k]     = a;
+    s->col[s->k++] = column;
+    if (s->k == 4) {
+        pi2_column_axpy4(s->type, s->n, s->y, s->a, s->col, s->tmp);
+        s->k = 0;
+    }
+}
+
+void pi2_column_sum_finish(struct pi2_column_sum * s);

@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "column_axpy.h"
 #include "ffn_exec.h"
 #include "ffn_names.h"
 #include "ggml-backend-impl.h"
@@ -1057,6 +1058,24 @@ void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {
     if (down_sparse_max >= 0.0f && down_sparse_max <= 1.0f) {
         d->down_sparse_max = down_sparse_max;
     }
+}
+
+int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a, const void * const * cols) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || !pi2_column_type_usable((enum ggml_type) type) || n <= 0 ||
+        n % ggml_blck_size((enum ggml_type) type) != 0) {
+        return -1;
+    }
+    float * tmp = malloc((size_t) (n > 256 ? n : 256) * sizeof(float));
+    if (tmp == NULL) {
+        return -1;
+    }
+    struct pi2_column_sum sum = { .type = (enum ggml_type) type, .n = n, .y = y, .tmp = tmp };
+    for (int64_t c = 0; c < n_cols; ++c) {
+        pi2_column_sum_add(&sum, a[c], cols[c]);
+    }
+    pi2_column_sum_finish(&sum);
+    free(tmp);
+    return 0;
 }
 
 size_t pi2_counters_size(void) {

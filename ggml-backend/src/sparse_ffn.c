@@ -166,23 +166,13 @@ static void pi2_predictor_scores(struct pi2_sparse_plan * p, int ith, int nth) {
     float * z   = p->z + z0;
     float * tmp = p->tmp + (size_t) ith * p->tmp_stride;
     memcpy(z, B->b2_slot + z0, (size_t) (z1 - z0) * sizeof(float));
-    float        a[4];
-    const void * cols[4];
-    int          n4 = 0;
+    struct pi2_column_sum sum = { .type = B->w2_type, .n = z1 - z0, .y = z, .tmp = tmp };
     for (int64_t k = 0; k < p->rank; ++k) {
-        if (p->h[k] <= 0.0f) {
-            continue;
-        }
-        a[n4]      = p->h[k];
-        cols[n4++] = B->w2 + (size_t) k * B->w2_stride + off;
-        if (n4 == 4) {
-            pi2_column_axpy4(B->w2_type, z1 - z0, z, a, cols, tmp);
-            n4 = 0;
+        if (p->h[k] > 0.0f) {
+            pi2_column_sum_add(&sum, p->h[k], B->w2 + (size_t) k * B->w2_stride + off);
         }
     }
-    for (int c = 0; c < n4; ++c) {
-        pi2_column_axpy(B->w2_type, z1 - z0, z, a[c], cols[c], tmp);
-    }
+    pi2_column_sum_finish(&sum);
 }
 
 static bool pi2_needs_convert(enum ggml_type t) {
@@ -417,18 +407,11 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         float * tmp = p->tmp + (size_t) ith * p->tmp_stride;
         memset(y, 0, (size_t) n_embd * sizeof(float));
         const struct pi2_active * list = p->list + (size_t) ith * n_ff;
-        const int64_t n_list = p->stats[ith].n_list;
-        const size_t  down   = p->L->down_offset;
-        int64_t k = 0;
-        for (; k + 4 <= n_list; k += 4) {
-            const float  a[4]    = { list[k].a, list[k + 1].a, list[k + 2].a, list[k + 3].a };
-            const void * cols[4] = { list[k].bundle + down, list[k + 1].bundle + down, list[k + 2].bundle + down,
-                                     list[k + 3].bundle + down };
-            pi2_column_axpy4(p->L->down_type, n_embd, y, a, cols, tmp);
+        struct pi2_column_sum sum = { .type = p->L->down_type, .n = n_embd, .y = y, .tmp = tmp };
+        for (int64_t k = 0; k < p->stats[ith].n_list; ++k) {
+            pi2_column_sum_add(&sum, list[k].a, list[k].bundle + p->L->down_offset);
         }
-        for (; k < n_list; ++k) {
-            pi2_column_axpy(p->L->down_type, n_embd, y, list[k].a, list[k].bundle + down, tmp);
-        }
+        pi2_column_sum_finish(&sum);
         #pragma omp barrier
         // fixed summation order over threads: reproducible for a given thread count
         const int64_t e0 = n_embd * ith / nth, e1 = n_embd * (ith + 1) / nth;
