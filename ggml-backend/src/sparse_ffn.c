@@ -129,7 +129,7 @@ struct pi2_sparse_plan {
 
 static inline void pi2_prefetch(const void * p, size_t n) {
     for (size_t off = 0; off < n; off += 64) {
-        __builtin_prefetch((const char *) p + off, 0, 0);
+        __builtin_prefetch((const char *) p + off, 0, 3);
     }
 }
 
@@ -227,80 +227,109 @@ static inline void pi2_emit_active(const struct pi2_sparse_plan * p, struct pi2_
     r->n++;
 }
 
-// gate/up/GLU of the clusters assigned to thread ith, for token t
-static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
-    const struct pi2_sidecar_layer * L = p->L;
-    struct pi2_token_rows r = pi2_token_rows(p, ith, t);
-    struct pi2_thread_stats * st = r.st;
-    const size_t gate_bytes = L->up_offset;
-    const size_t up_bytes   = L->down_offset - L->up_offset;
-    const size_t down_bytes = L->data_end - L->down_offset;
-    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
-    // Three passes per cluster, each prefetching what the next one reads, so that the scattered bundle
-    // rows stream from memory instead of stalling one row at a time.
-    int32_t cand[PI2_CLUSTER];   // slots whose gate is computed
-    bool    cand_pred[PI2_CLUSTER];
+// one cluster's slots whose gate is computed, and of those the ones that fired
+struct pi2_cluster {
+    int             nc, na;
+    int32_t         cand[PI2_CLUSTER];
+    bool            cand_pred[PI2_CLUSTER]; // false: computed for the recall check only
     const uint8_t * act_bundle[PI2_CLUSTER];
-    int32_t act_slot[PI2_CLUSTER];
-    float   act_val[PI2_CLUSTER];
-    // flash: clusters in slot order, hot (pinned) ones first, so compute overlaps the reads of the rest
-    for (int64_t c = ith; c < n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += p->nth) {
-        const int64_t s0 = c * PI2_CLUSTER;
-        const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
-        // pass 1: predictor rows -> candidates (flash: chosen before the reads were issued)
-        int nc = 0;
-        for (int64_t s = s0; s < s1; ++s) {
-            bool pred = true;
-            if (p->cache != NULL) {
-                if (p->want[s] == 0) {
+    int32_t         act_slot[PI2_CLUSTER];
+    float           act_val[PI2_CLUSTER];
+};
+
+// pass 1: the candidates of cluster c from the predictor's scores (flash: chosen before the reads were
+// issued); in RAM their gate rows are prefetched
+static void pi2_cluster_candidates(const struct pi2_sparse_plan * p, int64_t c, struct pi2_cluster * k) {
+    const int64_t s0 = c * PI2_CLUSTER;
+    const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
+    k->nc = k->na = 0;
+    for (int64_t s = s0; s < s1; ++s) {
+        bool pred = true;
+        if (p->cache != NULL) {
+            if (p->want[s] == 0) {
+                continue;
+            }
+            pred = p->want[s] == 1;
+        } else {
+            if (p->predicted) {
+                pred = pi2_predict_slot(p, s);
+                if (!pred && !p->check) {
                     continue;
                 }
-                pred = p->want[s] == 1;
-            } else {
-                if (p->predicted) {
-                    pred = pi2_predict_slot(p, s);
-                    if (!pred && !p->check) {
-                        continue;
-                    }
-                }
-                pi2_prefetch(p->B->bundles + (size_t) s * L->bundle_size, gate_bytes);
             }
-            cand[nc]      = (int32_t) s;
-            cand_pred[nc] = pred;
-            nc++;
+            pi2_prefetch(p->B->bundles + (size_t) s * p->L->bundle_size, p->L->up_offset);
         }
-        // pass 2: gate rows -> active neurons
-        int na = 0;
-        for (int k = 0; k < nc; ++k) {
-            const uint8_t * bundle = pi2_bundle_at(p, cand[k], st);
-            if (bundle == NULL) {
-                break;
-            }
-            float g = 0.0f;
-            p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r.xq, 0, 1);
-            const float act    = pi2_act(p->op, g);
-            const bool  active = pi2_fires(p, g, act);
-            if (!cand_pred[k]) { // recall check: the gate was computed only to count what the predictor missed
-                st->missed += active;
-                continue;
-            }
-            st->predicted++;
-            r.gate_out[L->order[cand[k]]] = g;
-            if (!active) {
-                continue;
-            }
-            pi2_prefetch(bundle + L->up_offset, up_bytes + (p->down_cols ? down_bytes : 0));
-            act_bundle[na] = bundle;
-            act_slot[na]   = cand[k];
-            act_val[na++]  = act;
-        }
-        // pass 3: up rows of the active neurons
-        for (int k = 0; k < na; ++k) {
-            pi2_emit_active(p, &r, L->order[act_slot[k]], act_bundle[k] + L->up_offset, act_bundle[k], act_val[k]);
-        }
-        st->active += na;
+        k->cand[k->nc]      = (int32_t) s;
+        k->cand_pred[k->nc] = pred;
+        k->nc++;
     }
-    st->n_list = r.n;
+}
+
+// pass 2: gate rows of the candidates -> the neurons that fired (their up rows, down columns prefetched)
+static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows * r, struct pi2_cluster * k) {
+    const struct pi2_sidecar_layer * L = p->L;
+    const size_t ahead = (L->down_offset - L->up_offset) + (p->down_cols ? L->data_end - L->down_offset : 0);
+    for (int i = 0; i < k->nc; ++i) {
+        const uint8_t * bundle = pi2_bundle_at(p, k->cand[i], r->st);
+        if (bundle == NULL) {
+            return;
+        }
+        float g = 0.0f;
+        p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r->xq, 0, 1);
+        const float act    = pi2_act(p->op, g);
+        const bool  active = pi2_fires(p, g, act);
+        if (!k->cand_pred[i]) { // recall check: the gate was computed only to count what the predictor missed
+            r->st->missed += active;
+            continue;
+        }
+        r->st->predicted++;
+        r->gate_out[L->order[k->cand[i]]] = g;
+        if (!active) {
+            continue;
+        }
+        pi2_prefetch(bundle + L->up_offset, ahead);
+        k->act_bundle[k->na] = bundle;
+        k->act_slot[k->na]   = k->cand[i];
+        k->act_val[k->na++]  = act;
+    }
+}
+
+// pass 3: up rows of the neurons that fired -> up/GLU outputs and the down list
+static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_cluster * k) {
+    for (int i = 0; i < k->na; ++i) {
+        pi2_emit_active(p, r, p->L->order[k->act_slot[i]], k->act_bundle[i] + p->L->up_offset, k->act_bundle[i],
+                        k->act_val[i]);
+    }
+    r->st->active += k->na;
+}
+
+// gate/up/GLU of the clusters assigned to thread ith, for token t. The passes are staggered so that
+// every prefetch has a cluster's worth of work before its rows are read: while cluster i's gates are
+// computed, cluster i+1's gate rows and cluster i's up rows are on their way; cluster i-1's ups run
+// after. The down list keeps cluster order, so sums do not depend on the staggering.
+static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
+    struct pi2_token_rows r = pi2_token_rows(p, ith, t);
+    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int     nth = p->nth;
+    struct pi2_cluster k[3]; // by iteration i: i % 3 is cluster i (gates), (i + 1) % 3 the next, (i + 2) % 3 the last
+    if (ith < n_clusters) {
+        pi2_cluster_candidates(p, ith, &k[0]);
+    }
+    int i = 0;
+    // flash: clusters in slot order, hot (pinned) ones first, so compute overlaps the reads of the rest
+    for (int64_t c = ith; c < n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += nth, ++i) {
+        if (c + nth < n_clusters) {
+            pi2_cluster_candidates(p, c + nth, &k[(i + 1) % 3]);
+        }
+        pi2_cluster_gates(p, &r, &k[i % 3]);
+        if (i > 0) {
+            pi2_cluster_ups(p, &r, &k[(i + 2) % 3]);
+        }
+    }
+    if (i > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed)) {
+        pi2_cluster_ups(p, &r, &k[(i + 2) % 3]);
+    }
+    r.st->n_list = r.n;
 }
 
 // gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices
