@@ -146,7 +146,10 @@ class Costs:
     up_down_row: float  # bytes of its up row and down column (read for every truly active neuron)
 
     def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float, active: float) -> float:
-        return 2.0 * rank * (n_embd + n_ff) + n_ff * (predicted * self.gate_row + active * self.up_down_row)
+        # the plugin runs the predictor in Q8_0 (34 bytes per 32 values) and reads only the W2 rows of the
+        # hidden units relu left non-zero, about half (docs/BACKEND.md)
+        q8 = 34.0 / 32.0
+        return q8 * rank * (n_embd + n_ff / 2) + n_ff * (predicted * self.gate_row + active * self.up_down_row)
 
 
 @dataclass(frozen=True)
