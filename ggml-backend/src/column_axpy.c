@@ -147,6 +147,50 @@ static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const
     }
 }
 
+static void pi2_axpy4_q6_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
+    const block_q6_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
+    const __m256i m4 = _mm256_set1_epi32(0xF), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+    for (int64_t i = 0; i < n / QK_K; ++i) {
+        float d[4];
+        for (int c = 0; c < 4; ++c) {
+            d[c] = a[c] * _cvtsh_ss(b[c][i].d);
+        }
+        float * restrict yb = y + i * QK_K;
+        for (int half = 0; half < QK_K / 128; ++half) { // ggml's dequantize_row_q6_K, 8 values at a time
+            for (int l = 0; l < 32; l += 8) {
+                const int is = l / 16;
+                __m256 y1 = _mm256_loadu_ps(yb + l), y2 = _mm256_loadu_ps(yb + l + 32);
+                __m256 y3 = _mm256_loadu_ps(yb + l + 64), y4 = _mm256_loadu_ps(yb + l + 96);
+                for (int c = 0; c < 4; ++c) {
+                    const uint8_t * ql = b[c][i].ql + 64 * half;
+                    const uint8_t * qh = b[c][i].qh + 32 * half;
+                    const int8_t *  sc = b[c][i].scales + 8 * half;
+                    const __m256i la = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (ql + l)));
+                    const __m256i lb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (ql + l + 32)));
+                    const __m256i h  = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qh + l)));
+                    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(la, m4),
+                                                       _mm256_slli_epi32(_mm256_and_si256(h, m3), 4));
+                    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(lb, m4),
+                                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), m3), 4));
+                    const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(la, 4),
+                                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), m3), 4));
+                    const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(lb, 4),
+                                                       _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4));
+                    y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q1, k32)), _mm256_set1_ps(d[c] * sc[is + 0]), y1);
+                    y2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q2, k32)), _mm256_set1_ps(d[c] * sc[is + 2]), y2);
+                    y3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q3, k32)), _mm256_set1_ps(d[c] * sc[is + 4]), y3);
+                    y4 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q4, k32)), _mm256_set1_ps(d[c] * sc[is + 6]), y4);
+                }
+                _mm256_storeu_ps(yb + l, y1);
+                _mm256_storeu_ps(yb + l + 32, y2);
+                _mm256_storeu_ps(yb + l + 64, y3);
+                _mm256_storeu_ps(yb + l + 96, y4);
+            }
+            yb += 128;
+        }
+    }
+}
+
 static void pi2_axpy4_q8_0(int64_t n, float * restrict y, const float * a, const void * const * cols) {
     const block_q8_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
     for (int64_t i = 0; i < n / QK8_0; ++i) {
@@ -173,6 +217,7 @@ void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a
     switch (type) {
         case GGML_TYPE_Q4_K: pi2_axpy4_q4_k(n, y, a, cols); return;
         case GGML_TYPE_Q8_0: pi2_axpy4_q8_0(n, y, a, cols); return;
+        case GGML_TYPE_Q6_K: pi2_axpy4_q6_k(n, y, a, cols); return;
         default: break;
     }
 #endif

@@ -20,8 +20,8 @@ bool pi2_column_type_usable(enum ggml_type type);
 // n must be a multiple of the type's block size (the sidecar reader checks this for down columns).
 void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const void * column, float * tmp);
 
-// y[0..n) += a[0] * cols[0] + ... + a[3] * cols[3]: four neurons in one pass over y (SIMD kernels for Q4_K
-// and Q8_0, the down types of the sparse models here; others run the one-column kernel four times).
+// y[0..n) += a[0] * cols[0] + ... + a[3] * cols[3]: four neurons in one pass over y (SIMD kernels for Q4_K,
+// Q6_K and Q8_0, the down types of the sparse models here; others run the one-column kernel four times).
 // The sum's rounding differs from four one-column calls.
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
                       float * tmp);
