@@ -395,7 +395,7 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     }
     #pragma omp barrier
 
-    // phase 1: predictor hidden layer h = relu(W1 x + b1)
+    // phase 1: predictor hidden layer h = relu(W1 x + b1), then the scores z = b2 + W2 h
     if (p->predicted) {
         const int64_t r0 = p->rank * ith / nth, r1 = p->rank * (ith + 1) / nth;
         for (int64_t j = r0; j < r1; ++j) {
@@ -409,7 +409,7 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         #pragma omp barrier
     }
 
-    // phase 2: the clusters, through predictor row, gate, threshold, up
+    // phase 2: the clusters, through score, gate, threshold, up
     if (p->model_rows) {
         pi2_sparse_model_rows(p, ith, nth, t);
     } else {
