@@ -33,7 +33,8 @@ class ConvertResult:
 
 def default_ranks(n_embd: int) -> list[int]:
     """Candidate predictor widths: n_embd/16, /8, /4, /2 (even, at least 16). On the 1.5B ReLU model
-    (n_embd 2048) /16 predicted 0.14-0.21 of the neurons against /8's 0.13-0.20 and decoded ~6% faster."""
+    (n_embd 2048) /16 predicts 0.14-0.21 of the neurons against /8's 0.13-0.20 and reads fewer bytes per
+    token; in RAM the two decoded alike (within run-to-run noise, docs/CONVERT.md)."""
     return sorted({max(16, (n_embd // d) // 16 * 16) for d in (16, 8, 4, 2)})
 
 
