@@ -55,27 +55,14 @@ int pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen)
     return 0;
 }
 
-// preadv until done; 0, or an errno (EIO for a short read: the file ended early)
-int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
-    for (size_t done = 0; done < n;) {
-        const ssize_t r = pread(fd, (char *) dst + done, n - done, (off_t) (off + done));
-        if (r < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            return errno;
-        }
-        if (r == 0) {
-            return PI2_READ_EOF;
-        }
-        done += (size_t) r;
-    }
-    return 0;
-}
-
+// preadv until every iovec is full (retrying EINTR and short reads): 0, an errno, or PI2_READ_EOF when
+// the file ends first; *got counts the bytes read either way
 static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size_t * got) {
     *got = 0;
     int k = 0;
+    while (k < n && iov[k].iov_len == 0) { // nothing to read there: not an end of file
+        k++;
+    }
     while (k < n) {
         const ssize_t r = preadv(fd, iov + k, n - k, (off_t) (off + *got));
         if (r < 0) {
@@ -85,7 +72,7 @@ static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size
             return errno;
         }
         if (r == 0) {
-            return EIO;
+            return PI2_READ_EOF;
         }
         *got += (size_t) r;
         size_t left = (size_t) r;
@@ -99,6 +86,12 @@ static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size
         }
     }
     return 0;
+}
+
+int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
+    struct iovec iov = { .iov_base = dst, .iov_len = n };
+    size_t got;
+    return pi2_preadv_full(fd, &iov, 1, off, &got);
 }
 
 // one request into its iovecs: O_DIRECT, falling back to buffered where the filesystem refuses
@@ -125,6 +118,9 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
             iov[k] = r->iov[k];
         }
         e = pi2_preadv_full(f->fd_plain, iov, r->n, r->offset, &got);
+    }
+    if (e == PI2_READ_EOF) { // the bundle lies past the end: the file was cut since it was checked
+        e = EIO;
     }
     if (e != 0) {
         snprintf(why, whylen, "sidecar %s: read of %zu bytes at offset %llu failed after %zu bytes: %s%s", f->path, total,

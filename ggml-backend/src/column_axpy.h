@@ -16,7 +16,13 @@ bool pi2_column_axpy_is_fast(enum ggml_type type);
 // true when the type can be a down column at all (a fused kernel or ggml's to_float)
 bool pi2_column_type_usable(enum ggml_type type);
 
-// y[0..n) += a * column; tmp: n floats of scratch, used only by the to_float fallback.
+// Scratch floats for columns of up to n values: the to_float fallback dequantizes a whole column, the F16
+// kernel converts 256 values at a time (so a short tmp is enough for a long F16 column)
+static inline int64_t pi2_column_scratch(int64_t n) {
+    return n > 256 ? n : 256;
+}
+
+// y[0..n) += a * column; tmp: pi2_column_scratch(n) floats (at least min(n, 256) for F16 columns).
 // n must be a multiple of the type's block size (the sidecar reader checks this for down columns).
 void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const void * column, float * tmp);
 

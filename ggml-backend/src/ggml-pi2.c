@@ -1065,7 +1065,7 @@ int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float 
         n % ggml_blck_size((enum ggml_type) type) != 0) {
         return -1;
     }
-    float * tmp = malloc((size_t) (n > 256 ? n : 256) * sizeof(float));
+    float * tmp = malloc((size_t) pi2_column_scratch(n) * sizeof(float));
     if (tmp == NULL) {
         return -1;
     }

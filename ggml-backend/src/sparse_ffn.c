@@ -612,7 +612,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
     p.xq_stride    = ggml_row_size(p.gate_vdt, p.n_embd);
-    p.tmp_stride   = p.n_embd > 256 ? p.n_embd : 256; // the F16 kernel converts 256 at a time
+    p.tmp_stride   = pi2_column_scratch(p.n_embd); // down columns of n_embd; z's F16 rows need 256 at most
     p.xq_up_stride = ggml_row_size(p.up_vdt, p.n_embd);
     const bool same_vdt = p.gate_vdt == p.up_vdt;
     // workspace: one arena, carved in 64-byte aligned pieces
