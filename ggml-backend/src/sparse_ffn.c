@@ -332,20 +332,44 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     r.st->n_list = r.n;
 }
 
-// gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices
+// gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices. Gate
+// rows stream in order; the up rows (and down columns) of the neurons that fire are scattered, so they
+// are prefetched while the next PI2_CLUSTER gate rows compute and used after (list order unchanged).
 static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
     const struct ggml_tensor * wg = p->gate->src[0];
     const struct ggml_tensor * wu = p->up->src[0];
+    const struct pi2_sidecar_layer * L = p->L;
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
     const int64_t f0 = p->n_ff * ith / nth, f1 = p->n_ff * (ith + 1) / nth;
-    for (int64_t i = f0; i < f1; ++i) {
-        float g = 0.0f;
-        p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + i * wg->nb[1], 0, r.xq, 0, 1);
-        r.gate_out[i] = g;
-        const float act = pi2_act(p->op, g);
-        if (pi2_fires(p, g, act)) {
-            pi2_emit_active(p, &r, (int32_t) i, (const char *) wu->data + i * wu->nb[1],
-                            p->B->bundles + (size_t) p->B->slot_of[i] * p->L->bundle_size, act);
+    const size_t up_bytes = (size_t) wu->nb[1];
+    struct pi2_cluster k[2]; // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]
+    k[0].na = k[1].na = 0;
+    int i = 0;
+    for (int64_t c0 = f0; c0 < f1 + PI2_CLUSTER; c0 += PI2_CLUSTER, ++i) {
+        struct pi2_cluster * fill = &k[i % 2];
+        fill->na = 0;
+        const int64_t c1 = c0 + PI2_CLUSTER < f1 ? c0 + PI2_CLUSTER : f1;
+        for (int64_t n = c0; n < c1; ++n) {
+            float g = 0.0f;
+            p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + n * wg->nb[1], 0, r.xq, 0, 1);
+            r.gate_out[n] = g;
+            const float act = pi2_act(p->op, g);
+            if (pi2_fires(p, g, act)) {
+                const uint8_t * bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size;
+                pi2_prefetch((const char *) wu->data + n * wu->nb[1], up_bytes);
+                if (p->down_cols) {
+                    pi2_prefetch(bundle + L->down_offset, L->data_end - L->down_offset);
+                }
+                fill->act_bundle[fill->na] = bundle;
+                fill->act_slot[fill->na]   = (int32_t) n;
+                fill->act_val[fill->na++]  = act;
+            }
+        }
+        const struct pi2_cluster * drain = &k[(i + 1) % 2];
+        for (int j = 0; j < drain->na; ++j) {
+            const int64_t n = drain->act_slot[j];
+            pi2_emit_active(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1], drain->act_bundle[j],
+                            drain->act_val[j]);
         }
     }
     r.st->predicted += f1 - f0;
