@@ -64,8 +64,12 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
         after_prompt()
     t1 = time.perf_counter()  # decode time starts after the logits copy
     out: list[int] = []
+    n_vocab = llm.n_vocab()
     for i in range(n):
-        tok = llm.sample(top_k=1, temp=0.0)
+        # greedy = argmax of the logits llama.cpp left in the context (0.03 ms): llama-cpp-python's
+        # Llama.sample(top_k=1) picks the same token but costs ~2 ms of Python per call, which would be
+        # timed as decode; llama-bench's tg likewise times llama_decode only
+        tok = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).argmax())
         if stop_at_eog and llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
             break
         out.append(tok)
