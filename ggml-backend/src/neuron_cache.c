@@ -12,10 +12,10 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bundle_io.h"
+#include "pi2_clock.h"
 
 // Share of the cache kept for the cold segment beyond the one layer it must hold; the rest pins the
 // hottest neurons. Measured on the 1.5B ReLU model under 600 MB: the cold segment gets no hits unless it
@@ -74,12 +74,6 @@ static void pi2_futex_wait(atomic_uint * addr, unsigned val) {
 
 static void pi2_futex_wake(atomic_uint * addr) {
     syscall(SYS_futex, (unsigned *) addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
-
-static uint64_t pi2_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
 }
 
 static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_ff) {

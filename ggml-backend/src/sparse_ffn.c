@@ -3,7 +3,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <omp.h>
 
@@ -11,6 +10,7 @@
 #include "dense_matmul.h"
 #include "ffn_names.h"
 #include "ggml-cpu.h"
+#include "pi2_clock.h"
 #include "pi2_log.h"
 
 #define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
@@ -533,12 +533,6 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
     }
 }
 
-static uint64_t pi2_clock_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
 static void pi2_sparse_run(struct pi2_sparse_plan * p, int nth) {
     #pragma omp parallel num_threads(nth)
     {
@@ -570,7 +564,7 @@ static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_
         pthread_mutex_lock(&b->cache_lock);
     }
     p->cache = b->cache;
-    const uint64_t t0 = pi2_clock_ns();
+    const uint64_t t0 = pi2_now_ns();
     pi2_sparse_run(p, ctx->n_threads > 0 ? ctx->n_threads : 1);
     // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
     char err[sizeof(p->error)] = "";
@@ -580,7 +574,7 @@ static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_
         snprintf(b->error, sizeof(b->error), "%s",
                  p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_cache_error(p->cache));
     }
-    b->ffn_ns += pi2_clock_ns() - t0;
+    b->ffn_ns += pi2_now_ns() - t0;
     pthread_mutex_unlock(&b->cache_lock);
     if (!ok) {
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
