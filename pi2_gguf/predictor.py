@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 
 DEFAULT_RECALL = 0.99
 ACTIVE_WEIGHT = 4.0   # active neurons weigh more in the loss: a missed neuron costs accuracy
@@ -146,9 +148,10 @@ class Costs:
     up_down_row: float  # bytes of its up row and down column (read for every truly active neuron)
 
     def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float, active: float) -> float:
-        # the plugin runs the predictor in Q8_0 (34 bytes per 32 values) and reads only the W2 rows of the
-        # hidden units relu left non-zero, about half (docs/BACKEND.md)
-        q8 = 34.0 / 32.0
+        # the plugin runs the predictor in Q8_0 and reads only the W2 rows of the hidden units relu left
+        # non-zero, about half (docs/BACKEND.md)
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+        q8 = block_bytes / block
         return q8 * rank * (n_embd + n_ff / 2) + n_ff * (predicted * self.gate_row + active * self.up_down_row)
 
 

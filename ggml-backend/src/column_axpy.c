@@ -101,12 +101,43 @@ static void pi2_axpy_q6_k(int64_t n, float * restrict y, float a, const block_q6
 #include <immintrin.h>
 #define PI2_AXPY4_SIMD 1
 
+// The Q4_K and Q8_0 kernels below are written once over these helpers: 16 floats wide where the build
+// has AVX-512 (Zen 4/5 and recent Intel run it at full width), else 8. Every element gets the same
+// operations in the same order at either width, so the sums are identical.
+#if defined(__AVX512F__)
+#define PI2_VW 16
+typedef __m512  pi2_vf;
+typedef __m512i pi2_vi;
+static inline pi2_vf pi2_vset1(float x) { return _mm512_set1_ps(x); }
+static inline pi2_vf pi2_vload(const float * p) { return _mm512_loadu_ps(p); }
+static inline void   pi2_vstore(float * p, pi2_vf v) { _mm512_storeu_ps(p, v); }
+static inline pi2_vf pi2_vsub(pi2_vf a, pi2_vf b) { return _mm512_sub_ps(a, b); }
+static inline pi2_vf pi2_vfma(pi2_vf a, pi2_vf b, pi2_vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline pi2_vi pi2_vload_u8(const uint8_t * p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) p)); }
+static inline pi2_vi pi2_vload_i8(const int8_t * p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) p)); }
+static inline pi2_vf pi2_vfloat(pi2_vi v) { return _mm512_cvtepi32_ps(v); }
+static inline pi2_vf pi2_vlow4(pi2_vi v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))); }
+static inline pi2_vf pi2_vhigh4(pi2_vi v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+#else
+#define PI2_VW 8
+typedef __m256  pi2_vf;
+typedef __m256i pi2_vi;
+static inline pi2_vf pi2_vset1(float x) { return _mm256_set1_ps(x); }
+static inline pi2_vf pi2_vload(const float * p) { return _mm256_loadu_ps(p); }
+static inline void   pi2_vstore(float * p, pi2_vf v) { _mm256_storeu_ps(p, v); }
+static inline pi2_vf pi2_vsub(pi2_vf a, pi2_vf b) { return _mm256_sub_ps(a, b); }
+static inline pi2_vf pi2_vfma(pi2_vf a, pi2_vf b, pi2_vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline pi2_vi pi2_vload_u8(const uint8_t * p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) p)); }
+static inline pi2_vi pi2_vload_i8(const int8_t * p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) p)); }
+static inline pi2_vf pi2_vfloat(pi2_vi v) { return _mm256_cvtepi32_ps(v); }
+static inline pi2_vf pi2_vlow4(pi2_vi v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))); }
+static inline pi2_vf pi2_vhigh4(pi2_vi v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+#endif
+
 // Four columns per pass: y is loaded and stored once for four neurons instead of once each, which is
 // what bounded the one-column loops. Offsets (the Q4_K mins) of the four are summed before touching y.
-#ifndef __AVX512F__ // else the 16-wide kernel below
 static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
     const block_q4_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
-    const __m256i low4 = _mm256_set1_epi32(0xF);
     for (int64_t i = 0; i < n / QK_K; ++i) {
         float d[4], dm[4];
         const uint8_t * q[4];
@@ -117,28 +148,28 @@ static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const
         }
         float * restrict yb = y + i * QK_K;
         for (int j = 0; j < QK_K / 64; ++j) {
-            __m256 s1[4], s2[4];
+            pi2_vf s1[4], s2[4];
             float o1 = 0.0f, o2 = 0.0f;
             for (int c = 0; c < 4; ++c) {
                 uint8_t sc1, m1, sc2, m2;
                 pi2_q4_k_scale_min(2 * j, b[c][i].scales, &sc1, &m1);
                 pi2_q4_k_scale_min(2 * j + 1, b[c][i].scales, &sc2, &m2);
-                s1[c] = _mm256_set1_ps(d[c] * sc1);
-                s2[c] = _mm256_set1_ps(d[c] * sc2);
+                s1[c] = pi2_vset1(d[c] * sc1);
+                s2[c] = pi2_vset1(d[c] * sc2);
                 o1 += dm[c] * m1;
                 o2 += dm[c] * m2;
             }
-            const __m256 vo1 = _mm256_set1_ps(o1), vo2 = _mm256_set1_ps(o2);
-            for (int l = 0; l < 32; l += 8) {
-                __m256 lo = _mm256_sub_ps(_mm256_loadu_ps(yb + l), vo1);
-                __m256 hi = _mm256_sub_ps(_mm256_loadu_ps(yb + l + 32), vo2);
+            const pi2_vf vo1 = pi2_vset1(o1), vo2 = pi2_vset1(o2);
+            for (int l = 0; l < 32; l += PI2_VW) {
+                pi2_vf lo = pi2_vsub(pi2_vload(yb + l), vo1);
+                pi2_vf hi = pi2_vsub(pi2_vload(yb + l + 32), vo2);
                 for (int c = 0; c < 4; ++c) {
-                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (q[c] + l)));
-                    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s1[c], lo);
-                    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s2[c], hi);
+                    const pi2_vi v = pi2_vload_u8(q[c] + l);
+                    lo = pi2_vfma(pi2_vlow4(v), s1[c], lo);
+                    hi = pi2_vfma(pi2_vhigh4(v), s2[c], hi);
                 }
-                _mm256_storeu_ps(yb + l, lo);
-                _mm256_storeu_ps(yb + l + 32, hi);
+                pi2_vstore(yb + l, lo);
+                pi2_vstore(yb + l + 32, hi);
             }
             for (int c = 0; c < 4; ++c) {
                 q[c] += 32;
@@ -148,7 +179,23 @@ static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const
     }
 }
 
-#endif
+static void pi2_axpy4_q8_0(int64_t n, float * restrict y, const float * a, const void * const * cols) {
+    const block_q8_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
+    for (int64_t i = 0; i < n / QK8_0; ++i) {
+        pi2_vf s[4];
+        for (int c = 0; c < 4; ++c) {
+            s[c] = pi2_vset1(a[c] * _cvtsh_ss(b[c][i].d));
+        }
+        float * restrict yb = y + i * QK8_0;
+        for (int l = 0; l < QK8_0; l += PI2_VW) {
+            pi2_vf acc = pi2_vload(yb + l);
+            for (int c = 0; c < 4; ++c) {
+                acc = pi2_vfma(pi2_vfloat(pi2_vload_i8(b[c][i].qs + l)), s[c], acc);
+            }
+            pi2_vstore(yb + l, acc);
+        }
+    }
+}
 
 static void pi2_axpy4_q6_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
     const block_q6_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
@@ -193,109 +240,14 @@ static void pi2_axpy4_q6_k(int64_t n, float * restrict y, const float * a, const
         }
     }
 }
-
-#ifndef __AVX512F__
-static void pi2_axpy4_q8_0(int64_t n, float * restrict y, const float * a, const void * const * cols) {
-    const block_q8_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
-    for (int64_t i = 0; i < n / QK8_0; ++i) {
-        __m256 s[4];
-        for (int c = 0; c < 4; ++c) {
-            s[c] = _mm256_set1_ps(a[c] * _cvtsh_ss(b[c][i].d));
-        }
-        float * restrict yb = y + i * QK8_0;
-        for (int l = 0; l < QK8_0; l += 8) {
-            __m256 acc = _mm256_loadu_ps(yb + l);
-            for (int c = 0; c < 4; ++c) {
-                const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b[c][i].qs + l)));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s[c], acc);
-            }
-            _mm256_storeu_ps(yb + l, acc);
-        }
-    }
-}
-#endif
-#endif
-
-#if defined(PI2_AXPY4_SIMD) && defined(__AVX512F__)
-#define PI2_AXPY4_AVX512 1
-
-// The same four-column passes 16 floats wide (Zen 4/5 and recent Intel run them at full width): every
-// element gets the same operations in the same order as in the AVX2 kernels, so results are identical.
-static void pi2_axpy4_q4_k_512(int64_t n, float * restrict y, const float * a, const void * const * cols) {
-    const block_q4_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
-    const __m512i low4 = _mm512_set1_epi32(0xF);
-    for (int64_t i = 0; i < n / QK_K; ++i) {
-        float d[4], dm[4];
-        const uint8_t * q[4];
-        for (int c = 0; c < 4; ++c) {
-            d[c]  = a[c] * _cvtsh_ss(b[c][i].d);
-            dm[c] = a[c] * _cvtsh_ss(b[c][i].dmin);
-            q[c]  = b[c][i].qs;
-        }
-        float * restrict yb = y + i * QK_K;
-        for (int j = 0; j < QK_K / 64; ++j) {
-            __m512 s1[4], s2[4];
-            float o1 = 0.0f, o2 = 0.0f;
-            for (int c = 0; c < 4; ++c) {
-                uint8_t sc1, m1, sc2, m2;
-                pi2_q4_k_scale_min(2 * j, b[c][i].scales, &sc1, &m1);
-                pi2_q4_k_scale_min(2 * j + 1, b[c][i].scales, &sc2, &m2);
-                s1[c] = _mm512_set1_ps(d[c] * sc1);
-                s2[c] = _mm512_set1_ps(d[c] * sc2);
-                o1 += dm[c] * m1;
-                o2 += dm[c] * m2;
-            }
-            const __m512 vo1 = _mm512_set1_ps(o1), vo2 = _mm512_set1_ps(o2);
-            for (int l = 0; l < 32; l += 16) {
-                __m512 lo = _mm512_sub_ps(_mm512_loadu_ps(yb + l), vo1);
-                __m512 hi = _mm512_sub_ps(_mm512_loadu_ps(yb + l + 32), vo2);
-                for (int c = 0; c < 4; ++c) {
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (q[c] + l)));
-                    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s1[c], lo);
-                    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s2[c], hi);
-                }
-                _mm512_storeu_ps(yb + l, lo);
-                _mm512_storeu_ps(yb + l + 32, hi);
-            }
-            for (int c = 0; c < 4; ++c) {
-                q[c] += 32;
-            }
-            yb += 64;
-        }
-    }
-}
-
-static void pi2_axpy4_q8_0_512(int64_t n, float * restrict y, const float * a, const void * const * cols) {
-    const block_q8_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
-    for (int64_t i = 0; i < n / QK8_0; ++i) {
-        __m512 s[4];
-        for (int c = 0; c < 4; ++c) {
-            s[c] = _mm512_set1_ps(a[c] * _cvtsh_ss(b[c][i].d));
-        }
-        float * restrict yb = y + i * QK8_0;
-        for (int l = 0; l < QK8_0; l += 16) {
-            __m512 acc = _mm512_loadu_ps(yb + l);
-            for (int c = 0; c < 4; ++c) {
-                const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (b[c][i].qs + l)));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[c], acc);
-            }
-            _mm512_storeu_ps(yb + l, acc);
-        }
-    }
-}
 #endif
 
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
                       float * tmp) {
 #ifdef PI2_AXPY4_SIMD
     switch (type) {
-#ifdef PI2_AXPY4_AVX512
-        case GGML_TYPE_Q4_K: pi2_axpy4_q4_k_512(n, y, a, cols); return;
-        case GGML_TYPE_Q8_0: pi2_axpy4_q8_0_512(n, y, a, cols); return;
-#else
         case GGML_TYPE_Q4_K: pi2_axpy4_q4_k(n, y, a, cols); return;
         case GGML_TYPE_Q8_0: pi2_axpy4_q8_0(n, y, a, cols); return;
-#endif
         case GGML_TYPE_Q6_K: pi2_axpy4_q6_k(n, y, a, cols); return;
         default: break;
     }

@@ -342,7 +342,9 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
     const int64_t f0 = p->n_ff * ith / nth, f1 = p->n_ff * (ith + 1) / nth;
     const size_t up_bytes = (size_t) wu->nb[1];
-    struct pi2_cluster k[2]; // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]
+    // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]; here act_slot holds the
+    // neuron (the model's row), not a bundle slot
+    struct pi2_cluster k[2];
     k[0].na = k[1].na = 0;
     int i = 0;
     for (int64_t c0 = f0; c0 < f1 + PI2_CLUSTER; c0 += PI2_CLUSTER, ++i) {
