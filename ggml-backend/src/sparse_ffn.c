@@ -14,6 +14,10 @@
 #include "pi2_log.h"
 
 #define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
+// down columns are prefetched this many columns before they are added: a neuron's column is needed only
+// after every cluster's gates and ups, by when a layer's worth of rows has pushed it out of L2, so it
+// is not fetched together with its up row
+#define PI2_DOWN_AHEAD 4
 
 struct pi2_active {
     const uint8_t * bundle;
@@ -107,7 +111,6 @@ struct pi2_sparse_plan {
     // kernels
     ggml_vec_dot_t     gate_dot, up_dot, pred_dot, down_dot;
     ggml_from_float_t  to_gate_vdt, to_up_vdt, to_down_vdt, to_pred_vdt;
-    bool               down_cols; // down by columns expected (the sidecar's density is low): prefetch them
     enum ggml_type     gate_vdt, up_vdt, down_vdt;
     float              down_sparse_max;
     // workspace
@@ -265,10 +268,10 @@ static void pi2_cluster_candidates(const struct pi2_sparse_plan * p, int64_t c, 
     }
 }
 
-// pass 2: gate rows of the candidates -> the neurons that fired (their up rows, down columns prefetched)
+// pass 2: gate rows of the candidates -> the neurons that fired (their up rows prefetched)
 static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows * r, struct pi2_cluster * k) {
     const struct pi2_sidecar_layer * L = p->L;
-    const size_t ahead = (L->down_offset - L->up_offset) + (p->down_cols ? L->data_end - L->down_offset : 0);
+    const size_t up_bytes = L->down_offset - L->up_offset;
     for (int i = 0; i < k->nc; ++i) {
         const uint8_t * bundle = pi2_bundle_at(p, k->cand[i], r->st);
         if (bundle == NULL) {
@@ -287,7 +290,7 @@ static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows 
         if (!active) {
             continue;
         }
-        pi2_prefetch(bundle + L->up_offset, ahead);
+        pi2_prefetch(bundle + L->up_offset, up_bytes);
         k->act_bundle[k->na] = bundle;
         k->act_slot[k->na]   = k->cand[i];
         k->act_val[k->na++]  = act;
@@ -333,7 +336,7 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
 }
 
 // gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices. Gate
-// rows stream in order; the up rows (and down columns) of the neurons that fire are scattered, so they
+// rows stream in order; the up rows of the neurons that fire are scattered, so they
 // are prefetched while the next PI2_CLUSTER gate rows compute and used after (list order unchanged).
 static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
     const struct ggml_tensor * wg = p->gate->src[0];
@@ -359,9 +362,6 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
             if (pi2_fires(p, g, act)) {
                 const uint8_t * bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size;
                 pi2_prefetch((const char *) wu->data + n * wu->nb[1], up_bytes);
-                if (p->down_cols) {
-                    pi2_prefetch(bundle + L->down_offset, L->data_end - L->down_offset);
-                }
                 fill->act_bundle[fill->na] = bundle;
                 fill->act_slot[fill->na]   = (int32_t) n;
                 fill->act_val[fill->na++]  = act;
@@ -463,7 +463,15 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         memset(y, 0, (size_t) n_embd * sizeof(float));
         const struct pi2_active * list = p->list + (size_t) ith * n_ff;
         struct pi2_column_sum sum = { .type = p->L->down_type, .n = n_embd, .y = y, .tmp = tmp };
-        for (int64_t k = 0; k < p->stats[ith].n_list; ++k) {
+        const int64_t n_list     = p->stats[ith].n_list;
+        const size_t  down_bytes = p->L->data_end - p->L->down_offset;
+        for (int64_t k = 0; k < n_list && k < PI2_DOWN_AHEAD; ++k) {
+            pi2_prefetch(list[k].bundle + p->L->down_offset, down_bytes);
+        }
+        for (int64_t k = 0; k < n_list; ++k) {
+            if (k + PI2_DOWN_AHEAD < n_list) {
+                pi2_prefetch(list[k + PI2_DOWN_AHEAD].bundle + p->L->down_offset, down_bytes);
+            }
             pi2_column_sum_add(&sum, list[k].a, list[k].bundle + p->L->down_offset);
         }
         pi2_column_sum_finish(&sum);
@@ -624,7 +632,6 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     const struct ggml_type_traits_cpu * tp = ggml_get_type_traits_cpu(b->layer[layer].pred_type);
     p.pred_dot    = tp->vec_dot;
     p.to_pred_vdt = pi2_needs_convert(tp->vec_dot_type) ? ggml_get_type_traits_cpu(tp->vec_dot_type)->from_float : NULL;
-    p.down_cols   = L->pred_density <= ctx->dev->down_sparse_max;
     p.to_gate_vdt = pi2_needs_convert(p.gate_vdt) ? ggml_get_type_traits_cpu(p.gate_vdt)->from_float : NULL;
     p.to_up_vdt   = pi2_needs_convert(p.up_vdt) ? ggml_get_type_traits_cpu(p.up_vdt)->from_float : NULL;
     p.to_down_vdt = pi2_needs_convert(p.down_vdt) ? ggml_get_type_traits_cpu(p.down_vdt)->from_float : NULL;
