@@ -28,9 +28,8 @@ struct pi2_thread_stats {
     int64_t predicted; // candidates whose gate row was computed
     int64_t active;    // of those, active under the threshold
     int64_t missed;    // active but not predicted (recall check only)
-    int64_t n_list;    // entries in this thread's active list for the current token
     uint64_t wait_ns;  // flash: time spent waiting for bundles
-    char    pad[24];   // one cache line per thread
+    char    pad[32];   // one cache line per thread
 };
 
 static size_t pi2_align64(size_t n) {
@@ -123,7 +122,15 @@ struct pi2_sparse_plan {
     float *                   y;      // [nth][n_embd] partial down sums
     float *                   tmp;    // [nth][tmp_stride] dequantization scratch
     int64_t                   tmp_stride;
-    struct pi2_active *       list;   // [nth][n_ff]
+    // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons
+    // are list[c * PI2_CLUSTER ..] (n_act[c] of them). The down pass splits it evenly between threads,
+    // so its sums depend only on the list and the thread count, not on who computed what.
+    struct pi2_active *       list;   // [n_ff]
+    int32_t *                 n_act;  // [n_clusters]
+    // in RAM on ReLU models with a predictor, threads take contiguous runs of clusters of equal
+    // predicted work (weight[c]: 1 + neurons predicted in cluster c) instead of every nth cluster
+    bool                      balance;
+    int32_t *                 weight; // [n_clusters]
     struct pi2_thread_stats * stats;  // [nth]
     char *                    gluq;   // glu row in down_vdt (dense down)
     int                       nth;
@@ -176,6 +183,15 @@ static void pi2_predictor_scores(struct pi2_sparse_plan * p, int ith, int nth) {
         }
     }
     pi2_column_sum_finish(&sum);
+    if (p->balance) { // z0 and z1 fall on cluster bounds (W2's blocks are clusters)
+        for (int64_t c = z0 / PI2_CLUSTER; c < z1 / PI2_CLUSTER; ++c) {
+            int32_t w = 1;
+            for (int64_t s = c * PI2_CLUSTER; s < (c + 1) * PI2_CLUSTER; ++s) {
+                w += pi2_predict_slot(p, s);
+            }
+            p->weight[c] = w;
+        }
+    }
 }
 
 static bool pi2_needs_convert(enum ggml_type t) {
@@ -190,13 +206,11 @@ static void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, 
     }
 }
 
-// What thread ith reads and writes for token t: the converted activations, the token's gate/up/GLU
-// output rows, and its list of active neurons (for down) with its count.
+// What thread ith reads and writes for token t: the converted activations and the token's gate/up/GLU
+// output rows
 struct pi2_token_rows {
     const char *              xq, * xqu;
     float *                   gate_out, * up_out, * glu_out;
-    struct pi2_active *       list;
-    int64_t                   n;
     struct pi2_thread_stats * st;
 };
 
@@ -207,8 +221,6 @@ static struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith,
         .gate_out = (float *) ((char *) p->gate->data + t * p->gate->nb[1]),
         .up_out   = (float *) ((char *) p->up->data + t * p->up->nb[1]),
         .glu_out  = (float *) ((char *) p->glu->data + t * p->glu->nb[1]),
-        .list     = p->list + (size_t) ith * p->n_ff,
-        .n        = 0,
         .st       = &p->stats[ith],
     };
 }
@@ -218,20 +230,20 @@ static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float ac
     return p->all_active || (p->relu ? g > 0.0f : fabsf(act) > p->L->threshold);
 }
 
-// an active neuron's up row (at up_row) -> its up and GLU outputs, and an entry of the down list
+// an active neuron's up row (at up_row) -> its up and GLU outputs, and its entry e of the down list
 static inline void pi2_emit_active(const struct pi2_sparse_plan * p, struct pi2_token_rows * r, int32_t neuron,
-                                   const void * up_row, const uint8_t * bundle, float act) {
+                                   const void * up_row, const uint8_t * bundle, float act, struct pi2_active * e) {
     float u = 0.0f;
     p->up_dot((int) p->n_embd, &u, 0, up_row, 0, r->xqu, 0, 1);
     r->up_out[neuron]  = u;
     r->glu_out[neuron] = act * u;
-    r->list[r->n].bundle = bundle;
-    r->list[r->n].a      = act * u;
-    r->n++;
+    e->bundle = bundle;
+    e->a      = act * u;
 }
 
 // one cluster's slots whose gate is computed, and of those the ones that fired
 struct pi2_cluster {
+    int64_t         c; // the cluster (model-rows path: the chunk of PI2_CLUSTER rows)
     int             nc, na;
     int32_t         cand[PI2_CLUSTER];
     bool            cand_pred[PI2_CLUSTER]; // false: computed for the recall check only
@@ -245,6 +257,7 @@ struct pi2_cluster {
 static void pi2_cluster_candidates(const struct pi2_sparse_plan * p, int64_t c, struct pi2_cluster * k) {
     const int64_t s0 = c * PI2_CLUSTER;
     const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
+    k->c  = c;
     k->nc = k->na = 0;
     for (int64_t s = s0; s < s1; ++s) {
         bool pred = true;
@@ -299,11 +312,33 @@ static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows 
 
 // pass 3: up rows of the neurons that fired -> up/GLU outputs and the down list
 static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_cluster * k) {
+    struct pi2_active * list = p->list + k->c * PI2_CLUSTER;
     for (int i = 0; i < k->na; ++i) {
         pi2_emit_active(p, r, p->L->order[k->act_slot[i]], k->act_bundle[i] + p->L->up_offset, k->act_bundle[i],
-                        k->act_val[i]);
+                        k->act_val[i], &list[i]);
     }
+    p->n_act[k->c] = k->na;
     r->st->active += k->na;
+}
+
+// balanced split: thread ith's run [*c0, *c1) of clusters, cut where the running weight crosses
+// ith/nth of the total (the same cut on every thread: the weights were written before a barrier)
+static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nth, int64_t n_clusters,
+                               int64_t * c0, int64_t * c1) {
+    int64_t total = 0;
+    for (int64_t c = 0; c < n_clusters; ++c) {
+        total += p->weight[c];
+    }
+    const int64_t lo = total * ith, hi = total * (ith + 1);
+    int64_t run = 0, c = 0;
+    for (; c < n_clusters && run * nth < lo; ++c) {
+        run += p->weight[c];
+    }
+    *c0 = c;
+    for (; c < n_clusters && run * nth < hi; ++c) {
+        run += p->weight[c];
+    }
+    *c1 = ith == nth - 1 ? n_clusters : c;
 }
 
 // gate/up/GLU of the clusters assigned to thread ith, for token t. The passes are staggered so that
@@ -314,15 +349,21 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
     const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
     const int     nth = p->nth;
+    // flash: every nth cluster in slot order, hot (pinned) ones first, so compute overlaps the reads of
+    // the rest
+    int64_t c0 = ith, c1 = n_clusters, step = nth;
+    if (p->balance) {
+        pi2_balanced_range(p, ith, nth, n_clusters, &c0, &c1);
+        step = 1;
+    }
     struct pi2_cluster k[3]; // by iteration i: i % 3 is cluster i (gates), (i + 1) % 3 the next, (i + 2) % 3 the last
-    if (ith < n_clusters) {
-        pi2_cluster_candidates(p, ith, &k[0]);
+    if (c0 < c1) {
+        pi2_cluster_candidates(p, c0, &k[0]);
     }
     int i = 0;
-    // flash: clusters in slot order, hot (pinned) ones first, so compute overlaps the reads of the rest
-    for (int64_t c = ith; c < n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += nth, ++i) {
-        if (c + nth < n_clusters) {
-            pi2_cluster_candidates(p, c + nth, &k[(i + 1) % 3]);
+    for (int64_t c = c0; c < c1 && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += step, ++i) {
+        if (c + step < c1) {
+            pi2_cluster_candidates(p, c + step, &k[(i + 1) % 3]);
         }
         pi2_cluster_gates(p, &r, &k[i % 3]);
         if (i > 0) {
@@ -332,7 +373,6 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
     if (i > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed)) {
         pi2_cluster_ups(p, &r, &k[(i + 2) % 3]);
     }
-    r.st->n_list = r.n;
 }
 
 // gate/up/GLU of every neuron in thread ith's contiguous share of rows, from the model's matrices. Gate
@@ -343,7 +383,10 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     const struct ggml_tensor * wu = p->up->src[0];
     const struct pi2_sidecar_layer * L = p->L;
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
-    const int64_t f0 = p->n_ff * ith / nth, f1 = p->n_ff * (ith + 1) / nth;
+    // whole chunks per thread: chunk c's active neurons are the down list's cluster c
+    const int64_t n_chunks = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int64_t f0 = n_chunks * ith / nth * PI2_CLUSTER;
+    const int64_t f1 = ith == nth - 1 ? p->n_ff : n_chunks * (ith + 1) / nth * PI2_CLUSTER;
     const size_t up_bytes = (size_t) wu->nb[1];
     // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]; here act_slot holds the
     // neuron (the model's row), not a bundle slot
@@ -352,6 +395,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     int i = 0;
     for (int64_t c0 = f0; c0 < f1 + PI2_CLUSTER; c0 += PI2_CLUSTER, ++i) {
         struct pi2_cluster * fill = &k[i % 2];
+        fill->c  = c0 / PI2_CLUSTER;
         fill->na = 0;
         const int64_t c1 = c0 + PI2_CLUSTER < f1 ? c0 + PI2_CLUSTER : f1;
         for (int64_t n = c0; n < c1; ++n) {
@@ -368,15 +412,18 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
             }
         }
         const struct pi2_cluster * drain = &k[(i + 1) % 2];
-        for (int j = 0; j < drain->na; ++j) {
-            const int64_t n = drain->act_slot[j];
-            pi2_emit_active(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1], drain->act_bundle[j],
-                            drain->act_val[j]);
+        if (i > 0) {
+            struct pi2_active * list = p->list + drain->c * PI2_CLUSTER;
+            for (int j = 0; j < drain->na; ++j) {
+                const int64_t n = drain->act_slot[j];
+                pi2_emit_active(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1], drain->act_bundle[j],
+                                drain->act_val[j], &list[j]);
+            }
+            p->n_act[drain->c] = drain->na;
+            r.st->active += drain->na;
         }
     }
     r.st->predicted += f1 - f0;
-    r.st->active    += r.n;
-    r.st->n_list     = r.n;
 }
 
 // flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
@@ -396,6 +443,31 @@ static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
     #pragma omp barrier
 }
 
+// a position in the down list: entry j of cluster c
+struct pi2_list_cursor {
+    int64_t c;
+    int32_t j;
+};
+
+// the cursor at entry e of the list (counted over the clusters in order); e must be below the total
+static struct pi2_list_cursor pi2_list_seek(const struct pi2_sparse_plan * p, int64_t e) {
+    int64_t c = 0;
+    while (e >= p->n_act[c]) {
+        e -= p->n_act[c];
+        ++c;
+    }
+    return (struct pi2_list_cursor) { .c = c, .j = (int32_t) e };
+}
+
+// the entry at the cursor, which then moves to the next one
+static inline const struct pi2_active * pi2_list_next(const struct pi2_sparse_plan * p, struct pi2_list_cursor * at) {
+    while (at->j >= p->n_act[at->c]) {
+        ++at->c;
+        at->j = 0;
+    }
+    return &p->list[at->c * PI2_CLUSTER + at->j++];
+}
+
 static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
     // the flag is only set after the barrier below, so every thread takes the same branch here
     if (atomic_load(&p->failed)) {
@@ -410,6 +482,9 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     memset((char *) p->gate->data + t * p->gate->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
     memset((char *) p->up->data + t * p->up->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
     memset((char *) p->glu->data + t * p->glu->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
+    const int64_t n_clusters = (n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int64_t k0 = n_clusters * ith / nth, k1 = n_clusters * (ith + 1) / nth;
+    memset(p->n_act + k0, 0, (size_t) (k1 - k0) * sizeof(int32_t)); // clusters a failed read skipped stay empty
     if (ith == 0) {
         pi2_convert_row(p->to_gate_vdt, xt, p->xq + (size_t) t * p->xq_stride, n_embd);
         if (p->xq_up != p->xq) {
@@ -447,9 +522,12 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     #pragma omp barrier
 
     // phase 3: down. Every thread sums the same counts, so all take the same branch.
+    if (atomic_load(&p->failed)) { // set before the barrier above, so seen alike
+        return;
+    }
     int64_t n_active = 0;
-    for (int k = 0; k < nth; ++k) {
-        n_active += p->stats[k].n_list;
+    for (int64_t c = 0; c < n_clusters; ++c) {
+        n_active += p->n_act[c];
     }
     float * out = (float *) ((char *) p->down->data + t * p->down->nb[1]);
     // flash has no down rows in memory: always by columns
@@ -461,29 +539,34 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         float * y   = p->y + (size_t) ith * n_embd;
         float * tmp = p->tmp + (size_t) ith * p->tmp_stride;
         memset(y, 0, (size_t) n_embd * sizeof(float));
-        const struct pi2_active * list = p->list + (size_t) ith * n_ff;
         struct pi2_column_sum sum = { .type = p->L->down_type, .n = n_embd, .y = y, .tmp = tmp };
-        const int64_t n_list     = p->stats[ith].n_list;
-        const size_t  down_bytes = p->L->data_end - p->L->down_offset;
-        for (int64_t k = 0; k < n_list && k < PI2_DOWN_AHEAD; ++k) {
-            pi2_prefetch(list[k].bundle + p->L->down_offset, down_bytes);
+        const size_t  off  = p->L->down_offset;
+        const size_t  size = p->L->data_end - p->L->down_offset;
+        // an even share of the list: entries [e0, e1), and a second cursor PI2_DOWN_AHEAD entries ahead
+        const int64_t e0 = n_active * ith / nth, e1 = n_active * (ith + 1) / nth;
+        struct pi2_list_cursor at = e0 < e1 ? pi2_list_seek(p, e0) : (struct pi2_list_cursor) { 0, 0 }, ahead = at;
+        int64_t e_ahead = e0;
+        for (; e_ahead < e1 && e_ahead < e0 + PI2_DOWN_AHEAD; ++e_ahead) {
+            pi2_prefetch(pi2_list_next(p, &ahead)->bundle + off, size);
         }
-        for (int64_t k = 0; k < n_list; ++k) {
-            if (k + PI2_DOWN_AHEAD < n_list) {
-                pi2_prefetch(list[k + PI2_DOWN_AHEAD].bundle + p->L->down_offset, down_bytes);
+        for (int64_t e = e0; e < e1; ++e) {
+            if (e_ahead < e1) {
+                pi2_prefetch(pi2_list_next(p, &ahead)->bundle + off, size);
+                ++e_ahead;
             }
-            pi2_column_sum_add(&sum, list[k].a, list[k].bundle + p->L->down_offset);
+            const struct pi2_active * a = pi2_list_next(p, &at);
+            pi2_column_sum_add(&sum, a->a, a->bundle + off);
         }
         pi2_column_sum_finish(&sum);
         #pragma omp barrier
         // fixed summation order over threads: reproducible for a given thread count
-        const int64_t e0 = n_embd * ith / nth, e1 = n_embd * (ith + 1) / nth;
-        for (int64_t e = e0; e < e1; ++e) {
+        const int64_t o0 = n_embd * ith / nth, o1 = n_embd * (ith + 1) / nth;
+        for (int64_t o = o0; o < o1; ++o) {
             float s = 0.0f;
             for (int k = 0; k < nth; ++k) {
-                s += p->y[(size_t) k * n_embd + e];
+                s += p->y[(size_t) k * n_embd + o];
             }
-            out[e] = s;
+            out[o] = s;
         }
     } else {
         // many active neurons: the model's own down rows beat the columns (and give dense's numerics)
@@ -638,6 +721,11 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
 
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
+    const int64_t n_clusters = (p.n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    // weights come from the predictor's scores, cheaply only on ReLU models (no activation function to
+    // evaluate), and with W2 blocks that are whole clusters; flash keeps the interleaved order
+    p.balance = !b->flash && p.predicted && p.relu && !p.check && !p.model_rows &&
+                ggml_blck_size(p.B->w2_type) == PI2_CLUSTER;
     p.xq_stride    = ggml_row_size(p.gate_vdt, p.n_embd);
     p.tmp_stride   = pi2_column_scratch(p.n_embd); // down columns of n_embd; z's F16 rows need 256 at most
     p.xq_up_stride = ggml_row_size(p.up_vdt, p.n_embd);
@@ -651,7 +739,9 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64((size_t) p.n_ff * sizeof(float)),
         pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
         pi2_align64((size_t) nth * p.tmp_stride * sizeof(float)),
-        pi2_align64((size_t) nth * p.n_ff * sizeof(struct pi2_active)),
+        pi2_align64((size_t) p.n_ff * sizeof(struct pi2_active)),
+        pi2_align64((size_t) n_clusters * sizeof(int32_t)),
+        pi2_align64((size_t) n_clusters * sizeof(int32_t)),
         pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
         pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
         b->flash ? pi2_align64((size_t) p.n_ff) : 0,
@@ -673,8 +763,10 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.y     = (float *) w;                w += sizes[5];
     p.tmp   = (float *) w;                w += sizes[6];
     p.list  = (struct pi2_active *) w;    w += sizes[7];
-    p.stats = (struct pi2_thread_stats *) w; w += sizes[8];
-    p.gluq  = w;                          w += sizes[9];
+    p.n_act  = (int32_t *) w;             w += sizes[8];
+    p.weight = (int32_t *) w;             w += sizes[9];
+    p.stats = (struct pi2_thread_stats *) w; w += sizes[10];
+    p.gluq  = w;                          w += sizes[11];
     p.want  = (uint8_t *) w;
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
