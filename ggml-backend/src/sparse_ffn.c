@@ -107,6 +107,7 @@ struct pi2_sparse_plan {
     atomic_int                       failed;
     char                             error[512];
     int64_t                          n_embd, n_ff, rank, n_tokens;
+    int64_t                          n_clusters; // of PI2_CLUSTER slots (model-rows path: chunks of rows)
     // kernels
     ggml_vec_dot_t     gate_dot, up_dot, pred_dot, down_dot;
     ggml_from_float_t  to_gate_vdt, to_up_vdt, to_down_vdt, to_pred_vdt;
@@ -323,8 +324,8 @@ static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * 
 
 // balanced split: thread ith's run [*c0, *c1) of clusters, cut where the running weight crosses
 // ith/nth of the total (the same cut on every thread: the weights were written before a barrier)
-static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nth, int64_t n_clusters,
-                               int64_t * c0, int64_t * c1) {
+static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nth, int64_t * c0, int64_t * c1) {
+    const int64_t n_clusters = p->n_clusters;
     int64_t total = 0;
     for (int64_t c = 0; c < n_clusters; ++c) {
         total += p->weight[c];
@@ -347,13 +348,13 @@ static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nt
 // after. The down list keeps cluster order, so sums do not depend on the staggering.
 static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
-    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int64_t n_clusters = p->n_clusters;
     const int     nth = p->nth;
     // flash: every nth cluster in slot order, hot (pinned) ones first, so compute overlaps the reads of
     // the rest
     int64_t c0 = ith, c1 = n_clusters, step = nth;
     if (p->balance) {
-        pi2_balanced_range(p, ith, nth, n_clusters, &c0, &c1);
+        pi2_balanced_range(p, ith, nth, &c0, &c1);
         step = 1;
     }
     struct pi2_cluster k[3]; // by iteration i: i % 3 is cluster i (gates), (i + 1) % 3 the next, (i + 2) % 3 the last
@@ -384,9 +385,8 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     const struct pi2_sidecar_layer * L = p->L;
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
     // whole chunks per thread: chunk c's active neurons are the down list's cluster c
-    const int64_t n_chunks = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
-    const int64_t f0 = n_chunks * ith / nth * PI2_CLUSTER;
-    const int64_t f1 = ith == nth - 1 ? p->n_ff : n_chunks * (ith + 1) / nth * PI2_CLUSTER;
+    const int64_t f0 = p->n_clusters * ith / nth * PI2_CLUSTER;
+    const int64_t f1 = ith == nth - 1 ? p->n_ff : p->n_clusters * (ith + 1) / nth * PI2_CLUSTER;
     const size_t up_bytes = (size_t) wu->nb[1];
     // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]; here act_slot holds the
     // neuron (the model's row), not a bundle slot
@@ -428,7 +428,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
 
 // flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
 static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
-    const int64_t n_clusters = (p->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int64_t n_clusters = p->n_clusters;
     for (int64_t c = ith; c < n_clusters; c += nth) {
         const int64_t s0 = c * PI2_CLUSTER;
         const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
@@ -482,7 +482,7 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
     memset((char *) p->gate->data + t * p->gate->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
     memset((char *) p->up->data + t * p->up->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
     memset((char *) p->glu->data + t * p->glu->nb[1] + f0 * sizeof(float), 0, (size_t) (f1 - f0) * sizeof(float));
-    const int64_t n_clusters = (n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
+    const int64_t n_clusters = p->n_clusters;
     const int64_t k0 = n_clusters * ith / nth, k1 = n_clusters * (ith + 1) / nth;
     memset(p->n_act + k0, 0, (size_t) (k1 - k0) * sizeof(int32_t)); // clusters a failed read skipped stay empty
     if (ith == 0) {
@@ -691,7 +691,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .predicted = mode == PI2_MODE_PREDICTED && b->layer[layer].w1 != NULL &&
                      (b->layer[layer].use_predictor || ctx->dev->predictor_always),
         .all_active = mode == PI2_MODE_DENSE, .layer = layer,
-        .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank, .n_tokens = gate->src[1]->ne[1],
+        .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank,
+        .n_clusters = (L->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER, .n_tokens = gate->src[1]->ne[1],
         .down_sparse_max = ctx->dev->down_sparse_max,
     };
     p.check = mode == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
@@ -721,7 +722,6 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
 
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
-    const int64_t n_clusters = (p.n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER;
     // weights come from the predictor's scores, cheaply only on ReLU models (no activation function to
     // evaluate), and with W2 blocks that are whole clusters; flash keeps the interleaved order
     p.balance = !b->flash && p.predicted && p.relu && !p.check && !p.model_rows &&
@@ -740,8 +740,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
         pi2_align64((size_t) nth * p.tmp_stride * sizeof(float)),
         pi2_align64((size_t) p.n_ff * sizeof(struct pi2_active)),
-        pi2_align64((size_t) n_clusters * sizeof(int32_t)),
-        pi2_align64((size_t) n_clusters * sizeof(int32_t)),
+        pi2_align64((size_t) p.n_clusters * sizeof(int32_t)),
+        pi2_align64((size_t) p.n_clusters * sizeof(int32_t)),
         pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
         pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
         b->flash ? pi2_align64((size_t) p.n_ff) : 0,
