@@ -43,6 +43,12 @@ class Greedy:
         return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    """The logits llama.cpp left in the context for the last evaluated token: a view, valid until the next
+    eval (Llama.scores is only filled with logits_all=True)."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, keep_logits: bool = False,
            prefix: list[int] | None = None, prompt_limit: int = 0,
            after_prompt: Callable[[], None] | None = None) -> Greedy:
@@ -57,19 +63,16 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
     prompt_seconds = time.perf_counter() - t0
     logits: list[float] = []
     if keep_logits:
-        # read from the context: Llama.scores is only filled with logits_all=True
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(float).tolist()
+        logits = last_logits(llm).astype(float).tolist()
     if after_prompt is not None:
         after_prompt()
     t1 = time.perf_counter()  # decode time starts after the logits copy
     out: list[int] = []
-    n_vocab = llm.n_vocab()
     for i in range(n):
         # greedy = argmax of the logits llama.cpp left in the context (0.03 ms): llama-cpp-python's
         # Llama.sample(top_k=1) picks the same token but costs ~2 ms of Python per call, which would be
         # timed as decode; llama-bench's tg likewise times llama_decode only
-        tok = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).argmax())
+        tok = int(last_logits(llm).argmax())
         if stop_at_eog and llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
             break
         out.append(tok)

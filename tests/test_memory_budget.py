@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -20,7 +19,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 import pi2_gguf
 from pi2_gguf import cgroup, plugin
 from pi2_gguf.errors import MemoryBudgetError, SidecarError
-from pi2_gguf.generate import greedy_command, parse_results
+from pi2_gguf.generate import greedy_command, last_logits, parse_results
 from pi2_gguf.memory_budget import parse_size
 
 PROMPT = "The history of the Roman Empire"
@@ -43,7 +42,7 @@ def _steps(llm: pi2_gguf.Llama, n: int = N_STEPS) -> np.ndarray:
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
     rows = []
     for _ in range(n):
-        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        row = last_logits(llm).copy()
         rows.append(row)
         llm.eval([int(np.argmax(row))])
     return np.stack(rows)
@@ -206,12 +205,12 @@ def test_env_budget_for_other_frontends(relu_model: tuple[Path, Path, list], sam
     code = (
         "import sys, json, numpy as np, llama_cpp, pi2_gguf\n"
         "from pi2_gguf import plugin\n"
+        "from pi2_gguf.generate import last_logits\n"
         "pi2_gguf.register(); plugin.set_sparse_limits(64, 1.0)\n"
         f"llm = llama_cpp.Llama({str(model)!r}, use_mmap=False, n_ctx=256, n_threads=2, n_batch=32, verbose=False)\n"
         f"llm.eval(llm.tokenize({PROMPT!r}.encode(), add_bos=True)); out = []\n"
         "for _ in range(8):\n"
-        "    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))\n"
-        "    out.append(int(np.argmax(row))); llm.eval([out[-1]])\n"
+        "    out.append(int(np.argmax(last_logits(llm)))); llm.eval([out[-1]])\n"
         "c = plugin.read_counters(); print(json.dumps([out, int(c.misses.sum() + c.hot_hits.sum())]))\n")
     env = dict(os.environ, PI2_SIDECAR=str(sidecar), PI2_MEMORY_BUDGET="4GB")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 
 import pi2_gguf
 from pi2_gguf import plugin
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.generate import greedy_in_subprocess
+from pi2_gguf.generate import greedy_in_subprocess, last_logits
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402
@@ -30,7 +29,7 @@ def _decode(llm: pi2_gguf.Llama, prompt: str, n: int, forced: list[int] | None =
     llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
     toks, logits = [], []
     for i in range(n):
-        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        row = last_logits(llm).copy()
         logits.append(row)
         toks.append(int(np.argmax(row)))
         llm.eval([forced[i] if forced is not None else toks[-1]])
