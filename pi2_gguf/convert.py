@@ -39,7 +39,7 @@ def default_ranks(n_embd: int) -> list[int]:
 
 
 def convert(model_path: str | Path, output: str | Path | None = None, text: str | Path | None = None,
-            sparsity: float | None = None, threshold: float | None = None,
+            sparsity: float | None = None, threshold: float | None = None, criterion: str | None = None,
             recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
             train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
@@ -52,7 +52,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     if not 0.5 <= recall < 1.0:
         raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
     try:
-        plan = sp.SparsityPlan.for_activation(model.activation, sparsity, threshold)
+        plan = sp.SparsityPlan.for_activation(model.activation, sparsity, threshold, criterion)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
     if profile is not None:
@@ -79,10 +79,20 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         g_train = sp.gate_preactivations(gate_w, prof.train[il])
         g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
         mag_train = np.abs(act(g_train))
-        th = sp.layer_threshold(plan, mag_train)
+        tp = 0.0
+        if plan.method == "product":
+            up_w = ffn["up"].dequantized()
+            th, tp = sp.product_thresholds(plan, mag_train, np.abs(act(g_train) * (prof.train[il] @ up_w.T)))
+            density = float(sp.active(np.abs(act(g_held)), th, np.abs(act(g_held) * (prof.heldout[il] @ up_w.T)),
+                                      tp).mean())
+            del up_w
+        else:
+            th = sp.layer_threshold(plan, mag_train)
+            density = float(sp.active(np.abs(act(g_held)), th).mean())
+        # the ranking, the hot count and the predictor's labels follow the neurons whose gate passes th:
+        # those are the ones whose bundles (gate, up and down) a token reads
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
         del mag_train
-        density = float(sp.active(np.abs(act(g_held)), th).mean())
         order = sp.ranking(freq)
         down = bundles_mod.down_columns(ffn["down"])
         n_embd = model.n_embd
@@ -99,7 +109,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=bsize,
             gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
             down_tolerance=down.tolerance, down_error=down.max_error,
-            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order))
+            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
+            product_threshold=tp))
         downs.append(down)
 
     meta = SidecarMeta(
@@ -119,9 +130,12 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
 
 def summary_table(meta: SidecarMeta) -> str:
-    rows = ["layer  n_ff  thresh  density  rank  recall  precis  pred.dens  hot   down type (err/tol)"]
+    product = meta.method == "product"
+    rows = ["layer  n_ff  thresh" + (" x up thr" if product else "")
+            + "  density  rank  recall  precis  pred.dens  hot   down type (err/tol)"]
     for il, ld in enumerate(meta.layers):
-        rows.append(f"{il:5d} {ld.n_ff:5d} {ld.threshold:7.4f} {ld.density:8.3f} {ld.rank:5d} {ld.recall:7.4f} "
+        rows.append(f"{il:5d} {ld.n_ff:5d} {ld.threshold:7.4f} " + (f"{ld.product_threshold:8.4f} " if product else "")
+                    + f"{ld.density:8.3f} {ld.rank:5d} {ld.recall:7.4f} "
                     f"{ld.precision:7.3f} {ld.predicted_density:10.3f} {ld.hot_count:5d}   "
                     f"{bundles_mod.QT(ld.down_type).name} ({ld.down_error:.4f}/{ld.down_tolerance:.4f})")
     return "\n".join(rows)
@@ -136,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--sparsity", type=float, help=f"target fraction of inactive neurons for SiLU/GELU models "
                    f"(default {sp.DEFAULT_SPARSITY})")
-    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead")
+    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead "
+                   "(criterion act)")
+    ap.add_argument("--criterion", choices=sp.CRITERIA,
+                    help="SiLU/GELU models: which neurons are dropped: the smallest |act(gate) * up| among those whose "
+                         "|act(gate)| passes a looser threshold (product, the default: far less perplexity lost) "
+                         "or the smallest |act(gate)| (act, CATS: up rows of dropped neurons are never computed)")
     ap.add_argument("--recall", type=float, default=pred_mod.DEFAULT_RECALL,
                     help="share of active neurons the predictors must catch (default %(default)s)")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
@@ -147,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from .cli import resolve_model
 
-    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.recall, args.ranks,
+    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
+                  args.recall, args.ranks,
                   args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs)
     print(summary_table(res.meta))
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "

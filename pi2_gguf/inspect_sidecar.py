@@ -18,6 +18,7 @@ ROW_HEIGHT = 8
 def summary(sc: Sidecar) -> str:
     kv = sc.kv
     target = kv["pi2.sparsity.target"]
+    product = kv["pi2.sparsity.method"] == "product"
     lines = [
         f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv['pi2.format_version']}",
         f"model          {kv['pi2.source.name'] or '(unnamed)'} ({kv['pi2.source.architecture']}, "
@@ -32,12 +33,14 @@ def summary(sc: Sidecar) -> str:
         f"calibration    {kv['pi2.calib.corpus']}, {kv['pi2.calib.tokens']} tokens + "
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
         "",
-        "layer  n_ff  thresh  density  rank  recall  precis  pred.dens   hot  bundle  down type (err/tol)",
+        "layer  n_ff  thresh" + (" x up thr" if product else "")
+        + "  density  rank  recall  precis  pred.dens   hot  bundle  down type (err/tol)",
     ]
     for il in range(sc.n_layer):
         g = lambda k: kv[k][il]  # noqa: E731
         lines.append(
-            f"{il:5d} {g('pi2.n_ff'):5d} {g('pi2.sparsity.thresholds'):7.4f} {g('pi2.sparsity.density'):8.3f} "
+            f"{il:5d} {g('pi2.n_ff'):5d} {g('pi2.sparsity.thresholds'):7.4f} "
+            + (f"{g('pi2.sparsity.product_thresholds'):8.4f} " if product else "") + f"{g('pi2.sparsity.density'):8.3f} "
             f"{g('pi2.predictor.rank'):5d} {g('pi2.predictor.recall'):7.4f} {g('pi2.predictor.precision'):7.3f} "
             f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d}  "
             f"{GGMLQuantizationType(g('pi2.bundle.down_type')).name} "

@@ -42,6 +42,7 @@ class LayerData:
     b2: np.ndarray     # [n_ff] float32
     freq: np.ndarray   # [n_ff] float32
     order: np.ndarray  # [n_ff] int32
+    product_threshold: float = 0.0  # method "product" only
 
 
 @dataclass
@@ -82,6 +83,7 @@ _PER_LAYER = {
     "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.gate_type": "gate_type",
     "pi2.bundle.up_type": "up_type", "pi2.bundle.down_type": "down_type",
     "pi2.bundle.down_tolerance": "down_tolerance", "pi2.bundle.down_error": "down_error",
+    "pi2.sparsity.product_thresholds": "product_threshold",
 }
 
 
@@ -107,7 +109,8 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         "pi2.bundle.align": fmt.BUNDLE_ALIGN,
     }
     for key, attr in _PER_LAYER.items():
-        kv[key] = [getattr(ld, attr) for ld in m.layers]
+        if key in fmt.keys_of(m.method):
+            kv[key] = [getattr(ld, attr) for ld in m.layers]
     return kv
 
 
@@ -128,8 +131,8 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
     layer's [n_ff, bundle size] uint8 array."""
     out = Path(path)
     kv = _key_values(meta)
-    if set(kv) != set(fmt.KEYS):
-        raise AssertionError(f"writer keys differ from the format: {sorted(set(kv) ^ set(fmt.KEYS))}")
+    if set(kv) != set(fmt.keys_of(meta.method)):
+        raise AssertionError(f"writer keys differ from the format: {sorted(set(kv) ^ set(fmt.keys_of(meta.method)))}")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     w = GGUFWriter(tmp, fmt.ARCHITECTURE)
     try:
@@ -233,18 +236,24 @@ def read(path: str | Path) -> Sidecar:
     if version != fmt.FORMAT_VERSION:
         raise SidecarError(f"sidecar {p} has format version {version}; this pi2-gguf reads version "
                            f"{fmt.FORMAT_VERSION} (convert the model again)")
+    method = _field_value(reader, "pi2.sparsity.method")
+    if method is None:
+        raise SidecarError(f"sidecar {p} lacks key pi2.sparsity.method")
+    if method not in fmt.SPARSITY_METHODS:
+        raise SidecarError(f"sidecar {p}: pi2.sparsity.method is {method!r}, not one of {', '.join(fmt.SPARSITY_METHODS)}")
+    keys = fmt.keys_of(method)
     kv: dict[str, Any] = {}
-    for key, kt in fmt.KEYS.items():
+    for key, kt in keys.items():
         f = reader.get_field(key)
         if f is None:
-            raise SidecarError(f"sidecar {p} lacks key {key}")
+            raise SidecarError(f"sidecar {p} lacks key {key}" + (f" (method {method} needs it)" if key in fmt.METHOD_KEYS else ""))
         is_arr = kt.value.endswith("[]")
         got = f.types[-1] if f.types else None
         if (f.types[0] == GGUFValueType.ARRAY) != is_arr or got != _EXPECT_TYPE[kt]:
             raise SidecarError(f"sidecar {p}: key {key} has type {[t.name for t in f.types]}, expected {kt.value}")
         kv[key] = _field_value(reader, key)
     n_layer = int(kv["pi2.n_layer"])
-    for key, kt in fmt.KEYS.items():
+    for key, kt in keys.items():
         if kt.value.endswith("[]"):
             want = 3 * n_layer if key == "pi2.source.tensor_fingerprints" else n_layer
             if len(kv[key]) != want:

@@ -44,6 +44,7 @@ KEYS: dict[str, KT] = {
     "pi2.sparsity.method": KT.STR,
     "pi2.sparsity.target": KT.F32,
     "pi2.sparsity.thresholds": KT.F32_ARR,
+    "pi2.sparsity.product_thresholds": KT.F32_ARR,
     "pi2.sparsity.density": KT.F32_ARR,
     "pi2.predictor.rank": KT.U32_ARR,
     "pi2.predictor.cutoff": KT.F32_ARR,
@@ -79,7 +80,14 @@ TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu")
 RELU_FAMILY = ("relu", "drelu")
-SPARSITY_METHODS = ("cats", "relu")
+SPARSITY_METHODS = ("cats", "product", "relu")
+# keys only a sidecar of one method holds
+METHOD_KEYS: dict[str, str] = {"pi2.sparsity.product_thresholds": "product"}
+
+
+def keys_of(method: str) -> dict[str, KT]:
+    """The keys a sidecar of this sparsity method holds."""
+    return {k: t for k, t in KEYS.items() if METHOD_KEYS.get(k, method) == method}
 
 
 def tensor_name(layer: int, suffix: str) -> str:

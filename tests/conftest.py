@@ -38,6 +38,15 @@ def smol_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.
 
 
 @pytest.fixture(scope="session")
+def smol_cats_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same conversion with criterion act (CATS: a threshold on |act(gate)| alone)."""
+    prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
+    out = tmp_path_factory.mktemp("sidecar") / "smol-cats.pi2.gguf"
+    convert(smollm2, out, sparsity=SMOL_TARGET, criterion="act", profile=prof_path, ranks=[64], progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def relu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[synthetic.LayerReport]]:
     """(model, sidecar, measured per-layer density report) of a synthetic ReLU model made by our tools."""
     d = tmp_path_factory.mktemp("relu")

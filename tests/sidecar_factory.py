@@ -55,7 +55,7 @@ def weight_shape(matrix: int, n_embd: int, n_ff: int) -> tuple[int, int]:
 
 
 def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, ...] = (8, 16), seed: int = 0,
-          bundle_size: list[int] | None = None) -> Sidecar:
+          bundle_size: list[int] | None = None, method: str = "cats") -> Sidecar:
     rng = np.random.default_rng(seed)
     n_layer = len(n_ff)
     weights: list[list[np.ndarray]] = []
@@ -114,7 +114,7 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         "pi2.n_embd": n_embd,
         "pi2.n_ff": list(n_ff),
         "pi2.activation": "silu",
-        "pi2.sparsity.method": "cats",
+        "pi2.sparsity.method": method,
         "pi2.sparsity.target": 0.5,
         "pi2.sparsity.thresholds": per_layer(0.25),
         "pi2.sparsity.density": per_layer(0.5),
@@ -138,7 +138,9 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         "pi2.bundle.down_tolerance": per_layer(1e-3),
         "pi2.bundle.down_error": per_layer(0.0),
     }
-    assert values.keys() == sf.KEYS.keys()
+    if method == "product":
+        values["pi2.sparsity.product_thresholds"] = per_layer(0.125)
+    assert values.keys() == sf.keys_of(method).keys()
     for k, v in values.items():
         sc.set(k, v)
     return sc

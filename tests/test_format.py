@@ -85,7 +85,7 @@ def _kt_of(doc_type: str) -> str:
 
 def test_doc_tables_are_parsed(doc_keys: dict[str, str], doc_tensors: dict) -> None:
     # guards the parser: a reformatted table must not silently compare nothing
-    assert len(doc_keys) == 33
+    assert len(doc_keys) == 34
     assert doc_keys["pi2.format_version"] == "u32"
     assert doc_keys["pi2.source.tensor_fingerprints"] == "u64[3 * n_layer]"
     assert doc_keys["pi2.bundle.size"] == "u32[n_layer]"
@@ -155,3 +155,12 @@ def test_activation_and_method_values(spec_text: str, header: dict[str, tuple[st
     doc_methods = re.findall(r"`(\w+)` \(", row)
     assert tuple(doc_methods) == sf.SPARSITY_METHODS
     assert [v[0].strip('"') for k, v in header.items() if k.startswith("PI2_SPARSITY_")] == doc_methods
+
+
+def test_method_only_keys_match_doc(spec_text: str, doc_keys: dict[str, str]) -> None:
+    """Keys FORMAT.md marks "only in `M` sidecars" are sidecar_format.METHOD_KEYS (the C reader's `only`
+    field is tested by test_sidecar_reader.test_missing_key)."""
+    only = dict(re.findall(r"^\| `([\w.]+)` \| [^|]+ \| only in `(\w+)` sidecars", spec_text, re.M))
+    assert only == sf.METHOD_KEYS == {"pi2.sparsity.product_thresholds": "product"}
+    assert set(only) <= set(doc_keys)
+    assert set(sf.keys_of("cats")) == set(sf.KEYS) - set(only) and set(sf.keys_of("product")) == set(sf.KEYS)

@@ -100,6 +100,23 @@ def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path,
     assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * 4096
 
 
+def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_sidecar: Path,
+                                                         same_engine_settings) -> None:
+    """SmolLM2 with the default product criterion (up rows for the admitted neurons, down columns for the
+    active ones): on flash as in RAM, bit for bit."""
+    ram = pi2_gguf.Llama(str(smollm2), sidecar=smol_sidecar, mode="oracle", n_ctx=256, n_threads=2, verbose=False)
+    want = _steps(ram, 4)
+    ram.close()
+    flash = _load_small_cache(smollm2, smol_sidecar, "oracle")
+    plugin.reset_counters()
+    got = _steps(flash, 4)
+    c = plugin.read_counters()
+    flash.close()
+    assert np.array_equal(got, want)
+    assert int(c.misses.sum()) > 0
+    assert 0.4 < c.active.sum() / c.neurons.sum() < 0.6 < 0.85 < c.rows[:, 1].sum() / c.neurons.sum() < 0.95
+
+
 def _untied_copy(src: Path, dst: Path) -> Path:
     """src with its output matrix as a tensor of its own (a copy of token_embd), as most models have it."""
     r = GGUFReader(src)

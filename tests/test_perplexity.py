@@ -57,32 +57,34 @@ def test_cli_prints_like_llama_perplexity(smollm2: Path, tmp_path: Path, heldout
     assert res.returncode == 2 and "text file not found" in res.stderr
 
 
-def test_sparse_perplexity_at_50_percent(smollm2: Path, smol_sidecar: Path, heldout_text: str) -> None:
-    """SmolLM2 at 50% CATS sparsity: every scored token goes through sparse decode. The issue asks for
-    +5% over dense; this model loses more than that to 50% CATS itself (measured +36% here; numpy on the
-    profiled inputs gives 30-33% relative error of the middle layers' FFN outputs at these thresholds),
-    so the test pins what the engine controls: oracle stays near that, predicted near oracle."""
+def test_sparse_perplexity_at_50_percent(smollm2: Path, smol_sidecar: Path, smol_cats_sidecar: Path,
+                                        heldout_text: str) -> None:
+    """SmolLM2 at 50% sparsity, every scored token through sparse decode. The default criterion
+    (product: the smallest |act(gate) * up| dropped) stays within the issue's +5% of dense (measured
+    +3.6% oracle); CATS (the smallest |act(gate)|) at the same density loses far more (+36%)."""
     from pi2_gguf import plugin
 
-    kw = dict(n_ctx=256, max_chunks=3, progress=False, sidecar=smol_sidecar)
-    dense = perplexity(smollm2, heldout_text, mode="dense", **kw)
+    kw = dict(n_ctx=256, max_chunks=3, progress=False)
+    dense = perplexity(smollm2, heldout_text, mode="dense", sidecar=smol_sidecar, **kw)
     plugin.reset_counters()
-    oracle = perplexity(smollm2, heldout_text, mode="oracle", **kw)
+    oracle = perplexity(smollm2, heldout_text, mode="oracle", sidecar=smol_sidecar, **kw)
     c = plugin.read_counters()
     frac = c.active.sum() / c.neurons.sum()
     assert 0.4 < frac < 0.6, frac  # the sidecar's 50% target holds on this text
+    up_frac = c.rows[:, 1].sum() / c.neurons.sum()  # up rows: the neurons |act| admitted, 0.9 at 50%
+    assert 0.85 < up_frac < 0.95, up_frac
     plugin.set_predictor_always(True)  # SmolLM2's predictors cost more than they save; measure them anyway
     try:
-        predicted = perplexity(smollm2, heldout_text, mode="predicted", **kw)
+        predicted = perplexity(smollm2, heldout_text, mode="predicted", sidecar=smol_sidecar, **kw)
     finally:
         plugin.set_predictor_always(False)
-    assert dense.scored_tokens == oracle.scored_tokens == predicted.scored_tokens
-    assert dense.ppl < oracle.ppl <= dense.ppl * 1.5, (oracle.ppl, dense.ppl)
-    # 99% recall: near oracle. Near, not within a fixed 3%: at 50% CATS the threshold sits where |act| is
-    # densest, so float-order changes alone flip neurons and move these 381 tokens' perplexity. Measured
-    # with the same semantics, only the down sums grouped differently: predicted/oracle 17.46/16.37 (one
-    # thread), 16.50/16.55 and 15.93/16.47 (two threads, per-thread vs cluster-ordered lists)
+    cats = perplexity(smollm2, heldout_text, mode="oracle", sidecar=smol_cats_sidecar, **kw)
+    assert dense.scored_tokens == oracle.scored_tokens == predicted.scored_tokens == cats.scored_tokens
+    assert dense.ppl < oracle.ppl <= dense.ppl * 1.05, (oracle.ppl, dense.ppl)
+    # predictors forced on (rank 64, 99% recall of the admitted neurons): the 1% they miss include some
+    # large |act * up|, measured 13.10 against oracle 12.61; near oracle, not within a fixed few percent
     assert abs(math.log(predicted.ppl / oracle.ppl)) < 0.1, (predicted.ppl, oracle.ppl)
+    assert oracle.ppl * 1.15 < cats.ppl <= dense.ppl * 1.5, (cats.ppl, oracle.ppl, dense.ppl)
 
 
 def test_cli_perplexity_mode(smollm2: Path, smol_sidecar: Path, tmp_path: Path, heldout_text: str) -> None:

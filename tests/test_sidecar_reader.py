@@ -80,7 +80,9 @@ def test_valid_sidecar_reads_with_gguf_py(valid: tuple[factory.Sidecar, Path]) -
               sf.KT.STR: GGUFValueType.STRING}
     element = {sf.KT.U32_ARR: GGUFValueType.UINT32, sf.KT.U64_ARR: GGUFValueType.UINT64,
                sf.KT.F32_ARR: GGUFValueType.FLOAT32}
-    for key, kt in sf.KEYS.items():
+    assert set(sf.KEYS) - set(sf.keys_of("cats")) == {"pi2.sparsity.product_thresholds"}
+    assert "pi2.sparsity.product_thresholds" not in r.fields
+    for key, kt in sf.keys_of("cats").items():
         f = r.fields[key]
         if kt in scalar:
             assert f.types == [scalar[kt]], key
@@ -265,12 +267,31 @@ def test_format_version_2(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", list(sf.KEYS))
 def test_missing_key(tmp_path: Path, key: str) -> None:
-    sc = factory.build()
+    method = sf.METHOD_KEYS.get(key, "cats")  # a key only one method's sidecars hold: such a sidecar
+    sc = factory.build(method=method)
     del sc.kv[key]
     msg = _refused(factory.write(sc, tmp_path / "k.pi2.gguf"))
     doc_type = {"u32[]": "u32[n_layer]", "f32[]": "f32[n_layer]", "u64[]": "u64[3 * n_layer]"}.get(sf.KEYS[key].value,
                                                                                                     sf.KEYS[key].value)
-    assert msg.endswith(f"key {key} ({doc_type}) is missing")
+    needs = f": method {method} needs it" if key in sf.METHOD_KEYS else ""
+    assert msg.endswith(f"key {key} ({doc_type}) is missing{needs}")
+
+
+def test_product_sidecar_and_its_thresholds(tmp_path: Path) -> None:
+    """A product sidecar carries pi2.sparsity.product_thresholds; both readers take it, and refuse a
+    product sidecar without it, naming the key and the method (a cats sidecar has none: `valid`)."""
+    from pi2_gguf import sidecar as sidecar_py
+
+    sc = factory.build(method="product")
+    path = factory.write(sc, tmp_path / "p.pi2.gguf")
+    validate_sidecar_c(path)
+    assert sidecar_py.read(path).kv["pi2.sparsity.product_thresholds"] == [0.125, 0.125]
+    del sc.kv["pi2.sparsity.product_thresholds"]
+    bad = factory.write(sc, tmp_path / "p-bad.pi2.gguf")
+    with pytest.raises(SidecarError, match=r"lacks key pi2\.sparsity\.product_thresholds \(method product needs it\)"):
+        sidecar_py.read(bad)
+    _refused(bad)  # message checked in test_missing_key
+    assert "pi2.sparsity.product_thresholds" not in sidecar_py.read(factory.write(factory.build(), tmp_path / "c.pi2.gguf")).kv
 
 
 @pytest.mark.parametrize(("key", "value", "vtype", "sub", "expected"), [

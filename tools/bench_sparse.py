@@ -34,7 +34,7 @@ def sidecar_label(path: Path) -> str:
     target = float(r.get_field("pi2.sparsity.target").parts[-1][0])
     ranks = sorted({int(v) for v in r.get_field("pi2.predictor.rank").contents()})
     rank = f", rank {ranks[0]}" if len(ranks) == 1 else f", ranks {ranks[0]}-{ranks[-1]}"
-    return ("relu (exact)" if method == "relu" else f"{target:.0%} target") + rank
+    return ("relu (exact)" if method == "relu" else f"{target:.0%} {method}") + rank
 
 
 def main() -> int:

@@ -35,42 +35,44 @@ struct pi2_key_spec {
     enum gguf_type   type; // element type for arrays
     enum pi2_key_len len;
     const char *     desc; // the type as FORMAT.md writes it
+    const char *     only; // NULL: in every sidecar; else only in sidecars of this sparsity method
 };
 
 static const struct pi2_key_spec pi2_keys[] = {
-    { PI2_KEY_FORMAT_VERSION,             GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32" },
-    { PI2_KEY_SOURCE_ARCHITECTURE,        GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_SOURCE_NAME,                GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_SOURCE_FILE_SIZE,           GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64" },
-    { PI2_KEY_SOURCE_FINGERPRINT,         GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64" },
-    { PI2_KEY_SOURCE_TENSOR_FINGERPRINTS, GGUF_TYPE_UINT64,  PI2_LEN_TENSORS, "u64[3 * n_layer]" },
-    { PI2_KEY_N_LAYER,                    GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32" },
-    { PI2_KEY_N_EMBD,                     GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32" },
-    { PI2_KEY_N_FF,                       GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_ACTIVATION,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_SPARSITY_METHOD,            GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_SPARSITY_TARGET,            GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32" },
-    { PI2_KEY_SPARSITY_THRESHOLDS,        GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_SPARSITY_DENSITY,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_PREDICTOR_RANK,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_PREDICTOR_CUTOFF,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_PREDICTOR_RECALL_TARGET,    GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32" },
-    { PI2_KEY_PREDICTOR_RECALL,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_PREDICTOR_PRECISION,        GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_PREDICTOR_DENSITY,          GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_HOT_COUNT,                  GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_CALIB_CORPUS,               GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_CALIB_CORPUS_SHA256,        GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_CALIB_TOKENS,               GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64" },
-    { PI2_KEY_CALIB_HELDOUT_TOKENS,       GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64" },
-    { PI2_KEY_CALIB_DATE,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string" },
-    { PI2_KEY_BUNDLE_ALIGN,               GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32" },
-    { PI2_KEY_BUNDLE_SIZE,                GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_BUNDLE_GATE_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_BUNDLE_UP_TYPE,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_BUNDLE_DOWN_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]" },
-    { PI2_KEY_BUNDLE_DOWN_TOLERANCE,      GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
-    { PI2_KEY_BUNDLE_DOWN_ERROR,          GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]" },
+    { PI2_KEY_FORMAT_VERSION,             GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
+    { PI2_KEY_SOURCE_ARCHITECTURE,        GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_SOURCE_NAME,                GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_SOURCE_FILE_SIZE,           GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64", NULL },
+    { PI2_KEY_SOURCE_FINGERPRINT,         GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64", NULL },
+    { PI2_KEY_SOURCE_TENSOR_FINGERPRINTS, GGUF_TYPE_UINT64,  PI2_LEN_TENSORS, "u64[3 * n_layer]", NULL },
+    { PI2_KEY_N_LAYER,                    GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
+    { PI2_KEY_N_EMBD,                     GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
+    { PI2_KEY_N_FF,                       GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_ACTIVATION,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_SPARSITY_METHOD,            GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_SPARSITY_TARGET,            GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32", NULL },
+    { PI2_KEY_SPARSITY_THRESHOLDS,        GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_SPARSITY_PRODUCT_THRESHOLDS, GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS, "f32[n_layer]", PI2_SPARSITY_PRODUCT },
+    { PI2_KEY_SPARSITY_DENSITY,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_PREDICTOR_RANK,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_PREDICTOR_CUTOFF,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_PREDICTOR_RECALL_TARGET,    GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32", NULL },
+    { PI2_KEY_PREDICTOR_RECALL,           GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_PREDICTOR_PRECISION,        GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_PREDICTOR_DENSITY,          GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_HOT_COUNT,                  GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_CALIB_CORPUS,               GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_CALIB_CORPUS_SHA256,        GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_CALIB_TOKENS,               GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64", NULL },
+    { PI2_KEY_CALIB_HELDOUT_TOKENS,       GGUF_TYPE_UINT64,  PI2_LEN_SCALAR,  "u64", NULL },
+    { PI2_KEY_CALIB_DATE,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_BUNDLE_ALIGN,               GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
+    { PI2_KEY_BUNDLE_SIZE,                GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_GATE_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_UP_TYPE,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_DOWN_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_DOWN_TOLERANCE,      GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_DOWN_ERROR,          GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
 };
 
 enum pi2_dim {
@@ -272,6 +274,9 @@ static int64_t pi2_find(const struct pi2_reader * rd, const char * key) {
 static int pi2_check_key(struct pi2_reader * rd, const struct pi2_key_spec * spec, uint32_t n_layer) {
     const int64_t id = pi2_find(rd, spec->key);
     if (id < 0) {
+        if (spec->only != NULL) { // whether the method needs it is checked with the method
+            return 0;
+        }
         return pi2_fail(rd, "key %s (%s) is missing", spec->key, spec->desc);
     }
     const enum gguf_type kt = gguf_get_kv_type(rd->gguf, id);
@@ -363,6 +368,7 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     };
     static const char * const method_names[] = {
         [PI2_SPARSITY_METHOD_CATS] = PI2_SPARSITY_CATS, [PI2_SPARSITY_METHOD_RELU] = PI2_SPARSITY_RELU,
+        [PI2_SPARSITY_METHOD_PRODUCT] = PI2_SPARSITY_PRODUCT,
     };
     const char * act = pi2_str(rd, PI2_KEY_ACTIVATION);
     const int a = pi2_parse_enum(act, act_names, (int) (sizeof(act_names) / sizeof(act_names[0])));
@@ -372,7 +378,13 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const char * method = pi2_str(rd, PI2_KEY_SPARSITY_METHOD);
     const int m = pi2_parse_enum(method, method_names, (int) (sizeof(method_names) / sizeof(method_names[0])));
     if (m < 0) {
-        return pi2_fail(rd, "%s is '%s', not one of cats, relu", PI2_KEY_SPARSITY_METHOD, method);
+        return pi2_fail(rd, "%s is '%s', not one of cats, product, relu", PI2_KEY_SPARSITY_METHOD, method);
+    }
+    for (size_t i = 0; i < sizeof(pi2_keys) / sizeof(pi2_keys[0]); ++i) {
+        const struct pi2_key_spec * k = &pi2_keys[i];
+        if (k->only != NULL && strcmp(k->only, method) == 0 && pi2_find(rd, k->key) < 0) {
+            return pi2_fail(rd, "key %s (%s) is missing: method %s needs it", k->key, k->desc, method);
+        }
     }
     sc->activation      = (enum pi2_activation) a;
     sc->sparsity_method = (enum pi2_sparsity_method) m;
@@ -419,6 +431,8 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const uint32_t * up_type   = pi2_arr_u32(rd, PI2_KEY_BUNDLE_UP_TYPE);
     const uint32_t * down_type = pi2_arr_u32(rd, PI2_KEY_BUNDLE_DOWN_TYPE);
     const float *    threshold = pi2_arr_f32(rd, PI2_KEY_SPARSITY_THRESHOLDS);
+    const float *    product_threshold = sc->sparsity_method == PI2_SPARSITY_METHOD_PRODUCT
+                                             ? pi2_arr_f32(rd, PI2_KEY_SPARSITY_PRODUCT_THRESHOLDS) : NULL;
     const float *    cutoff    = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_CUTOFF);
     const float *    pdensity  = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_DENSITY);
     const uint64_t * fps       = gguf_get_arr_data(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
@@ -443,6 +457,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         L->rank        = rank[il];
         L->hot_count   = hot[il];
         L->threshold   = threshold[il];
+        L->product_threshold = product_threshold != NULL ? product_threshold[il] : 0.0f;
         L->cutoff      = cutoff[il];
         L->pred_density = pdensity[il];
         L->bundle_size = size[il];

@@ -22,6 +22,9 @@ enum pi2_activation {
 enum pi2_sparsity_method {
     PI2_SPARSITY_METHOD_CATS, // active iff |act(gate_i . x)| > threshold
     PI2_SPARSITY_METHOD_RELU, // active iff act(gate_i . x) > 0
+    // admitted iff |act(gate_i . x)| > threshold; an admitted neuron is active iff
+    // |act(gate_i . x) * (up_i . x)| > product_threshold
+    PI2_SPARSITY_METHOD_PRODUCT,
 };
 
 struct pi2_sidecar_layer {
@@ -29,6 +32,7 @@ struct pi2_sidecar_layer {
     uint32_t rank;           // r, hidden width of the predictor
     uint32_t hot_count;      // bundle slots [0, hot_count) hold the hot neurons
     float    threshold;      // pi2.sparsity.thresholds
+    float    product_threshold; // pi2.sparsity.product_thresholds (method product; else 0)
     float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
     float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
 

@@ -21,6 +21,7 @@
 #define PI2_KEY_SPARSITY_METHOD            "pi2.sparsity.method"            // string
 #define PI2_KEY_SPARSITY_TARGET            "pi2.sparsity.target"            // f32
 #define PI2_KEY_SPARSITY_THRESHOLDS        "pi2.sparsity.thresholds"        // f32[n_layer]
+#define PI2_KEY_SPARSITY_PRODUCT_THRESHOLDS "pi2.sparsity.product_thresholds" // f32[n_layer]
 #define PI2_KEY_SPARSITY_DENSITY           "pi2.sparsity.density"           // f32[n_layer]
 #define PI2_KEY_PREDICTOR_RANK             "pi2.predictor.rank"             // u32[n_layer]
 #define PI2_KEY_PREDICTOR_CUTOFF           "pi2.predictor.cutoff"           // f32[n_layer]
@@ -49,6 +50,7 @@
 #define PI2_ACTIVATION_RELU     "relu"
 #define PI2_ACTIVATION_DRELU    "drelu"
 #define PI2_SPARSITY_CATS       "cats"
+#define PI2_SPARSITY_PRODUCT    "product"
 #define PI2_SPARSITY_RELU       "relu"
 
 // per-layer tensors, named "blk.N." + suffix (type and shape (ne0, ne1) as in FORMAT.md's tensor table)

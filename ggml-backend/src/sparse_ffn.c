@@ -26,10 +26,11 @@ struct pi2_active {
 
 struct pi2_thread_stats {
     int64_t predicted; // candidates whose gate row was computed
-    int64_t active;    // of those, active under the threshold
-    int64_t missed;    // active but not predicted (recall check only)
+    int64_t admitted;  // of those, past the threshold: their up rows were computed
+    int64_t active;    // of those, active (method product: past the product threshold too)
+    int64_t missed;    // past the threshold but not predicted (recall check only)
     uint64_t wait_ns;  // flash: time spent waiting for bundles
-    char    pad[32];   // one cache line per thread
+    char    pad[24];   // one cache line per thread
 };
 
 static size_t pi2_align64(size_t n) {
@@ -92,6 +93,7 @@ struct pi2_sparse_plan {
     const struct pi2_sidecar_layer * L;
     const struct pi2_binding_layer * B;
     bool                             relu;
+    bool                             product; // method product: |act * up| decides among the admitted
     bool                             predicted;
     bool                             check;
     bool                             all_active; // dense mode on flash: every neuron, no threshold
@@ -231,15 +233,21 @@ static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float ac
     return p->all_active || (p->relu ? g > 0.0f : fabsf(act) > p->L->threshold);
 }
 
-// an active neuron's up row (at up_row) -> its up and GLU outputs, and its entry e of the down list
-static inline void pi2_emit_active(const struct pi2_sparse_plan * p, struct pi2_token_rows * r, int32_t neuron,
-                                   const void * up_row, const uint8_t * bundle, float act, struct pi2_active * e) {
+// an admitted neuron's up row (at up_row) -> its up and GLU outputs and, if it is active, its entry e of
+// the down list; returns whether it is
+static inline bool pi2_emit_admitted(const struct pi2_sparse_plan * p, struct pi2_token_rows * r, int32_t neuron,
+                                     const void * up_row, const uint8_t * bundle, float act, struct pi2_active * e) {
     float u = 0.0f;
     p->up_dot((int) p->n_embd, &u, 0, up_row, 0, r->xqu, 0, 1);
-    r->up_out[neuron]  = u;
-    r->glu_out[neuron] = act * u;
+    r->up_out[neuron] = u;
+    const float a = act * u;
+    if (p->product && !(fabsf(a) > p->L->product_threshold)) {
+        return false; // its GLU output stays 0, as the down pass sees it
+    }
+    r->glu_out[neuron] = a;
     e->bundle = bundle;
-    e->a      = act * u;
+    e->a      = a;
+    return true;
 }
 
 // one cluster's slots whose gate is computed, and of those the ones that fired
@@ -314,12 +322,14 @@ static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows 
 // pass 3: up rows of the neurons that fired -> up/GLU outputs and the down list
 static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_cluster * k) {
     struct pi2_active * list = p->list + k->c * PI2_CLUSTER;
+    int n = 0;
     for (int i = 0; i < k->na; ++i) {
-        pi2_emit_active(p, r, p->L->order[k->act_slot[i]], k->act_bundle[i] + p->L->up_offset, k->act_bundle[i],
-                        k->act_val[i], &list[i]);
+        n += pi2_emit_admitted(p, r, p->L->order[k->act_slot[i]], k->act_bundle[i] + p->L->up_offset,
+                               k->act_bundle[i], k->act_val[i], &list[n]);
     }
-    p->n_act[k->c] = k->na;
-    r->st->active += k->na;
+    p->n_act[k->c] = n;
+    r->st->admitted += k->na;
+    r->st->active += n;
 }
 
 // balanced split: thread ith's run [*c0, *c1) of clusters, cut where the running weight crosses
@@ -414,13 +424,15 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
         const struct pi2_cluster * drain = &k[(i + 1) % 2];
         if (i > 0) {
             struct pi2_active * list = p->list + drain->c * PI2_CLUSTER;
+            int kept = 0;
             for (int j = 0; j < drain->na; ++j) {
                 const int64_t n = drain->act_slot[j];
-                pi2_emit_active(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1], drain->act_bundle[j],
-                                drain->act_val[j], &list[j]);
+                kept += pi2_emit_admitted(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1],
+                                          drain->act_bundle[j], drain->act_val[j], &list[kept]);
             }
-            p->n_act[drain->c] = drain->na;
-            r.st->active += drain->na;
+            p->n_act[drain->c] = kept;
+            r.st->admitted += drain->na;
+            r.st->active += kept;
         }
     }
     r.st->predicted += f1 - f0;
@@ -585,9 +597,10 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
 }
 
 static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi2_sparse_plan * p) {
-    int64_t predicted = 0, active = 0, missed = 0;
+    int64_t predicted = 0, admitted = 0, active = 0, missed = 0;
     for (int k = 0; k < p->nth; ++k) {
         predicted += p->stats[k].predicted;
+        admitted  += p->stats[k].admitted;
         active    += p->stats[k].active;
         missed    += p->stats[k].missed;
     }
@@ -601,7 +614,7 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
     pi2_count(&lc->glu_tokens, (uint64_t) p->n_tokens);
     const int64_t sparse_down_tokens = p->n_down_sparse;
     pi2_count(&lc->rows[PI2_MATRIX_GATE], (uint64_t) (predicted + (p->check ? p->n_ff * p->n_tokens - predicted : 0)));
-    pi2_count(&lc->rows[PI2_MATRIX_UP], (uint64_t) active);
+    pi2_count(&lc->rows[PI2_MATRIX_UP], (uint64_t) admitted);
     pi2_count(&lc->rows[PI2_MATRIX_DOWN], (uint64_t) ((p->n_tokens - sparse_down_tokens) * p->n_embd));
     pi2_count(&lc->sparse_tokens, (uint64_t) p->n_tokens);
     pi2_count(&lc->neurons, (uint64_t) (p->n_ff * p->n_tokens));
@@ -687,6 +700,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
         .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer],
         .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
+        .product = b->sc->sparsity_method == PI2_SPARSITY_METHOD_PRODUCT && mode != PI2_MODE_DENSE,
         // flash keeps only the predictors that run (the others were freed at load)
         .predicted = mode == PI2_MODE_PREDICTED && b->layer[layer].w1 != NULL &&
                      (b->layer[layer].use_predictor || ctx->dev->predictor_always),

@@ -1,6 +1,7 @@
 // Sparse decode of one FFN layer (the decode half of the polymorphic engine): predictor -> candidate
-// neurons -> their gate rows -> activation with the layer threshold -> up rows of the active neurons ->
-// down as a sum of their down columns. Neurons are taken in bundle-slot order (hottest first) in
+// neurons -> their gate rows -> activation with the layer threshold -> up rows of the neurons past it
+// (method product: of those, the active ones are the neurons whose |act * up| passes a second threshold) ->
+// down as a sum of the active neurons' down columns. Neurons are taken in bundle-slot order (hottest first) in
 // clusters; clusters go round-robin to the threads llama gives the backend, so each thread walks its
 // bundles front to back and a run is reproducible for a given thread count.
 #pragma once
