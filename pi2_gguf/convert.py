@@ -80,11 +80,15 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
         mag_train = np.abs(act(g_train))
         tp = 0.0
+        y_train = y_held = None  # the active neurons, where they are not just mag > th
         if plan.method == "product":
             up_w = ffn["up"].dequantized()
-            th, tp = sp.product_thresholds(plan, mag_train, np.abs(act(g_train) * (prof.train[il] @ up_w.T)))
-            density = float(sp.active(np.abs(act(g_held)), th, np.abs(act(g_held) * (prof.heldout[il] @ up_w.T)),
-                                      tp).mean())
+            prod_train = np.abs(act(g_train) * (prof.train[il] @ up_w.T))
+            th, tp = sp.product_thresholds(plan, mag_train, prod_train)
+            y_train = sp.active(mag_train, th, prod_train, tp)
+            del prod_train
+            y_held = sp.active(np.abs(act(g_held)), th, np.abs(act(g_held) * (prof.heldout[il] @ up_w.T)), tp)
+            density = float(y_held.mean())
             del up_w
         else:
             th = sp.layer_threshold(plan, mag_train)
@@ -99,8 +103,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
                                fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
-                                    recall, costs, epochs=epochs)
-        del g_train, g_held
+                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held)
+        del g_train, g_held, y_train, y_held
         p = fitted.predictor
         _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd)
         layers.append(LayerData(

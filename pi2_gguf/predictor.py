@@ -165,16 +165,20 @@ class Fitted:
 
 def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_w: np.ndarray,
               x_train: np.ndarray, g_train: np.ndarray, x_held: np.ndarray, g_held: np.ndarray,
-              ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS) -> Fitted:
+              ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS,
+              y_train: np.ndarray | None = None, y_held: np.ndarray | None = None) -> Fitted:
     """Trains one predictor per candidate rank and keeps the one with the fewest estimated bytes read
     per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
-    pre-activations of x_* (sparsity.gate_preactivations); a neuron is active where score(g) > threshold."""
+    pre-activations of x_* (sparsity.gate_preactivations); a neuron is active where score(g) > threshold,
+    unless y_* give the active neurons (method product: those of score(g) > threshold whose |act * up|
+    passes too). The cutoff catches `recall` of the active neurons: a neuron the threshold admits but
+    that is not active costs nothing when missed."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = max(1, int(xt.shape[0] * VALIDATION_SHARE))
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
     g_fit = g_train[:-n_val]
-    y_fit = score(g_fit) > threshold
-    y_val = score(g_train[-n_val:]) > threshold
+    y_all = score(g_train) > threshold if y_train is None else y_train
+    y_fit, y_val = y_all[:-n_val], y_all[-n_val:]
     n_ff, n_embd = gate_w.shape
     active = float(y_val.mean())
     best: tuple[float, Predictor, Quality] | None = None
@@ -191,5 +195,5 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
             best = (cost, pred, q)
     assert best is not None
     _, pred, q_val = best
-    q_held = Quality.measure(pred.predict(x_held, score), score(g_held) > threshold)
+    q_held = Quality.measure(pred.predict(x_held, score), score(g_held) > threshold if y_held is None else y_held)
     return Fitted(pred, q_held, q_val, tuple(tried))

@@ -82,6 +82,7 @@ def test_product_keeps_more_of_the_ffn_output_than_cats(smollm2: Path, smol_side
 def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, smol_profile: Profile) -> None:
     """Predictors as stored (F16) run on held-out tokens: recall >= 0.97 in every layer."""
     sc = sidecar.read(smol_sidecar)
+    assert sc.kv["pi2.sparsity.method"] == "product"
     model = ModelFfn(smollm2)
     score = score_fn("cats", lambda g: activation_values(model.activation, g))
     for il in range(model.n_layer):
@@ -93,7 +94,12 @@ def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, s
         assert p.rank == sc.kv["pi2.predictor.rank"][il]
         x = smol_profile.heldout[il]
         gate = model.layers[il]["gate"].dequantized()
-        actual = sparsity.gate_magnitudes(model.activation, gate, x) > sc.kv["pi2.sparsity.thresholds"][il]
+        mag = sparsity.gate_magnitudes(model.activation, gate, x)
+        # product: recall of the active neurons, those the threshold admits whose |act * up| passes too
+        actual = sparsity.active(mag, sc.kv["pi2.sparsity.thresholds"][il],
+                                 np.abs(activation_values(model.activation, x @ gate.T)
+                                        * (x @ model.layers[il]["up"].dequantized().T)),
+                                 sc.kv["pi2.sparsity.product_thresholds"][il])
         predicted = p.predict(x, score)
         recall = np.count_nonzero(predicted & actual) / np.count_nonzero(actual)
         assert recall >= 0.97, f"layer {il}: recall {recall:.4f}"
