@@ -78,23 +78,24 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         gate_w = ffn["gate"].dequantized()
         g_train = sp.gate_preactivations(gate_w, prof.train[il])
         g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
-        mag_train = np.abs(act(g_train))
+        a_train, a_held = act(g_train), act(g_held)
+        mag_train, mag_held = np.abs(a_train), np.abs(a_held)
         tp = 0.0
         y_train = y_held = None  # the active neurons, where they are not just mag > th
         if plan.method == "product":
             up_w = ffn["up"].dequantized()
-            prod_train = np.abs(act(g_train) * (prof.train[il] @ up_w.T))
+            prod_train = np.abs(a_train * (prof.train[il] @ up_w.T))
             th, tp = sp.product_thresholds(plan, mag_train, prod_train)
             y_train = sp.active(mag_train, th, prod_train, tp)
-            del prod_train
-            y_held = sp.active(np.abs(act(g_held)), th, np.abs(act(g_held) * (prof.heldout[il] @ up_w.T)), tp)
+            y_held = sp.active(mag_held, th, np.abs(a_held * (prof.heldout[il] @ up_w.T)), tp)
             density = float(y_held.mean())
-            del up_w
+            del up_w, prod_train
         else:
             th = sp.layer_threshold(plan, mag_train)
-            density = float(sp.active(np.abs(act(g_held)), th).mean())
-        # the ranking, the hot count and the predictor's labels follow the neurons whose gate passes th:
-        # those are the ones whose bundles (gate, up and down) a token reads
+            density = float(sp.active(mag_held, th).mean())
+        del a_train, a_held, mag_held
+        # the ranking and the hot count follow the neurons whose gate passes th: those are the ones whose
+        # bundles (gate, up and down) a token reads
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
         del mag_train
         order = sp.ranking(freq)

@@ -72,9 +72,7 @@ def layer_threshold(plan: SparsityPlan, magnitudes: np.ndarray) -> float:
     if plan.threshold is not None:
         return float(plan.threshold)
     assert plan.target is not None
-    if plan.target == 0.0:
-        return 0.0 if magnitudes.min() > 0 else -1.0  # every neuron active: |a| > -1
-    return float(np.quantile(magnitudes, plan.target))
+    return _quantile_threshold(magnitudes, plan.target)
 
 
 def admit_density(target: float) -> float:
@@ -86,9 +84,9 @@ def admit_density(target: float) -> float:
 
 
 def _quantile_threshold(values: np.ndarray, q: float) -> float:
-    """t such that a share q of values is <= t; with q == 0 a t below every value."""
+    """t such that a share q of values is <= t; with q == 0 a t below every value (values >= 0)."""
     if q <= 0.0:
-        return 0.0 if values.min() > 0 else -1.0
+        return 0.0 if values.min() > 0 else -1.0  # every value passes: v > -1
     return float(np.quantile(values, q))
 
 

@@ -257,7 +257,8 @@ struct pi2_cluster {
     int32_t         cand[PI2_CLUSTER];
     bool            cand_pred[PI2_CLUSTER]; // false: computed for the recall check only
     const uint8_t * act_bundle[PI2_CLUSTER];
-    int32_t         act_slot[PI2_CLUSTER];
+    const void *    act_up[PI2_CLUSTER];     // the up row: in the bundle, or the model's row
+    int32_t         act_neuron[PI2_CLUSTER]; // the model's neuron index
     float           act_val[PI2_CLUSTER];
 };
 
@@ -314,7 +315,8 @@ static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows 
         }
         pi2_prefetch(bundle + L->up_offset, up_bytes);
         k->act_bundle[k->na] = bundle;
-        k->act_slot[k->na]   = k->cand[i];
+        k->act_up[k->na]     = bundle + L->up_offset;
+        k->act_neuron[k->na] = L->order[k->cand[i]];
         k->act_val[k->na++]  = act;
     }
 }
@@ -324,8 +326,7 @@ static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * 
     struct pi2_active * list = p->list + k->c * PI2_CLUSTER;
     int n = 0;
     for (int i = 0; i < k->na; ++i) {
-        n += pi2_emit_admitted(p, r, p->L->order[k->act_slot[i]], k->act_bundle[i] + p->L->up_offset,
-                               k->act_bundle[i], k->act_val[i], &list[n]);
+        n += pi2_emit_admitted(p, r, k->act_neuron[i], k->act_up[i], k->act_bundle[i], k->act_val[i], &list[n]);
     }
     p->n_act[k->c] = n;
     r->st->admitted += k->na;
@@ -398,8 +399,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     const int64_t f0 = p->n_clusters * ith / nth * PI2_CLUSTER;
     const int64_t f1 = ith == nth - 1 ? p->n_ff : p->n_clusters * (ith + 1) / nth * PI2_CLUSTER;
     const size_t up_bytes = (size_t) wu->nb[1];
-    // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]; here act_slot holds the
-    // neuron (the model's row), not a bundle slot
+    // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2] (pass 3, as for clusters)
     struct pi2_cluster k[2];
     k[0].na = k[1].na = 0;
     int i = 0;
@@ -415,24 +415,16 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
             const float act = pi2_act(p->op, g);
             if (pi2_fires(p, g, act)) {
                 const uint8_t * bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size;
-                pi2_prefetch((const char *) wu->data + n * wu->nb[1], up_bytes);
+                const char * up_row = (const char *) wu->data + n * wu->nb[1];
+                pi2_prefetch(up_row, up_bytes);
                 fill->act_bundle[fill->na] = bundle;
-                fill->act_slot[fill->na]   = (int32_t) n;
+                fill->act_up[fill->na]     = up_row;
+                fill->act_neuron[fill->na] = (int32_t) n;
                 fill->act_val[fill->na++]  = act;
             }
         }
-        const struct pi2_cluster * drain = &k[(i + 1) % 2];
         if (i > 0) {
-            struct pi2_active * list = p->list + drain->c * PI2_CLUSTER;
-            int kept = 0;
-            for (int j = 0; j < drain->na; ++j) {
-                const int64_t n = drain->act_slot[j];
-                kept += pi2_emit_admitted(p, &r, (int32_t) n, (const char *) wu->data + n * wu->nb[1],
-                                          drain->act_bundle[j], drain->act_val[j], &list[kept]);
-            }
-            p->n_act[drain->c] = kept;
-            r.st->admitted += drain->na;
-            r.st->active += kept;
+            pi2_cluster_ups(p, &r, &k[(i + 1) % 2]);
         }
     }
     r.st->predicted += f1 - f0;
