@@ -1,5 +1,5 @@
 """Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron,
-padded to a multiple of 4 KiB. Gate/up rows are copied byte for byte; down columns are dequantized,
+padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte; down columns are dequantized,
 transposed and quantized again with ggml's own quantizer (libggml-base ggml_quantize_chunk, which
 covers every type, K-quants included), in the smallest type that keeps the model type's own error."""
 
@@ -103,10 +103,11 @@ def down_columns(down: FfnTensor) -> DownColumns:
     return DownColumns(chosen, data, tol, err, tuple((t.name, e) for t, (e, _) in results.items()))
 
 
-def layer_bundles(gate: FfnTensor, up: FfnTensor, down: DownColumns, order: np.ndarray) -> np.ndarray:
+def layer_bundles(gate: FfnTensor, up: FfnTensor, down: DownColumns, order: np.ndarray,
+                  align: int = fmt.BUNDLE_ALIGN) -> np.ndarray:
     """[n_ff, bundle size] uint8: slot j holds neuron order[j]."""
     n_embd = gate.ne0
-    up_off, down_off, end, size = fmt.bundle_parts(int(gate.qtype), int(up.qtype), int(down.qtype), n_embd)
+    up_off, down_off, end, size = fmt.bundle_parts(int(gate.qtype), int(up.qtype), int(down.qtype), n_embd, align)
     out = np.zeros((len(order), size), dtype=np.uint8)
     out[:, :up_off] = gate.raw[order]
     out[:, up_off:down_off] = up.raw[order]

@@ -43,12 +43,15 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
             train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
-            epochs: int = pred_mod.EPOCHS, progress: bool = True) -> ConvertResult:
+            epochs: int = pred_mod.EPOCHS, progress: bool = True,
+            bundle_align: int = fmt.BUNDLE_ALIGN) -> ConvertResult:
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
     if out.resolve() == model.path:
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
+    if bundle_align not in fmt.BUNDLE_ALIGNS:
+        raise Pi2Error(f"bundle alignment {bundle_align} is not one of {', '.join(map(str, fmt.BUNDLE_ALIGNS))}")
     if not 0.5 <= recall < 1.0:
         raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
     try:
@@ -107,7 +110,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
-        _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd)
+        _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd,
+                                        bundle_align)
         layers.append(LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
             recall=fitted.heldout.recall, precision=fitted.heldout.precision,
@@ -123,11 +127,11 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers)
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align)
 
     def layer_bundles(il: int) -> np.ndarray:
         ffn = model.layers[il]
-        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order)
+        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order, bundle_align)
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
@@ -149,7 +153,7 @@ def summary_table(meta: SidecarMeta) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pi2-gguf convert",
                                  description="Profile a model on real text and write its pi2 sidecar GGUF "
-                                             "(thresholds, predictors, neuron ranking, 4 KiB neuron bundles).")
+                                             "(thresholds, predictors, neuron ranking, neuron bundles for reads from flash).")
     ap.add_argument("model", help="GGUF model (never modified), or a known model name (pi2-gguf models)")
     ap.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
     g = ap.add_mutually_exclusive_group()
@@ -167,13 +171,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="candidate predictor widths, comma-separated (default n_embd/16,/8,/4,/2)")
     ap.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
     ap.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
+    ap.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
+                    help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
+                         "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
+                         "block is 512 bytes; elsewhere reads fall back to buffered I/O")
     add_profile_args(ap)
     args = ap.parse_args(argv)
     from .cli import resolve_model
 
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks,
-                  args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs)
+                  args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs,
+                  bundle_align=args.bundle_align)
     print(summary_table(res.meta))
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
           f"(profiling {res.profile_seconds:.0f} s)")

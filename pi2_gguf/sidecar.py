@@ -62,6 +62,7 @@ class SidecarMeta:
     heldout_tokens: int
     date: str
     layers: list[LayerData] = field(default_factory=list)
+    bundle_align: int = fmt.BUNDLE_ALIGN
 
 
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
@@ -106,7 +107,7 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         "pi2.calib.tokens": m.tokens,
         "pi2.calib.heldout_tokens": m.heldout_tokens,
         "pi2.calib.date": m.date,
-        "pi2.bundle.align": fmt.BUNDLE_ALIGN,
+        "pi2.bundle.align": m.bundle_align,
     }
     for key, attr in _PER_LAYER.items():
         if key in fmt.keys_of(m.method):
@@ -195,7 +196,7 @@ class Sidecar:
         up_off, down_off, end, _ = fmt.bundle_parts(int(self.kv["pi2.bundle.gate_type"][il]),
                                                     int(self.kv["pi2.bundle.up_type"][il]),
                                                     int(self.kv["pi2.bundle.down_type"][il]),
-                                                    int(self.kv["pi2.n_embd"]))
+                                                    int(self.kv["pi2.n_embd"]), int(self.kv["pi2.bundle.align"]))
         return slice(0, up_off), slice(up_off, down_off), slice(down_off, end)
 
     def check_model(self, tensor_fingerprints: list[int], model_path: str | Path) -> None:
@@ -262,6 +263,10 @@ def read(path: str | Path) -> Sidecar:
     for t in reader.tensors:
         if int(t.data_offset) % fmt.BUNDLE_ALIGN:
             raise SidecarError(f"sidecar {p}: tensor {t.name} is not {fmt.BUNDLE_ALIGN}-byte aligned")
+    align = int(kv["pi2.bundle.align"])
+    if align not in fmt.BUNDLE_ALIGNS:
+        raise SidecarError(f"sidecar {p}: pi2.bundle.align is {align}, not one of "
+                           f"{', '.join(map(str, fmt.BUNDLE_ALIGNS))}")
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv["pi2.n_embd"])
     for il in range(n_layer):
@@ -278,9 +283,9 @@ def read(path: str | Path) -> Sidecar:
                                    f"expected {tname} {want}")
         d_slice = sc.bundle_slices(il)[2]
         bsize = dims["bundle size"]
-        if bsize % fmt.BUNDLE_ALIGN or d_slice.stop > bsize:
+        if bsize % align or d_slice.stop > bsize:
             raise SidecarError(f"sidecar {p}: layer {il} bundle size {bsize} does not hold its {d_slice.stop} "
-                               f"bytes of data or is not a multiple of {fmt.BUNDLE_ALIGN}")
+                               f"bytes of data or is not a multiple of pi2.bundle.align = {align}")
         order = sc.layer_tensor(il, "pi2_order")
         if not np.array_equal(np.sort(order), np.arange(dims["n_ff"])):
             raise SidecarError(f"sidecar {p}: blk.{il}.pi2_order is not a permutation of the layer's neurons")

@@ -14,7 +14,10 @@ from gguf.constants import GGML_QUANT_SIZES
 
 FORMAT_VERSION = 1
 ARCHITECTURE = "pi2"
-BUNDLE_ALIGN = 4096
+BUNDLE_ALIGN = 4096  # general.alignment, and the default and largest pi2.bundle.align
+# pi2.bundle.align may be any of these: a bundle can be read with O_DIRECT where the device's logical block
+# divides it (512 on most disks and on this VM; 4096 on UFS flash), and smaller units waste less padding
+BUNDLE_ALIGNS = (512, 1024, 2048, 4096)
 SUFFIX = ".pi2.gguf"
 
 
@@ -111,12 +114,15 @@ def row_size(qtype: int | GGMLQuantizationType, n: int) -> int:
     return n // block * nbytes
 
 
-def bundle_parts(gate_type: int, up_type: int, down_type: int, n_embd: int) -> tuple[int, int, int, int]:
-    """(up offset, down offset, end of data, bundle size) of one bundle."""
+def bundle_parts(gate_type: int, up_type: int, down_type: int, n_embd: int,
+                 align: int = BUNDLE_ALIGN) -> tuple[int, int, int, int]:
+    """(up offset, down offset, end of data, bundle size) of one bundle, its size a multiple of align."""
+    if align not in BUNDLE_ALIGNS:
+        raise ValueError(f"bundle alignment {align} is not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
     up_off = row_size(gate_type, n_embd)
     down_off = up_off + row_size(up_type, n_embd)
     end = down_off + row_size(down_type, n_embd)
-    size = -(-end // BUNDLE_ALIGN) * BUNDLE_ALIGN
+    size = -(-end // align) * align
     return up_off, down_off, end, size
 
 

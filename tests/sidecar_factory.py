@@ -55,7 +55,7 @@ def weight_shape(matrix: int, n_embd: int, n_ff: int) -> tuple[int, int]:
 
 
 def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, ...] = (8, 16), seed: int = 0,
-          bundle_size: list[int] | None = None, method: str = "cats") -> Sidecar:
+          bundle_size: list[int] | None = None, method: str = "cats", bundle_align: int = sf.BUNDLE_ALIGN) -> Sidecar:
     rng = np.random.default_rng(seed)
     n_layer = len(n_ff)
     weights: list[list[np.ndarray]] = []
@@ -76,7 +76,7 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         cum = np.cumsum(freq[order])
         hot.append(int(np.searchsorted(cum, cum[-1] / 2) + 1))
 
-        up_off, down_off, end, size = sf.bundle_parts(F16, F16, F16, n_embd)
+        up_off, down_off, end, size = sf.bundle_parts(F16, F16, F16, n_embd, bundle_align)
         bundles = np.zeros((nf, size), dtype=np.uint8)
         for j, i in enumerate(order):
             bundles[j, :up_off] = gate[i].view(np.uint8)
@@ -130,7 +130,7 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         "pi2.calib.tokens": 4096,
         "pi2.calib.heldout_tokens": 1024,
         "pi2.calib.date": "2025-01-01T00:00:00Z",
-        "pi2.bundle.align": sf.BUNDLE_ALIGN,
+        "pi2.bundle.align": bundle_align,
         "pi2.bundle.size": sizes,
         "pi2.bundle.gate_type": per_layer(F16),
         "pi2.bundle.up_type": per_layer(F16),

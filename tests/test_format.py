@@ -130,7 +130,10 @@ def test_version_and_alignment(spec_text: str, header: dict[str, tuple[str, str]
     doc_align = int(re.search(r"`general\.alignment` is (\d+)", spec_text).group(1))
     assert doc_version == sf.FORMAT_VERSION == int(header["PI2_FORMAT_VERSION"][0]) == 1
     assert doc_align == sf.BUNDLE_ALIGN == int(header["PI2_BUNDLE_ALIGN"][0]) == 4096
-    assert re.search(r"`pi2\.bundle\.align` \| u32 \| (\d+);", spec_text).group(1) == str(doc_align)
+    aligns = re.search(r"`pi2\.bundle\.align` \| u32 \| ([\d, or]+) \(the writer's default\)", spec_text).group(1)
+    assert tuple(int(a) for a in re.findall(r"\d+", aligns)) == sf.BUNDLE_ALIGNS
+    assert (sf.BUNDLE_ALIGNS[0], sf.BUNDLE_ALIGNS[-1]) == (int(header["PI2_BUNDLE_ALIGN_MIN"][0]), doc_align)
+    assert all(b == 2 * a for a, b in zip(sf.BUNDLE_ALIGNS, sf.BUNDLE_ALIGNS[1:]))  # the C reader: powers of two
     assert header["PI2_ARCHITECTURE"][0] == f'"{sf.ARCHITECTURE}"'
     assert f"`general.architecture` is `{sf.ARCHITECTURE}`" in spec_text
 

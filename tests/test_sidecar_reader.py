@@ -17,6 +17,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from pi2_gguf import sidecar_format as sf
 from pi2_gguf.errors import SidecarError
+from pi2_gguf.sidecar import read as read_sidecar
 from pi2_gguf.plugin import (check_sidecar_weight_c, fingerprint_model_c, fingerprint_tensor_c, sidecar_summary_c,
                              validate_sidecar_c)
 
@@ -330,6 +331,21 @@ def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
     assert msg.endswith("pi2.bundle.size[1] is 4000, not a multiple of pi2.bundle.align = 4096")
 
 
+@pytest.mark.parametrize("align", [512, 1024, 2048])
+def test_smaller_bundle_alignments(tmp_path: Path, align: int) -> None:
+    # n_embd 64 in F16: 384 bytes of rows, padded to the alignment; both readers take it
+    path = factory.write(factory.build(bundle_align=align), tmp_path / "s.pi2.gguf")
+    validate_sidecar_c(path)
+    sc = read_sidecar(path)
+    assert sc.bundles(1).shape == (128, align)
+    assert [int(x) for x in sc.kv["pi2.bundle.size"]] == [align, align]
+    bad = factory.build(bundle_align=align, bundle_size=[align, align + 256])
+    msg = _refused(factory.write(bad, tmp_path / "b.pi2.gguf"))
+    assert msg.endswith(f"pi2.bundle.size[1] is {align + 256}, not a multiple of pi2.bundle.align = {align}")
+    with pytest.raises(SidecarError, match=f"not a multiple of pi2.bundle.align = {align}"):
+        read_sidecar(factory.write(bad, tmp_path / "b2.pi2.gguf"))
+
+
 def test_bundle_size_smaller_than_its_parts(tmp_path: Path) -> None:
     # n_embd 2048 in F16: gate, up and down rows of 4096 bytes each need a 12288-byte bundle
     sc = factory.build(n_embd=2048, n_ff=(16,), rank=(4,), bundle_size=[8192])
@@ -403,6 +419,8 @@ def test_inconsistent_fingerprint_and_enums(tmp_path: Path) -> None:
     sc.set("pi2.hot_count", [96, 129])
     assert _refused(factory.write(sc, tmp_path / "h.pi2.gguf")).endswith("pi2.hot_count[1] is 129, more than n_ff = 128")
 
-    sc = factory.build()
-    sc.set("pi2.bundle.align", 512)
-    assert _refused(factory.write(sc, tmp_path / "al.pi2.gguf")).endswith("pi2.bundle.align is 512, expected 4096")
+    for align in (256, 3072, 8192):
+        sc = factory.build()
+        sc.set("pi2.bundle.align", align)
+        assert _refused(factory.write(sc, tmp_path / f"al{align}.pi2.gguf")).endswith(
+            f"pi2.bundle.align is {align}, not a power of two from 512 to 4096")

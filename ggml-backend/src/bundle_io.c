@@ -1,6 +1,7 @@
 // O_DIRECT is a Linux open flag outside POSIX
 #define _GNU_SOURCE
 #include "bundle_io.h"
+#include "pi2_log.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -111,9 +112,14 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
         return inject;
     }
     size_t got = 0;
-    int e = pi2_preadv_full(atomic_load(&f->direct) ? f->fd : f->fd_plain, iov, r->n, r->offset, &got);
-    if (e == EINVAL && atomic_load(&f->direct)) {
-        atomic_store(&f->direct, false);
+    const bool direct = atomic_load(&f->direct);
+    int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, r->n, r->offset, &got);
+    if (e == EINVAL && direct) {
+        if (atomic_exchange(&f->direct, false)) { // said once, by the thread that turned it off
+            // e.g. a sidecar of 512-byte bundles on a device of 4 KiB blocks (pi2.bundle.align, docs/FORMAT.md)
+            PI2_LOG_WARN("pi2: sidecar %s: O_DIRECT refused a read of %zu bytes at offset %llu; reading through the "
+                         "page cache from now on\n", f->path, total, (unsigned long long) r->offset);
+        }
         for (int k = 0; k < r->n; ++k) {
             iov[k] = r->iov[k];
         }

@@ -107,28 +107,72 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
 
 struct pi2_freq_item {
     float    f;
-    uint32_t layer;
+    uint32_t layer, slot;
 };
 
+// by frequency, hottest first; ties (frequencies are counts over the profiled tokens) by layer and slot,
+// so that planning and creating the cache split the hot segment identically
 static int pi2_freq_desc(const void * a, const void * b) {
-    const float x = ((const struct pi2_freq_item *) a)->f, y = ((const struct pi2_freq_item *) b)->f;
-    return (x < y) - (x > y);
+    const struct pi2_freq_item * x = a, * y = b;
+    if (x->f != y->f) {
+        return (x->f < y->f) - (x->f > y->f);
+    }
+    if (x->layer != y->layer) {
+        return (x->layer > y->layer) - (x->layer < y->layer);
+    }
+    return (x->slot > y->slot) - (x->slot < y->slot);
 }
 
-// hot_k per layer for at most `budget` hot bytes, the hottest neurons of the whole model first
-static uint64_t pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
-                              uint64_t budget, uint32_t * hot_k, float * cutoff) {
-    memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
+// every neuron of the model as a pi2_freq_item, hottest first; NULL when out of memory
+static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, size_t * n_items) {
+    size_t n = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        n += sc->layer[il].n_ff;
+    }
+    struct pi2_freq_item * items = malloc((n > 0 ? n : 1) * sizeof(*items));
+    if (items == NULL) {
+        return NULL;
+    }
+    size_t k = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        for (uint32_t j = 0; j < L->n_ff; ++j) {
+            items[k++] = (struct pi2_freq_item) { L->freq[L->order[j]], il, j };
+        }
+    }
+    qsort(items, n, sizeof(*items), pi2_freq_desc);
+    *n_items = n;
+    return items;
+}
+
+// hot_k per layer: the top n_ff - cold_need slots of every layer (what the cold segment's cold_need entries
+// cannot hold), then the hottest other neurons of the whole model while `budget` hot bytes last. Returns the
+// hot bytes; *cutoff is the lowest frequency of a hot neuron.
+static uint64_t pi2_hot_fill(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
+                             uint32_t cold_need, uint64_t budget, uint32_t * hot_k, float * cutoff) {
     uint64_t used = 0;
     *cutoff = 1.0f;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        hot_k[il] = L->n_ff > cold_need ? L->n_ff - cold_need : 0;
+        used += (uint64_t) hot_k[il] * L->bundle_size;
+        if (hot_k[il] > 0 && L->freq[L->order[hot_k[il] - 1]] < *cutoff) {
+            *cutoff = L->freq[L->order[hot_k[il] - 1]];
+        }
+    }
+    // a layer's items come in slot order (ties broken by slot), so each taken item is its layer's next slot
     for (size_t k = 0; k < n_items; ++k) {
-        const uint32_t bsize = sc->layer[items[k].layer].bundle_size;
+        const struct pi2_freq_item * it = &items[k];
+        if (it->slot < hot_k[it->layer]) {
+            continue;
+        }
+        const uint32_t bsize = sc->layer[it->layer].bundle_size;
         if (used + bsize > budget) {
             break;
         }
         used += bsize;
-        hot_k[items[k].layer]++;
-        *cutoff = items[k].f;
+        hot_k[it->layer]++;
+        *cutoff = it->f < *cutoff ? it->f : *cutoff;
     }
     return used;
 }
@@ -140,47 +184,35 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
     }
     uint32_t max_n_ff = 0;
     const uint32_t entry = pi2_max_bundle(sc, &max_n_ff);
-    size_t n_items = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        n_items += sc->layer[il].n_ff;
+    // the cold segment must hold every non-hot neuron of any one layer (oracle and dense modes need all):
+    // the fewest cold entries N for which that fits, the rest of the bytes to the hot segment (the
+    // hottest neurons of the whole model: hot hits grow with every byte, while a cold segment beyond one
+    // layer's misses sees few hits, docs/BACKEND.md). PI2_COLD_SHARE caps the hot segment, for measurement.
+    const uint64_t hot_cap = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes);
+    uint32_t need = max_n_ff;
+    for (uint32_t n = 0; n <= max_n_ff; ++n) {
+        uint64_t forced = 0;
+        for (uint32_t il = 0; il < sc->n_layer; ++il) {
+            const struct pi2_sidecar_layer * L = &sc->layer[il];
+            forced += L->n_ff > n ? (uint64_t) (L->n_ff - n) * L->bundle_size : 0;
+        }
+        if (forced + (uint64_t) n * entry <= bytes && forced <= hot_cap) {
+            need = n;
+            break;
+        }
     }
-    struct pi2_freq_item * items = malloc(n_items * sizeof(*items));
+    size_t n_items = 0;
+    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
     uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
     if (items == NULL || hot_k == NULL) {
         free(items);
         free(hot_k);
         return false;
     }
-    size_t k = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const struct pi2_sidecar_layer * L = &sc->layer[il];
-        for (uint32_t j = 0; j < L->n_ff; ++j) {
-            items[k++] = (struct pi2_freq_item) { L->freq[L->order[j]], il };
-        }
-    }
-    qsort(items, n_items, sizeof(*items), pi2_freq_desc);
-    // the largest hot budget (up to 1 - the cold share of the cache) that leaves the cold segment room for
-    // every non-hot neuron of any one layer
-    uint64_t lo = 0, hi = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes), best = 0;
+    const uint64_t room = bytes - (uint64_t) need * entry;
     float cutoff = 1.0f;
-    while (lo <= hi) {
-        const uint64_t mid = lo + (hi - lo) / 2;
-        const uint64_t used = pi2_hot_split(sc, items, n_items, mid, hot_k, &cutoff);
-        uint32_t need = 0;
-        for (uint32_t il = 0; il < sc->n_layer; ++il) {
-            const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
-            need = rest > need ? rest : need;
-        }
-        if ((bytes - used) / entry >= need) {
-            best = mid;
-            lo = mid + 1;
-        } else if (mid == 0) {
-            break;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    out->hot_bytes = pi2_hot_split(sc, items, n_items, best, hot_k, &cutoff);
+    out->cold_need = need;
+    out->hot_bytes = pi2_hot_fill(sc, items, n_items, need, room < hot_cap ? room : hot_cap, hot_k, &cutoff);
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         out->hot_neurons += hot_k[il];
     }
@@ -301,8 +333,20 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
-    // hot_k per layer again from the plan's frequency cutoff, within the planned bytes
-    uint64_t hot_left = plan->hot_bytes;
+    // hot_k per layer: the plan's split again (the same items in the same order, the same bytes)
+    size_t n_items = 0;
+    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
+    uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
+    if (items == NULL || hot_k == NULL) {
+        free(items);
+        free(hot_k);
+        snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+        pi2_cache_free(c);
+        return NULL;
+    }
+    float cutoff = 1.0f;
+    pi2_hot_fill(sc, items, n_items, plan->cold_need, plan->hot_bytes, hot_k, &cutoff);
+    free(items);
     uint8_t * hot = c->hot_mem;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
@@ -313,30 +357,29 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         C->where  = malloc(L->n_ff * sizeof(int32_t));
         if (C->where == NULL) {
             snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+            free(hot_k);
             pi2_cache_free(c);
             return NULL;
         }
         memset(C->where, 0xff, L->n_ff * sizeof(int32_t));
-        uint32_t k = 0;
-        while (k < L->n_ff && plan->hot_neurons > 0 && L->freq[L->order[k]] >= plan->freq_cutoff && hot_left >= L->bundle_size) {
-            hot_left -= L->bundle_size;
-            k++;
-        }
+        const uint32_t k = hot_k[il];
         C->hot_k = k;
         C->hot   = hot;
         // one sequential read per layer
         if (k > 0 && pi2_bundle_file_read(c->file, hot, (size_t) k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
+            free(hot_k);
             pi2_cache_free(c);
             return NULL;
         }
         hot += (size_t) k * L->bundle_size;
     }
+    free(hot_k);
     uint32_t need = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const uint32_t rest = c->layer[il].n_ff - c->layer[il].hot_k;
         need = rest > need ? rest : need;
     }
-    if (need > c->n_cold) { // ties at the cutoff can shift a few neurons between layers
+    if (need > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);
         return NULL;

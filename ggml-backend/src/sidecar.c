@@ -390,9 +390,11 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     sc->sparsity_method = (enum pi2_sparsity_method) m;
 
     const uint32_t align = gguf_get_val_u32(rd->gguf, pi2_find(rd, PI2_KEY_BUNDLE_ALIGN));
-    if (align != PI2_BUNDLE_ALIGN) {
-        return pi2_fail(rd, "%s is %" PRIu32 ", expected %d", PI2_KEY_BUNDLE_ALIGN, align, PI2_BUNDLE_ALIGN);
+    if (align < PI2_BUNDLE_ALIGN_MIN || align > PI2_BUNDLE_ALIGN || (align & (align - 1)) != 0) {
+        return pi2_fail(rd, "%s is %" PRIu32 ", not a power of two from %d to %d", PI2_KEY_BUNDLE_ALIGN, align,
+                        PI2_BUNDLE_ALIGN_MIN, PI2_BUNDLE_ALIGN);
     }
+    sc->bundle_align = align;
 
     const uint64_t * fps = gguf_get_arr_data(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
     sc->fingerprint = gguf_get_val_u64(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_FINGERPRINT));
@@ -467,9 +469,9 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         L->up_offset   = ggml_row_size(L->gate_type, sc->n_embd);
         L->down_offset = L->up_offset + ggml_row_size(L->up_type, sc->n_embd);
         L->data_end    = L->down_offset + ggml_row_size(L->down_type, sc->n_embd);
-        if (L->bundle_size % PI2_BUNDLE_ALIGN != 0) {
-            return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", not a multiple of %s = %d",
-                            PI2_KEY_BUNDLE_SIZE, il, L->bundle_size, PI2_KEY_BUNDLE_ALIGN, PI2_BUNDLE_ALIGN);
+        if (L->bundle_size % sc->bundle_align != 0) {
+            return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", not a multiple of %s = %" PRIu32,
+                            PI2_KEY_BUNDLE_SIZE, il, L->bundle_size, PI2_KEY_BUNDLE_ALIGN, sc->bundle_align);
         }
         if (L->bundle_size < L->data_end) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", smaller than its three parts: %zu bytes "

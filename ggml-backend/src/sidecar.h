@@ -63,6 +63,7 @@ struct pi2_sidecar {
     uint32_t n_layer;
     uint32_t n_embd;
     uint64_t fingerprint; // pi2.source.fingerprint
+    uint32_t bundle_align; // pi2.bundle.align: bundle sizes, and so their file offsets, are multiples of it
     char *   source_arch;
     char *   source_name;
 

@@ -5,7 +5,8 @@
 
 #define PI2_FORMAT_VERSION 1
 #define PI2_ARCHITECTURE   "pi2"
-#define PI2_BUNDLE_ALIGN   4096 // general.alignment, pi2.bundle.align, and the unit of bundle sizes
+#define PI2_BUNDLE_ALIGN   4096 // general.alignment, and the largest pi2.bundle.align
+#define PI2_BUNDLE_ALIGN_MIN 512 // the smallest pi2.bundle.align (a power of two in between)
 
 // keys (type as in FORMAT.md's key table)
 #define PI2_KEY_FORMAT_VERSION             "pi2.format_version"             // u32
