@@ -5,8 +5,9 @@ cold page cache (pi2_gguf.cgroup). Rows:
   - stock llama.cpp, defaults: mmap and CPU weight repacking (the repacked copy is anonymous memory, so
     under a limit below the model size it is usually OOM-killed)
   - stock llama.cpp, repack off: runs from mmap (llama-bench --repack 0), stock's best fair setting here
-  - pi2 with memory_budget = the limit: the FFN on flash behind the neuron cache
-  - pi2 all in RAM, no limit (the reference for "how much of its in-RAM speed does pi2 keep")
+  - pi2 with memory_budget = the limit: the FFN on flash behind the neuron cache (one row per --sidecar:
+    sidecars of one model side by side, e.g. converted with --bundle-align 4096 and 512)
+  - pi2 all in RAM, no limit (first sidecar) (the reference for "how much of its in-RAM speed does pi2 keep")
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
 decode time, and ratios.
 
@@ -48,27 +49,30 @@ class Row:
     major_faults: int = 0
 
 
-def _configs(model: Path, sidecar: Path | None, mode: str | None, limit: int, n: int, threads: int, ctx: int,
+def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
              skip_unlimited: bool) -> list[tuple[Row, list[str], int | None]]:
     common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False)
     rows = [
         (Row("stock llama.cpp, defaults (mmap, repack)", True), greedy_command(model, pi2=False, **common), limit),
         (Row("stock llama.cpp, mmap, repack off", True), greedy_command(model, pi2=False, repack=False, **common), limit),
-        (Row(f"pi2, memory budget {limit / 1e6:.0f} MB", True),
-         greedy_command(model, pi2=True, sidecar=sidecar, mode=mode, memory_budget=limit, **common), limit),
     ]
+    for sc in sidecars:
+        name = f" ({sc.name})" if len(sidecars) > 1 else ""
+        rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB", True),
+                     greedy_command(model, pi2=True, sidecar=sc, mode=mode, memory_budget=limit, **common), limit))
     if not skip_unlimited:
         rows.append((Row("pi2, all in RAM (no limit)", False),
-                     greedy_command(model, pi2=True, sidecar=sidecar, mode=mode, **common), None))
+                     greedy_command(model, pi2=True, sidecar=sidecars[0], mode=mode, **common), None))
     return rows
 
 
-def run_bench(model: Path, sidecar: Path | None, limit: int, read_bps: int | None, n: int = 32, threads: int = 2,
-              ctx: int = 512, mode: str | None = None, timeout: float = 1200, skip_unlimited: bool = False,
-              progress: bool = True) -> list[Row]:
-    files = [model] + ([sidecar] if sidecar is not None else [])
+def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
+              threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
+              skip_unlimited: bool = False, progress: bool = True) -> list[Row]:
+    sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
+    files = [model] + sidecars  # the page cache is dropped for each before every configuration
     out: list[Row] = []
-    configs = _configs(model, sidecar, mode, limit, n, threads, ctx, skip_unlimited)
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited)
     for row, cmd, mem in tqdm(configs, desc="bench", unit="config", disable=not progress):
         r = cgroup.run(cmd, mem, files, read_bps=read_bps, timeout=timeout)
         row.peak_mb = r.peak_bytes / 1e6
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", type=Path)
     ap.add_argument("--memory-limit", required=True, help="cgroup memory limit and pi2's budget, e.g. 600MB")
     ap.add_argument("--read-bps", help="cap disk reads, e.g. 1GB (per second; UFS 4.0 random 4 KiB reads ~1GB)")
-    ap.add_argument("--sidecar", type=Path, help="default: MODEL.pi2.gguf beside the model")
+    ap.add_argument("--sidecar", type=Path, action="append",
+                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
     ap.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
     ap.add_argument("-n", type=int, default=32, help="tokens to decode")
     ap.add_argument("--threads", type=int, default=2)
@@ -133,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     from .sidecar_format import sidecar_path_for
 
     model = check_model_file(args.model)
-    sidecar = args.sidecar or sidecar_path_for(model)
-    if not sidecar.is_file():
-        raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
+    sidecars = args.sidecar or [sidecar_path_for(model)]
+    for sidecar in sidecars:
+        if not sidecar.is_file():
+            raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
     limit = parse_size(args.memory_limit)
     read_bps = parse_size(args.read_bps) if args.read_bps else None
     why = cgroup.available()
     if why:
         raise Pi2Error(f"pi2-gguf bench: {why}")
-    rows = run_bench(model, sidecar, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
+    rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
                      args.skip_unlimited, progress=not args.json)
     if args.json:
         json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
