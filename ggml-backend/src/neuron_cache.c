@@ -145,34 +145,19 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
     return items;
 }
 
-// hot_k per layer: the top n_ff - cold_need slots of every layer (what the cold segment's cold_need entries
-// cannot hold), then the hottest other neurons of the whole model while `budget` hot bytes last. Returns the
-// hot bytes; *cutoff is the lowest frequency of a hot neuron.
-static uint64_t pi2_hot_fill(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
-                             uint32_t cold_need, uint64_t budget, uint32_t * hot_k, float * cutoff) {
+// hot_k per layer: the hottest neurons of the whole model, in the items' order, while `budget` bytes last
+// (a prefix of the items: a layer's items come in slot order, ties in frequency broken by slot)
+static uint64_t pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
+                              uint64_t budget, uint32_t * hot_k) {
+    memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
     uint64_t used = 0;
-    *cutoff = 1.0f;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const struct pi2_sidecar_layer * L = &sc->layer[il];
-        hot_k[il] = L->n_ff > cold_need ? L->n_ff - cold_need : 0;
-        used += (uint64_t) hot_k[il] * L->bundle_size;
-        if (hot_k[il] > 0 && L->freq[L->order[hot_k[il] - 1]] < *cutoff) {
-            *cutoff = L->freq[L->order[hot_k[il] - 1]];
-        }
-    }
-    // a layer's items come in slot order (ties broken by slot), so each taken item is its layer's next slot
     for (size_t k = 0; k < n_items; ++k) {
-        const struct pi2_freq_item * it = &items[k];
-        if (it->slot < hot_k[it->layer]) {
-            continue;
-        }
-        const uint32_t bsize = sc->layer[it->layer].bundle_size;
+        const uint32_t bsize = sc->layer[items[k].layer].bundle_size;
         if (used + bsize > budget) {
             break;
         }
         used += bsize;
-        hot_k[it->layer]++;
-        *cutoff = it->f < *cutoff ? it->f : *cutoff;
+        hot_k[items[k].layer]++;
     }
     return used;
 }
@@ -184,40 +169,41 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
     }
     uint32_t max_n_ff = 0;
     const uint32_t entry = pi2_max_bundle(sc, &max_n_ff);
-    // the cold segment must hold every non-hot neuron of any one layer (oracle and dense modes need all):
-    // the fewest cold entries N for which that fits, the rest of the bytes to the hot segment (the
-    // hottest neurons of the whole model: hot hits grow with every byte, while a cold segment beyond one
-    // layer's misses sees few hits, docs/BACKEND.md). PI2_COLD_SHARE caps the hot segment, for measurement.
-    const uint64_t hot_cap = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes);
-    uint32_t need = max_n_ff;
-    for (uint32_t n = 0; n <= max_n_ff; ++n) {
-        uint64_t forced = 0;
-        for (uint32_t il = 0; il < sc->n_layer; ++il) {
-            const struct pi2_sidecar_layer * L = &sc->layer[il];
-            forced += L->n_ff > n ? (uint64_t) (L->n_ff - n) * L->bundle_size : 0;
-        }
-        if (forced + (uint64_t) n * entry <= bytes && forced <= hot_cap) {
-            need = n;
-            break;
-        }
-    }
     size_t n_items = 0;
     struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
-    uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
+    uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
     if (items == NULL || hot_k == NULL) {
         free(items);
         free(hot_k);
         return false;
     }
-    const uint64_t room = bytes - (uint64_t) need * entry;
-    float cutoff = 1.0f;
-    out->cold_need = need;
-    out->hot_bytes = pi2_hot_fill(sc, items, n_items, need, room < hot_cap ? room : hot_cap, hot_k, &cutoff);
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        out->hot_neurons += hot_k[il];
+    // the longest prefix of the hottest neurons (up to 1 - the cold share of the cache) that leaves the
+    // cold segment room for every non-hot neuron of any one layer. That room is not monotone in the
+    // prefix (a layer still without hot neurons needs a whole layer of cold entries), so every prefix is
+    // tried; no bisection.
+    const uint64_t hot_cap = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes);
+    uint64_t used = 0, best_used = 0;
+    size_t best = 0;
+    for (size_t k = 0; k < n_items; ++k) {
+        used += sc->layer[items[k].layer].bundle_size;
+        if (used > hot_cap || used > bytes) {
+            break;
+        }
+        hot_k[items[k].layer]++;
+        uint32_t need = 0;
+        for (uint32_t il = 0; il < sc->n_layer; ++il) {
+            const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
+            need = rest > need ? rest : need;
+        }
+        if ((bytes - used) / entry >= need) {
+            best      = k + 1;
+            best_used = used;
+        }
     }
-    out->freq_cutoff = out->hot_neurons > 0 ? cutoff : 1.0f;
-    const uint64_t cold_entries = (bytes - out->hot_bytes) / entry;
+    out->hot_bytes   = best_used;
+    out->hot_neurons = best;
+    out->freq_cutoff = best > 0 ? items[best - 1].f : 1.0f;
+    const uint64_t cold_entries = (bytes - best_used) / entry;
     out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
     out->cold_bytes = (uint64_t) out->n_cold * entry;
     free(items);
@@ -344,8 +330,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
-    float cutoff = 1.0f;
-    pi2_hot_fill(sc, items, n_items, plan->cold_need, plan->hot_bytes, hot_k, &cutoff);
+    pi2_hot_split(sc, items, n_items, plan->hot_bytes, hot_k);
     free(items);
     uint8_t * hot = c->hot_mem;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {

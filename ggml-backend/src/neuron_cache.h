@@ -23,7 +23,6 @@ struct pi2_neuron_cache;
 struct pi2_cache_plan {
     uint64_t hot_bytes, cold_bytes;
     uint32_t n_cold;       // cold entries
-    uint32_t cold_need;    // of those, what one layer's non-hot neurons need at most
     uint64_t hot_neurons;  // summed over layers
     float    freq_cutoff;  // neurons at least this frequently active are hot
 };
