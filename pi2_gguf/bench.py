@@ -7,7 +7,8 @@ cold page cache (pi2_gguf.cgroup). Rows:
   - stock llama.cpp, repack off: runs from mmap (llama-bench --repack 0), stock's best fair setting here
   - pi2 with memory_budget = the limit: the FFN on flash behind the neuron cache (one row per --sidecar:
     sidecars of one model side by side, e.g. converted with --bundle-align 4096 and 512)
-  - pi2 all in RAM, no limit (first sidecar) (the reference for "how much of its in-RAM speed does pi2 keep")
+  - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
+    pi2 keep")
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
 decode time, and ratios.
 

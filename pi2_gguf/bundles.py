@@ -1,7 +1,8 @@
 """Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron,
-padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte; down columns are dequantized,
-transposed and quantized again with ggml's own quantizer (libggml-base ggml_quantize_chunk, which
-covers every type, K-quants included), in the smallest type that keeps the model type's own error."""
+padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte;
+down columns are dequantized, transposed and quantized again with ggml's own quantizer (libggml-base
+ggml_quantize_chunk, which covers every type, K-quants included), in the smallest type that keeps the
+model type's own error."""
 
 from __future__ import annotations
 

@@ -50,8 +50,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
     if out.resolve() == model.path:
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
-    if bundle_align not in fmt.BUNDLE_ALIGNS:
-        raise Pi2Error(f"bundle alignment {bundle_align} is not one of {', '.join(map(str, fmt.BUNDLE_ALIGNS))}")
+    try:
+        fmt.check_bundle_align(bundle_align)
+    except ValueError as e:
+        raise Pi2Error(str(e)) from e
     if not 0.5 <= recall < 1.0:
         raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
     try:

@@ -264,9 +264,10 @@ def read(path: str | Path) -> Sidecar:
         if int(t.data_offset) % fmt.BUNDLE_ALIGN:
             raise SidecarError(f"sidecar {p}: tensor {t.name} is not {fmt.BUNDLE_ALIGN}-byte aligned")
     align = int(kv["pi2.bundle.align"])
-    if align not in fmt.BUNDLE_ALIGNS:
-        raise SidecarError(f"sidecar {p}: pi2.bundle.align is {align}, not one of "
-                           f"{', '.join(map(str, fmt.BUNDLE_ALIGNS))}")
+    try:
+        fmt.check_bundle_align(align)
+    except ValueError as e:
+        raise SidecarError(f"sidecar {p}: {e}") from e
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv["pi2.n_embd"])
     for il in range(n_layer):

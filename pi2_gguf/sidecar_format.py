@@ -114,11 +114,16 @@ def row_size(qtype: int | GGMLQuantizationType, n: int) -> int:
     return n // block * nbytes
 
 
+def check_bundle_align(align: int) -> None:
+    """ValueError unless align may be a sidecar's pi2.bundle.align."""
+    if align not in BUNDLE_ALIGNS:
+        raise ValueError(f"pi2.bundle.align is {align}, not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
+
+
 def bundle_parts(gate_type: int, up_type: int, down_type: int, n_embd: int,
                  align: int = BUNDLE_ALIGN) -> tuple[int, int, int, int]:
     """(up offset, down offset, end of data, bundle size) of one bundle, its size a multiple of align."""
-    if align not in BUNDLE_ALIGNS:
-        raise ValueError(f"bundle alignment {align} is not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
+    check_bundle_align(align)
     up_off = row_size(gate_type, n_embd)
     down_off = up_off + row_size(up_type, n_embd)
     end = down_off + row_size(down_type, n_embd)

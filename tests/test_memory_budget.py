@@ -82,22 +82,31 @@ def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted") -> pi
         del os.environ["PI2_CACHE_MAX"]
 
 
+def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: str = "predicted",
+                    n: int = N_STEPS) -> tuple[np.ndarray, np.ndarray, plugin.Counters, plugin.CacheInfo]:
+    """Logits of n greedy steps all in RAM, then on flash behind the small cache (_load_small_cache); with
+    the flash run's counters and its cache."""
+    ram = pi2_gguf.Llama(str(model), sidecar=ram_sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False)
+    want = _steps(ram, n)
+    ram.close()
+    flash = _load_small_cache(model, flash_sidecar, mode)
+    plugin.reset_counters()
+    got = _steps(flash, n)
+    c = plugin.read_counters()
+    info = flash.cache_info()
+    flash.close()
+    assert info is not None
+    return want, got, c, info
+
+
 @pytest.mark.parametrize("mode", ["predicted", "oracle"])
 def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path, list], same_engine_settings,
                                                    mode: str) -> None:
     model, sidecar, _ = relu_model
-    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False)
-    want = _steps(ram)
-    ram.close()
-    flash = _load_small_cache(model, sidecar, mode)
-    info = flash.cache_info()
-    assert info is not None and info.n_cold > 0 and info.hot_bytes + info.cold_bytes <= 6 << 20
+    want, got, c, info = _ram_then_flash(model, sidecar, sidecar, mode)
+    assert info.n_cold > 0 and info.hot_bytes + info.cold_bytes <= 6 << 20
     # the plan spends the whole cache: the cold segment gets what the hot one leaves, to the last entry
     assert info.hot_bytes + info.cold_bytes > (6 << 20) - fmt.BUNDLE_ALIGN and info.hot_neurons > 0
-    plugin.reset_counters()
-    got = _steps(flash)
-    c = plugin.read_counters()
-    flash.close()
     assert np.array_equal(got, want)  # bit for bit: same kernels, same order, bundles as read from the file
     # the smallest cache leaves most neurons on flash: they were read, and the counters add up
     needed = int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())
@@ -110,14 +119,7 @@ def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_si
                                                          same_engine_settings) -> None:
     """SmolLM2 with the default product criterion (up rows for the admitted neurons, down columns for the
     active ones): on flash as in RAM, bit for bit."""
-    ram = pi2_gguf.Llama(str(smollm2), sidecar=smol_sidecar, mode="oracle", n_ctx=256, n_threads=2, verbose=False)
-    want = _steps(ram, 4)
-    ram.close()
-    flash = _load_small_cache(smollm2, smol_sidecar, "oracle")
-    plugin.reset_counters()
-    got = _steps(flash, 4)
-    c = plugin.read_counters()
-    flash.close()
+    want, got, c, _ = _ram_then_flash(smollm2, smol_sidecar, smol_sidecar, "oracle", 4)
     assert np.array_equal(got, want)
     assert int(c.misses.sum()) > 0
     assert 0.4 < c.active.sum() / c.neurons.sum() < 0.6 < 0.85 < c.rows[:, 1].sum() / c.neurons.sum() < 0.95
@@ -158,17 +160,9 @@ def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, lis
     sizes = {int(s) for s in sc.kv["pi2.bundle.size"]}
     ends = {sc.bundle_slices(il)[2].stop for il in range(sc.n_layer)}
     assert sizes == {-(-e // 512) * 512 for e in ends} and max(sizes) < fmt.BUNDLE_ALIGN
-    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False)
-    want = _steps(ram)
-    ram.close()
-    flash = _load_small_cache(model, sidecar)
-    plugin.reset_counters()
-    got = _steps(flash)
-    c = plugin.read_counters()
-    info = flash.cache_info()
-    flash.close()
+    want, got, c, info = _ram_then_flash(model, sidecar, sidecar)
     assert np.array_equal(got, want)
-    assert info is not None and info.direct_io == _direct_io_takes(sidecar, 512)
+    assert info.direct_io == _direct_io_takes(sidecar, 512)
     assert (6 << 20) - max(sizes) < info.hot_bytes + info.cold_bytes <= 6 << 20
     misses, read = int(c.misses.sum()), int(c.bytes_read.sum())
     assert misses > 0 and read % 512 == 0 and read >= misses * min(sizes)
@@ -204,17 +198,9 @@ def test_512_byte_bundles_on_a_4k_block_device_read_buffered(relu_model: tuple[P
     model = relu_model[0]
     sidecar = Path(shutil.copy(relu512, block_device_4k / relu512.name))
     assert not _direct_io_takes(sidecar, 512) and _direct_io_takes(sidecar, 4096)
-    ram = pi2_gguf.Llama(str(model), sidecar=relu512, n_ctx=256, n_threads=2, verbose=False)
-    want = _steps(ram)
-    ram.close()
-    flash = _load_small_cache(model, sidecar)
-    plugin.reset_counters()
-    got = _steps(flash)
-    c = plugin.read_counters()
-    info = flash.cache_info()
-    flash.close()
+    want, got, c, info = _ram_then_flash(model, relu512, sidecar)
     assert np.array_equal(got, want)
-    assert info is not None and not info.direct_io and int(c.misses.sum()) > 0
+    assert not info.direct_io and int(c.misses.sum()) > 0
 
 
 def _untied_copy(src: Path, dst: Path) -> Path:

@@ -145,21 +145,24 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
     return items;
 }
 
-// hot_k per layer: the hottest neurons of the whole model, in the items' order, while `budget` bytes last
-// (a prefix of the items: a layer's items come in slot order, ties in frequency broken by slot)
-static uint64_t pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_items,
-                              uint64_t budget, uint32_t * hot_k) {
+// hot_k per layer when the first n_hot items are hot (a layer's items come in slot order, ties in
+// frequency broken by slot, so each layer's hot neurons are its first hot_k slots)
+static void pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_hot,
+                          uint32_t * hot_k) {
     memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
-    uint64_t used = 0;
-    for (size_t k = 0; k < n_items; ++k) {
-        const uint32_t bsize = sc->layer[items[k].layer].bundle_size;
-        if (used + bsize > budget) {
-            break;
-        }
-        used += bsize;
+    for (size_t k = 0; k < n_hot; ++k) {
         hot_k[items[k].layer]++;
     }
-    return used;
+}
+
+// cold entries the layer with the most non-hot neurons needs (oracle and dense modes read all of them)
+static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * hot_k) {
+    uint32_t need = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
+        need = rest > need ? rest : need;
+    }
+    return need;
 }
 
 bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out) {
@@ -186,16 +189,11 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
     size_t best = 0;
     for (size_t k = 0; k < n_items; ++k) {
         used += sc->layer[items[k].layer].bundle_size;
-        if (used > hot_cap || used > bytes) {
+        if (used > hot_cap) { // at most bytes: the cold share is 0 to 0.9
             break;
         }
         hot_k[items[k].layer]++;
-        uint32_t need = 0;
-        for (uint32_t il = 0; il < sc->n_layer; ++il) {
-            const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
-            need = rest > need ? rest : need;
-        }
-        if ((bytes - used) / entry >= need) {
+        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k)) {
             best      = k + 1;
             best_used = used;
         }
@@ -319,7 +317,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
-    // hot_k per layer: the plan's split again (the same items in the same order, the same bytes)
+    // hot_k per layer: the plan's prefix of the same items in the same order
     size_t n_items = 0;
     struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
     uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
@@ -330,7 +328,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
-    pi2_hot_split(sc, items, n_items, plan->hot_bytes, hot_k);
+    pi2_hot_split(sc, items, (size_t) (plan->hot_neurons < n_items ? plan->hot_neurons : n_items), hot_k);
     free(items);
     uint8_t * hot = c->hot_mem;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
@@ -358,12 +356,8 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         }
         hot += (size_t) k * L->bundle_size;
     }
+    const uint32_t need = pi2_cold_need(sc, hot_k);
     free(hot_k);
-    uint32_t need = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const uint32_t rest = c->layer[il].n_ff - c->layer[il].hot_k;
-        need = rest > need ? rest : need;
-    }
     if (need > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);
