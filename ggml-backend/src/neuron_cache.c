@@ -492,6 +492,18 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
     return failed ? -1 : 0;
 }
 
+const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot) {
+    const struct pi2_cache_layer * L = &c->layer[layer];
+    if (slot < L->hot_k) {
+        return L->hot + (size_t) slot * L->bsize;
+    }
+    const int32_t e = L->where[slot];
+    if (e < 0 || atomic_load_explicit(&c->ent[e].state, memory_order_acquire) != PI2_ENTRY_READY) {
+        return NULL;
+    }
+    return c->cold + (size_t) e * c->entry_size;
+}
+
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns) {
     const struct pi2_cache_layer * L = &c->layer[layer];
     if (slot < L->hot_k) {

@@ -50,6 +50,9 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
 // The bundle of a requested slot once it is in memory; NULL if its read failed (pi2_cache_error says why).
 // Adds the time spent waiting to *wait_ns.
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);
+// the bundle of slot if it is in memory now (hot, or a cold entry whose read is done), else NULL; never
+// waits (for prefetching)
+const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot);
 // Waits for every queued read (after an error, before entries may be reused), then checks that the file
 // did not change while they ran. 0, or -1 with err.
 int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen);

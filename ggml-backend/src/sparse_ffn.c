@@ -18,6 +18,12 @@
 // after every cluster's gates and ups, by when a layer's worth of rows has pushed it out of L2, so it
 // is not fetched together with its up row
 #define PI2_DOWN_AHEAD 4
+// in RAM, gate rows are prefetched this many candidates ahead, and up rows this many fired neurons
+// ahead. Measured on the ReLU 1.5B model at rank 128 (2 threads): 8/8 took its gate/up pass from
+// ~200 to ~175 us per layer; prefetching a whole cluster's gates at once (the previous scheme) or
+// 16 ahead was slower, and so was prefetching up rows with the gates (30% of candidates do not fire)
+#define PI2_GATE_AHEAD 8
+#define PI2_UP_AHEAD   8
 
 struct pi2_active {
     const uint8_t * bundle;
@@ -134,6 +140,7 @@ struct pi2_sparse_plan {
     // predicted work (weight[c]: 1 + neurons predicted in cluster c) instead of every nth cluster
     bool                      balance;
     int32_t *                 weight; // [n_clusters]
+    int32_t *                 cand;   // [nth][n_ff] each thread's candidate slots
     struct pi2_thread_stats * stats;  // [nth]
     char *                    gluq;   // glu row in down_vdt (dense down)
     int                       nth;
@@ -250,78 +257,17 @@ static inline bool pi2_emit_admitted(const struct pi2_sparse_plan * p, struct pi
     return true;
 }
 
-// one cluster's slots whose gate is computed, and of those the ones that fired
+// model-rows path: one chunk of PI2_CLUSTER rows' neurons that fired
 struct pi2_cluster {
-    int64_t         c; // the cluster (model-rows path: the chunk of PI2_CLUSTER rows)
-    int             nc, na;
-    int32_t         cand[PI2_CLUSTER];
-    bool            cand_pred[PI2_CLUSTER]; // false: computed for the recall check only
+    int64_t         c; // the chunk, which is also the down list's cluster
+    int             na;
     const uint8_t * act_bundle[PI2_CLUSTER];
     const void *    act_up[PI2_CLUSTER];     // the up row: in the bundle, or the model's row
     int32_t         act_neuron[PI2_CLUSTER]; // the model's neuron index
     float           act_val[PI2_CLUSTER];
 };
 
-// pass 1: the candidates of cluster c from the predictor's scores (flash: chosen before the reads were
-// issued); in RAM their gate rows are prefetched
-static void pi2_cluster_candidates(const struct pi2_sparse_plan * p, int64_t c, struct pi2_cluster * k) {
-    const int64_t s0 = c * PI2_CLUSTER;
-    const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
-    k->c  = c;
-    k->nc = k->na = 0;
-    for (int64_t s = s0; s < s1; ++s) {
-        bool pred = true;
-        if (p->cache != NULL) {
-            if (p->want[s] == 0) {
-                continue;
-            }
-            pred = p->want[s] == 1;
-        } else {
-            if (p->predicted) {
-                pred = pi2_predict_slot(p, s);
-                if (!pred && !p->check) {
-                    continue;
-                }
-            }
-            pi2_prefetch(p->B->bundles + (size_t) s * p->L->bundle_size, p->L->up_offset);
-        }
-        k->cand[k->nc]      = (int32_t) s;
-        k->cand_pred[k->nc] = pred;
-        k->nc++;
-    }
-}
-
-// pass 2: gate rows of the candidates -> the neurons that fired (their up rows prefetched)
-static void pi2_cluster_gates(struct pi2_sparse_plan * p, struct pi2_token_rows * r, struct pi2_cluster * k) {
-    const struct pi2_sidecar_layer * L = p->L;
-    const size_t up_bytes = L->down_offset - L->up_offset;
-    for (int i = 0; i < k->nc; ++i) {
-        const uint8_t * bundle = pi2_bundle_at(p, k->cand[i], r->st);
-        if (bundle == NULL) {
-            return;
-        }
-        float g = 0.0f;
-        p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r->xq, 0, 1);
-        const float act    = pi2_act(p->op, g);
-        const bool  active = pi2_fires(p, g, act);
-        if (!k->cand_pred[i]) { // recall check: the gate was computed only to count what the predictor missed
-            r->st->missed += active;
-            continue;
-        }
-        r->st->predicted++;
-        r->gate_out[L->order[k->cand[i]]] = g;
-        if (!active) {
-            continue;
-        }
-        pi2_prefetch(bundle + L->up_offset, up_bytes);
-        k->act_bundle[k->na] = bundle;
-        k->act_up[k->na]     = bundle + L->up_offset;
-        k->act_neuron[k->na] = L->order[k->cand[i]];
-        k->act_val[k->na++]  = act;
-    }
-}
-
-// pass 3: up rows of the neurons that fired -> up/GLU outputs and the down list
+// up rows of a chunk's neurons that fired -> up/GLU outputs and the down list
 static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_cluster * k) {
     struct pi2_active * list = p->list + k->c * PI2_CLUSTER;
     int n = 0;
@@ -353,37 +299,111 @@ static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nt
     *c1 = ith == nth - 1 ? n_clusters : c;
 }
 
-// gate/up/GLU of the clusters assigned to thread ith, for token t. The passes are staggered so that
-// every prefetch has a cluster's worth of work before its rows are read: while cluster i's gates are
-// computed, cluster i+1's gate rows and cluster i's up rows are on their way; cluster i-1's ups run
-// after. The down list keeps cluster order, so sums do not depend on the staggering.
+// the slots of thread ith's clusters whose gate row is computed, in cluster order: s for a predicted
+// slot, -1 - s for one computed only for the recall check. Returns their count.
+static int64_t pi2_thread_candidates(const struct pi2_sparse_plan * p, int64_t c0, int64_t c1, int64_t step,
+                                     int32_t * cand) {
+    int64_t n = 0;
+    for (int64_t c = c0; c < c1; c += step) {
+        const int64_t s1 = (c + 1) * PI2_CLUSTER < p->n_ff ? (c + 1) * PI2_CLUSTER : p->n_ff;
+        for (int64_t s = c * PI2_CLUSTER; s < s1; ++s) {
+            bool pred = true;
+            if (p->cache != NULL) {
+                if (p->want[s] == 0) {
+                    continue;
+                }
+                pred = p->want[s] == 1;
+            } else if (p->predicted) {
+                pred = pi2_predict_slot(p, s);
+                if (!pred && !p->check) {
+                    continue;
+                }
+            }
+            cand[n++] = pred ? (int32_t) s : -1 - (int32_t) s;
+        }
+    }
+    return n;
+}
+
+// a neuron that fired, waiting for its up row
+struct pi2_fired {
+    const uint8_t * bundle;
+    int32_t         neuron; // the model's index
+    int32_t         c;      // its cluster
+    float           act;
+};
+
+// the fired neuron's up row -> its up/GLU outputs and, if active, its entry in its cluster's down list
+static void pi2_fired_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_fired * f) {
+    struct pi2_active * list = p->list + (size_t) f->c * PI2_CLUSTER;
+    const int32_t n = p->n_act[f->c];
+    const bool active = pi2_emit_admitted(p, r, f->neuron, f->bundle + p->L->up_offset, f->bundle, f->act, &list[n]);
+    p->n_act[f->c] = n + active;
+    r->st->admitted++;
+    r->st->active += active;
+}
+
+// gate/up/GLU of the clusters assigned to thread ith, for token t, one row at a time. Random rows are
+// latency-bound, so the gate row of the candidate PI2_GATE_AHEAD places ahead is prefetched (flash: if in memory),
+// and a neuron that fires waits in a ring until PI2_UP_AHEAD more have fired before its prefetched up
+// row is read. Each cluster's down list keeps slot order, whichever thread computed it.
 static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) {
     struct pi2_token_rows r = pi2_token_rows(p, ith, t);
-    const int64_t n_clusters = p->n_clusters;
-    const int     nth = p->nth;
     // flash: every nth cluster in slot order, hot (pinned) ones first, so compute overlaps the reads of
     // the rest
-    int64_t c0 = ith, c1 = n_clusters, step = nth;
+    int64_t c0 = ith, c1 = p->n_clusters, step = p->nth;
     if (p->balance) {
-        pi2_balanced_range(p, ith, nth, &c0, &c1);
+        pi2_balanced_range(p, ith, p->nth, &c0, &c1);
         step = 1;
     }
-    struct pi2_cluster k[3]; // by iteration i: i % 3 is cluster i (gates), (i + 1) % 3 the next, (i + 2) % 3 the last
-    if (c0 < c1) {
-        pi2_cluster_candidates(p, c0, &k[0]);
-    }
-    int i = 0;
-    for (int64_t c = c0; c < c1 && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += step, ++i) {
-        if (c + step < c1) {
-            pi2_cluster_candidates(p, c + step, &k[(i + 1) % 3]);
+    int32_t * cand = p->cand + (size_t) ith * p->n_ff;
+    const int64_t n = pi2_thread_candidates(p, c0, c1, step, cand);
+    const struct pi2_sidecar_layer * L = p->L;
+    const size_t up_bytes = L->down_offset - L->up_offset;
+    struct pi2_fired ring[PI2_UP_AHEAD];
+    int head = 0, queued = 0;
+    for (int64_t i = 0; i < n && !atomic_load_explicit(&p->failed, memory_order_relaxed); ++i) {
+        if (i + PI2_GATE_AHEAD < n) {
+            const int32_t a = cand[i + PI2_GATE_AHEAD];
+            const int64_t sa = a >= 0 ? a : -1 - a;
+            // flash: only a bundle already in memory; one still being read is prefetched by no one
+            const uint8_t * ahead = p->cache == NULL ? p->B->bundles + (size_t) sa * L->bundle_size
+                                                     : pi2_cache_peek(p->cache, p->layer, sa);
+            if (ahead != NULL) {
+                pi2_prefetch(ahead, L->up_offset);
+            }
         }
-        pi2_cluster_gates(p, &r, &k[i % 3]);
-        if (i > 0) {
-            pi2_cluster_ups(p, &r, &k[(i + 2) % 3]);
+        const bool    pred = cand[i] >= 0;
+        const int32_t s    = pred ? cand[i] : -1 - cand[i];
+        const uint8_t * bundle = pi2_bundle_at(p, s, r.st);
+        if (bundle == NULL) {
+            return;
         }
+        float g = 0.0f;
+        p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r.xq, 0, 1);
+        const float act    = pi2_act(p->op, g);
+        const bool  active = pi2_fires(p, g, act);
+        if (!pred) { // recall check: the gate was computed only to count what the predictor missed
+            r.st->missed += active;
+            continue;
+        }
+        r.st->predicted++;
+        r.gate_out[L->order[s]] = g;
+        if (!active) {
+            continue;
+        }
+        pi2_prefetch(bundle + L->up_offset, up_bytes);
+        if (queued == PI2_UP_AHEAD) {
+            pi2_fired_up(p, &r, &ring[head]);
+            head = (head + 1) % PI2_UP_AHEAD;
+            --queued;
+        }
+        ring[(head + queued) % PI2_UP_AHEAD] = (struct pi2_fired) { bundle, L->order[s], s / PI2_CLUSTER, act };
+        ++queued;
     }
-    if (i > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed)) {
-        pi2_cluster_ups(p, &r, &k[(i + 2) % 3]);
+    for (; queued > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed); --queued) {
+        pi2_fired_up(p, &r, &ring[head]);
+        head = (head + 1) % PI2_UP_AHEAD;
     }
 }
 
@@ -399,7 +419,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     const int64_t f0 = p->n_clusters * ith / nth * PI2_CLUSTER;
     const int64_t f1 = ith == nth - 1 ? p->n_ff : p->n_clusters * (ith + 1) / nth * PI2_CLUSTER;
     const size_t up_bytes = (size_t) wu->nb[1];
-    // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2] (pass 3, as for clusters)
+    // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]
     struct pi2_cluster k[2];
     k[0].na = k[1].na = 0;
     int i = 0;
@@ -751,6 +771,7 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64((size_t) nth * sizeof(struct pi2_thread_stats)),
         pi2_align64(ggml_row_size(p.down_vdt, p.n_ff)),
         b->flash ? pi2_align64((size_t) p.n_ff) : 0,
+        pi2_align64((size_t) nth * p.n_ff * sizeof(int32_t)),
     };
     size_t total = 0;
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
@@ -773,7 +794,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.weight = (int32_t *) w;             w += sizes[9];
     p.stats = (struct pi2_thread_stats *) w; w += sizes[10];
     p.gluq  = w;                          w += sizes[11];
-    p.want  = (uint8_t *) w;
+    p.want  = (uint8_t *) w;              w += sizes[12];
+    p.cand  = (int32_t *) w;
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
     if (b->flash) {
