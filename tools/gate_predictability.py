@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         x_he = prof.heldout[il].astype(np.float32)
 
         def truth(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            a = act(x @ gate_w.T)
+            a = act(sp.gate_preactivations(gate_w, x))
             return np.abs(a), np.abs(a * (x @ up_w.T))
 
         mag_tr, prod_tr = truth(x_tr)

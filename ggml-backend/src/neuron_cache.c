@@ -505,35 +505,34 @@ const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int
 }
 
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns) {
-    const struct pi2_cache_layer * L = &c->layer[layer];
-    if (slot < L->hot_k) {
-        return L->hot + (size_t) slot * L->bsize;
+    const uint8_t * ready = pi2_cache_peek(c, layer, slot);
+    if (ready != NULL) {
+        return ready;
     }
-    const int32_t e = L->where[slot];
+    const int32_t e = c->layer[layer].where[slot];
     if (e < 0) {
         return NULL;
     }
     struct pi2_cold_entry * E = &c->ent[e];
     int s = atomic_load_explicit(&E->state, memory_order_acquire);
-    if (s != PI2_ENTRY_READY) {
-        const uint64_t t0 = pi2_now_ns();
-        for (int spin = 0; s == PI2_ENTRY_PENDING; ++spin) {
-            if (spin < 100) {
-                __builtin_ia32_pause();
-            } else {
-                atomic_fetch_add(&c->waiters, 1);
-                const unsigned g = atomic_load(&c->completions);
-                if (atomic_load(&E->state) == PI2_ENTRY_PENDING) {
-                    pi2_futex_wait(&c->completions, g);
-                }
-                atomic_fetch_sub(&c->waiters, 1);
+    // not ready: its read is pending (or just finished, or failed)
+    const uint64_t t0 = pi2_now_ns();
+    for (int spin = 0; s == PI2_ENTRY_PENDING; ++spin) {
+        if (spin < 100) {
+            __builtin_ia32_pause();
+        } else {
+            atomic_fetch_add(&c->waiters, 1);
+            const unsigned g = atomic_load(&c->completions);
+            if (atomic_load(&E->state) == PI2_ENTRY_PENDING) {
+                pi2_futex_wait(&c->completions, g);
             }
-            s = atomic_load_explicit(&E->state, memory_order_acquire);
+            atomic_fetch_sub(&c->waiters, 1);
         }
-        *wait_ns += pi2_now_ns() - t0;
-        if (s != PI2_ENTRY_READY) {
-            return NULL;
-        }
+        s = atomic_load_explicit(&E->state, memory_order_acquire);
+    }
+    *wait_ns += pi2_now_ns() - t0;
+    if (s != PI2_ENTRY_READY) {
+        return NULL;
     }
     return c->cold + (size_t) e * c->entry_size;
 }
