@@ -155,6 +155,16 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     pthread_mutex_init(&b->cache_lock, NULL);
     b->flash      = flash;
     atomic_init(&b->uploading, false);
+#if defined(__GLIBC__)
+    if (flash) {
+        // The cache is sized from what is resident once the model is loaded. glibc's mmap threshold
+        // adapts to what was freed, so llama's compute buffers sometimes reused heap that loading had
+        // touched (resident, and reserved again as compute buffers) and sometimes came fresh from mmap:
+        // the same 600 MB budget gave Qwen 1.5B a cache of 62 or 105 MB from one load to the next. A
+        // fixed threshold makes every large block a fresh mapping, returned to the system when freed.
+        mallopt(M_MMAP_THRESHOLD, 1 << 20);
+    }
+#endif
     // queue depth: DESIGN.md measured 4 KiB reads ~10k/s one at a time, 50-80k/s at depth 16-32; 32
     // threads measured 3-12% faster decode than 8 here (ReLU 1.5B at 600 MB, 4.2 GB model at 2.1 GB)
     const char * io = getenv("PI2_IO_THREADS");
