@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from . import bundles as bundles_mod
 from . import corpus as corpus_mod
+from . import inspect_sidecar
 from . import predictor as pred_mod
 from . import sidecar_format as fmt
 from . import sparsity as sp
@@ -20,6 +21,7 @@ from .errors import Pi2Error
 from .model_ffn import ModelFfn, activation_values
 from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, add_profile_args, run_profile
 from .sidecar import LayerData, SidecarMeta, write
+from .sidecar import read as read_sidecar
 
 
 @dataclass(frozen=True)
@@ -140,18 +142,6 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     return ConvertResult(out, time.time() - t0, t_prof, out.stat().st_size, meta)
 
 
-def summary_table(meta: SidecarMeta) -> str:
-    product = meta.method == "product"
-    rows = ["layer  n_ff  thresh" + (" x up thr" if product else "")
-            + "  density  rank  recall  precis  pred.dens  hot   down type (err/tol)"]
-    for il, ld in enumerate(meta.layers):
-        rows.append(f"{il:5d} {ld.n_ff:5d} {ld.threshold:7.4f} " + (f"{ld.product_threshold:8.4f} " if product else "")
-                    + f"{ld.density:8.3f} {ld.rank:5d} {ld.recall:7.4f} "
-                    f"{ld.precision:7.3f} {ld.predicted_density:10.3f} {ld.hot_count:5d}   "
-                    f"{bundles_mod.QT(ld.down_type).name} ({ld.down_error:.4f}/{ld.down_tolerance:.4f})")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pi2-gguf convert",
                                  description="Profile a model on real text and write its pi2 sidecar GGUF "
@@ -185,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                   args.recall, args.ranks,
                   args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs,
                   bundle_align=args.bundle_align)
-    print(summary_table(res.meta))
+    # the table of `pi2-gguf inspect`, from the file as written
+    print(inspect_sidecar.summary(read_sidecar(res.path)))
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
           f"(profiling {res.profile_seconds:.0f} s)")
     return 0

@@ -255,6 +255,7 @@ def test_convert_cli_writes_beside_the_model_and_leaves_it_untouched(smollm2: Pa
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / smollm2.name.replace(".gguf", fmt.SUFFIX)
     assert out.is_file() and "wrote" in res.stdout
+    assert "30 layers" in res.stdout and "held-out recall" in res.stdout  # the inspect table of the file written
     assert hashlib.sha256(model.read_bytes()).hexdigest() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([model.name, out.name])  # no temp files left
     png = tmp_path / "hot.png"

@@ -257,28 +257,6 @@ static inline bool pi2_emit_admitted(const struct pi2_sparse_plan * p, struct pi
     return true;
 }
 
-// model-rows path: one chunk of PI2_CLUSTER rows' neurons that fired
-struct pi2_cluster {
-    int64_t         c; // the chunk, which is also the down list's cluster
-    int             na;
-    const uint8_t * act_bundle[PI2_CLUSTER];
-    const void *    act_up[PI2_CLUSTER];     // the up row: in the bundle, or the model's row
-    int32_t         act_neuron[PI2_CLUSTER]; // the model's neuron index
-    float           act_val[PI2_CLUSTER];
-};
-
-// up rows of a chunk's neurons that fired -> up/GLU outputs and the down list
-static void pi2_cluster_ups(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_cluster * k) {
-    struct pi2_active * list = p->list + k->c * PI2_CLUSTER;
-    int n = 0;
-    for (int i = 0; i < k->na; ++i) {
-        n += pi2_emit_admitted(p, r, k->act_neuron[i], k->act_up[i], k->act_bundle[i], k->act_val[i], &list[n]);
-    }
-    p->n_act[k->c] = n;
-    r->st->admitted += k->na;
-    r->st->active += n;
-}
-
 // balanced split: thread ith's run [*c0, *c1) of clusters, cut where the running weight crosses
 // ith/nth of the total (the same cut on every thread: the weights were written before a barrier)
 static void pi2_balanced_range(const struct pi2_sparse_plan * p, int ith, int nth, int64_t * c0, int64_t * c1) {
@@ -328,6 +306,7 @@ static int64_t pi2_thread_candidates(const struct pi2_sparse_plan * p, int64_t c
 // a neuron that fired, waiting for its up row
 struct pi2_fired {
     const uint8_t * bundle;
+    const void *    up;     // its up row: in the bundle, or (model-rows path) the model's row
     int32_t         neuron; // the model's index
     int32_t         c;      // its cluster
     float           act;
@@ -337,7 +316,7 @@ struct pi2_fired {
 static void pi2_fired_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_fired * f) {
     struct pi2_active * list = p->list + (size_t) f->c * PI2_CLUSTER;
     const int32_t n = p->n_act[f->c];
-    const bool active = pi2_emit_admitted(p, r, f->neuron, f->bundle + p->L->up_offset, f->bundle, f->act, &list[n]);
+    const bool active = pi2_emit_admitted(p, r, f->neuron, f->up, f->bundle, f->act, &list[n]);
     p->n_act[f->c] = n + active;
     r->st->admitted++;
     r->st->active += active;
@@ -398,7 +377,8 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
             head = (head + 1) % PI2_UP_AHEAD;
             --queued;
         }
-        ring[(head + queued) % PI2_UP_AHEAD] = (struct pi2_fired) { bundle, L->order[s], s / PI2_CLUSTER, act };
+        ring[(head + queued) % PI2_UP_AHEAD] = (struct pi2_fired) { bundle, bundle + L->up_offset, L->order[s],
+                                                                     s / PI2_CLUSTER, act };
         ++queued;
     }
     for (; queued > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed); --queued) {
@@ -420,13 +400,12 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
     const int64_t f1 = ith == nth - 1 ? p->n_ff : p->n_clusters * (ith + 1) / nth * PI2_CLUSTER;
     const size_t up_bytes = (size_t) wu->nb[1];
     // chunk i's gates fill k[i % 2] while chunk i-1's ups drain k[(i + 1) % 2]
-    struct pi2_cluster k[2];
-    k[0].na = k[1].na = 0;
+    struct pi2_fired k[2][PI2_CLUSTER];
+    int na[2] = { 0, 0 };
     int i = 0;
     for (int64_t c0 = f0; c0 < f1 + PI2_CLUSTER; c0 += PI2_CLUSTER, ++i) {
-        struct pi2_cluster * fill = &k[i % 2];
-        fill->c  = c0 / PI2_CLUSTER;
-        fill->na = 0;
+        struct pi2_fired * fill = k[i % 2];
+        na[i % 2] = 0;
         const int64_t c1 = c0 + PI2_CLUSTER < f1 ? c0 + PI2_CLUSTER : f1;
         for (int64_t n = c0; n < c1; ++n) {
             float g = 0.0f;
@@ -434,17 +413,16 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
             r.gate_out[n] = g;
             const float act = pi2_act(p->op, g);
             if (pi2_fires(p, g, act)) {
-                const uint8_t * bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size;
                 const char * up_row = (const char *) wu->data + n * wu->nb[1];
                 pi2_prefetch(up_row, up_bytes);
-                fill->act_bundle[fill->na] = bundle;
-                fill->act_up[fill->na]     = up_row;
-                fill->act_neuron[fill->na] = (int32_t) n;
-                fill->act_val[fill->na++]  = act;
+                fill[na[i % 2]++] = (struct pi2_fired) {
+                    .bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size, .up = up_row,
+                    .neuron = (int32_t) n, .c = (int32_t) (c0 / PI2_CLUSTER), .act = act,
+                };
             }
         }
-        if (i > 0) {
-            pi2_cluster_ups(p, &r, &k[(i + 1) % 2]);
+        for (int j = 0; i > 0 && j < na[(i + 1) % 2]; ++j) {
+            pi2_fired_up(p, &r, &k[(i + 1) % 2][j]);
         }
     }
     r.st->predicted += f1 - f0;
