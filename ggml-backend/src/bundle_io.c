@@ -95,14 +95,31 @@ int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
     return pi2_preadv_full(fd, &iov, 1, off, &got);
 }
 
+// the request's iovecs into iov, those that continue the previous one in memory merged into it: entries
+// of consecutive slots are mostly neighbours in the cache (its clock hands them out in order), and the
+// kernel pins each iovec's pages separately (that pinning was the largest CPU cost of a read). Returns
+// the count and adds the bytes to *total (if not NULL).
+static int pi2_merged_iov(const struct pi2_io_req * r, struct iovec * iov, size_t * total) {
+    int m = 0;
+    for (int k = 0; k < r->n; ++k) {
+        const struct iovec v = r->iov[k];
+        if (total != NULL) {
+            *total += v.iov_len;
+        }
+        if (m > 0 && (char *) iov[m - 1].iov_base + iov[m - 1].iov_len == (char *) v.iov_base) {
+            iov[m - 1].iov_len += v.iov_len;
+        } else {
+            iov[m++] = v;
+        }
+    }
+    return m;
+}
+
 // one request into its iovecs: O_DIRECT, falling back to buffered where the filesystem refuses
 static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, char * why, size_t whylen) {
     struct iovec iov[PI2_IO_MAX_RUN];
     size_t total = 0;
-    for (int k = 0; k < r->n; ++k) {
-        iov[k] = r->iov[k];
-        total += r->iov[k].iov_len;
-    }
+    const int m = pi2_merged_iov(r, iov, &total);
     const int64_t left = atomic_fetch_sub(&f->fault_after, 1);
     const int inject = atomic_load(&f->fault_err);
     if (inject != 0 && left == 0) {
@@ -113,17 +130,15 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
     }
     size_t got = 0;
     const bool direct = atomic_load(&f->direct);
-    int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, r->n, r->offset, &got);
+    int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, m, r->offset, &got);
     if (e == EINVAL && direct) {
         if (atomic_exchange(&f->direct, false)) { // said once, by the thread that turned it off
             // e.g. a sidecar of 512-byte bundles on a device of 4 KiB blocks (pi2.bundle.align, docs/FORMAT.md)
             PI2_LOG_WARN("pi2: sidecar %s: O_DIRECT refused a read of %zu bytes at offset %llu; reading through the "
                          "page cache from now on\n", f->path, total, (unsigned long long) r->offset);
         }
-        for (int k = 0; k < r->n; ++k) {
-            iov[k] = r->iov[k];
-        }
-        e = pi2_preadv_full(f->fd_plain, iov, r->n, r->offset, &got);
+        pi2_merged_iov(r, iov, NULL); // the failed attempt may have moved them
+        e = pi2_preadv_full(f->fd_plain, iov, m, r->offset, &got);
     }
     if (e == PI2_READ_EOF) { // the bundle lies past the end: the file was cut since it was checked
         e = EIO;
