@@ -367,7 +367,8 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
             continue;
         }
         r.st->predicted++;
-        r.gate_out[L->order[s]] = g;
+        const int32_t neuron = L->order[s];
+        r.gate_out[neuron] = g;
         if (!active) {
             continue;
         }
@@ -377,8 +378,7 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
             head = (head + 1) % PI2_UP_AHEAD;
             --queued;
         }
-        ring[(head + queued) % PI2_UP_AHEAD] = (struct pi2_fired) { bundle, bundle + L->up_offset, L->order[s],
-                                                                     s / PI2_CLUSTER, act };
+        ring[(head + queued) % PI2_UP_AHEAD] = (struct pi2_fired) { bundle, bundle + L->up_offset, neuron, s / PI2_CLUSTER, act };
         ++queued;
     }
     for (; queued > 0 && !atomic_load_explicit(&p->failed, memory_order_relaxed); --queued) {
