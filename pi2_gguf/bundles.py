@@ -1,5 +1,5 @@
-"""Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron,
-padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte;
+"""Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron (or
+of a few neurons in a row), padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte;
 down columns are dequantized, transposed and quantized again with ggml's own quantizer (libggml-base
 ggml_quantize_chunk, which covers every type, K-quants included), in the smallest type that keeps the
 model type's own error."""
@@ -105,12 +105,14 @@ def down_columns(down: FfnTensor) -> DownColumns:
 
 
 def layer_bundles(gate: FfnTensor, up: FfnTensor, down: DownColumns, order: np.ndarray,
-                  align: int = fmt.BUNDLE_ALIGN) -> np.ndarray:
-    """[n_ff, bundle size] uint8: slot j holds neuron order[j]."""
-    n_embd = gate.ne0
-    up_off, down_off, end, size = fmt.bundle_parts(int(gate.qtype), int(up.qtype), int(down.qtype), n_embd, align)
-    out = np.zeros((len(order), size), dtype=np.uint8)
-    out[:, :up_off] = gate.raw[order]
-    out[:, up_off:down_off] = up.raw[order]
-    out[:, down_off:end] = down.data[order]
+                  layout: fmt.BundleLayout) -> np.ndarray:
+    """[n_bundles, bundle size] uint8: bundle slot j (neuron order[j]) at layout.offset(j)."""
+    n_ff, n_bundles = len(order), layout.n_bundles(len(order))
+    # every slot of every bundle as a row of `stride` bytes (slots past n_ff stay zero)
+    rows = np.zeros((n_bundles * layout.neurons, layout.stride), dtype=np.uint8)
+    rows[:n_ff, :layout.up_offset] = gate.raw[order]
+    rows[:n_ff, layout.up_offset:layout.down_offset] = up.raw[order]
+    rows[:n_ff, layout.down_offset:layout.end] = down.data[order]
+    out = np.zeros((n_bundles, layout.size), dtype=np.uint8)
+    out[:, :layout.neurons * layout.stride] = rows.reshape(n_bundles, -1)
     return out

@@ -24,6 +24,11 @@ from .sidecar import LayerData, SidecarMeta, write
 from .sidecar import read as read_sidecar
 
 
+# a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
+# engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99), so its bundles hold several neurons
+DENSE_PREDICTION = 0.9
+
+
 @dataclass(frozen=True)
 class ConvertResult:
     path: Path
@@ -46,7 +51,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
             epochs: int = pred_mod.EPOCHS, progress: bool = True,
-            bundle_align: int = fmt.BUNDLE_ALIGN) -> ConvertResult:
+            bundle_align: int = fmt.BUNDLE_ALIGN, bundle_neurons: int | None = None) -> ConvertResult:
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -54,6 +59,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
     try:
         fmt.check_bundle_align(bundle_align)
+        if bundle_neurons is not None:
+            fmt.check_bundle_neurons(bundle_neurons)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
     if not 0.5 <= recall < 1.0:
@@ -80,6 +87,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     score = pred_mod.score_fn(plan.method, act)
     layers: list[LayerData] = []
     downs: list[bundles_mod.DownColumns] = []
+    layouts: list[fmt.BundleLayout] = []
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
         gate_w = ffn["gate"].dequantized()
@@ -114,12 +122,17 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
-        _, _, _, bsize = fmt.bundle_parts(int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype), n_embd,
-                                        bundle_align)
+        types = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype))
+        # several neurons to a bundle only where a token reads (nearly) every bundle anyway: less padding,
+        # and a sparse layer still reads one neuron per bundle
+        neurons = bundle_neurons if bundle_neurons is not None else (
+            fmt.tightest_bundle_neurons(*types, n_embd, bundle_align) if fitted.heldout.density >= DENSE_PREDICTION else 1)
+        layouts.append(fmt.bundle_layout(*types, n_embd, bundle_align, neurons))
         layers.append(LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
             recall=fitted.heldout.recall, precision=fitted.heldout.precision,
-            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=bsize,
+            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq),
+            bundle_size=layouts[-1].size, bundle_neurons=neurons,
             gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
             down_tolerance=down.tolerance, down_error=down.max_error,
             w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
@@ -135,7 +148,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     def layer_bundles(il: int) -> np.ndarray:
         ffn = model.layers[il]
-        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order, bundle_align)
+        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order, layouts[il])
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
@@ -167,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
                          "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
                          "block is 512 bytes; elsewhere reads fall back to buffered I/O")
+    ap.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
+                    help="neurons per bundle, 1-%d (default: 1 where the predictor leaves most neurons out, else "
+                         "the count that pads least: every bundle of such a layer is read each token)" % fmt.MAX_BUNDLE_NEURONS)
     add_profile_args(ap)
     args = ap.parse_args(argv)
     from .cli import resolve_model
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks,
                   args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs,
-                  bundle_align=args.bundle_align)
+                  bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons)
     # the table of `pi2-gguf inspect`, from the file as written
     print(inspect_sidecar.summary(read_sidecar(res.path)))
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "

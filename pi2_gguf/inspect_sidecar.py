@@ -34,7 +34,7 @@ def summary(sc: Sidecar) -> str:
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")
-        + "  density  rank  recall  precis  pred.dens   hot  bundle  down type (err/tol)",
+        + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  down type (err/tol)",
     ]
     for il in range(sc.n_layer):
         g = lambda k: kv[k][il]  # noqa: E731
@@ -42,7 +42,7 @@ def summary(sc: Sidecar) -> str:
             f"{il:5d} {g('pi2.n_ff'):5d} {g('pi2.sparsity.thresholds'):7.4f} "
             + (f"{g('pi2.sparsity.product_thresholds'):8.4f} " if product else "") + f"{g('pi2.sparsity.density'):8.3f} "
             f"{g('pi2.predictor.rank'):5d} {g('pi2.predictor.recall'):7.4f} {g('pi2.predictor.precision'):7.3f} "
-            f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d}  "
+            f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d} ({g('pi2.bundle.neurons'):2d})  "
             f"{GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
             f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})")
     return "\n".join(lines)

@@ -59,7 +59,8 @@ def precheck(budget: int, model: Path, sidecar: Path) -> None:
     if "output.weight" in sizes:
         non_ffn -= sizes.get("token_embd.weight", 0)
     kv = sidecar_mod.read(sidecar).kv
-    one_layer = max(int(f) * int(b) for f, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.size"]))
+    one_layer = max(-(-int(f) // int(g)) * int(b)
+                    for f, g, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.neurons"], kv["pi2.bundle.size"]))
     del ffn
     need = held + non_ffn + one_layer + MARGIN
     if budget < need:

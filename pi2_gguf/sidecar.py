@@ -43,6 +43,11 @@ class LayerData:
     freq: np.ndarray   # [n_ff] float32
     order: np.ndarray  # [n_ff] int32
     product_threshold: float = 0.0  # method "product" only
+    bundle_neurons: int = 1
+
+    @property
+    def n_bundles(self) -> int:
+        return -(-self.n_ff // self.bundle_neurons)
 
 
 @dataclass
@@ -81,7 +86,8 @@ _PER_LAYER = {
     "pi2.n_ff": "n_ff", "pi2.sparsity.thresholds": "threshold", "pi2.sparsity.density": "density",
     "pi2.predictor.rank": "rank", "pi2.predictor.cutoff": "cutoff", "pi2.predictor.recall": "recall",
     "pi2.predictor.precision": "precision", "pi2.predictor.density": "predicted_density",
-    "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.gate_type": "gate_type",
+    "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.neurons": "bundle_neurons",
+    "pi2.bundle.gate_type": "gate_type",
     "pi2.bundle.up_type": "up_type", "pi2.bundle.down_type": "down_type",
     "pi2.bundle.down_tolerance": "down_tolerance", "pi2.bundle.down_error": "down_error",
     "pi2.sparsity.product_thresholds": "product_threshold",
@@ -129,7 +135,7 @@ def _small_tensors(il: int, ld: LayerData) -> list[tuple[str, np.ndarray]]:
 def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarray],
           progress: Callable[[int], None] | None = None) -> Path:
     """Writes the sidecar atomically (temp file beside it, then rename). bundles(layer) returns that
-    layer's [n_ff, bundle size] uint8 array."""
+    layer's [n_bundles, bundle size] uint8 array."""
     out = Path(path)
     kv = _key_values(meta)
     if set(kv) != set(fmt.keys_of(meta.method)):
@@ -146,8 +152,8 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
                 w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes)
                 order.append((il, name, arr))
             name = fmt.tensor_name(il, "pi2_bundles")
-            shape = (ld.n_ff, ld.bundle_size)
-            w.add_tensor_info(name, shape, np.dtype(np.int8), ld.n_ff * ld.bundle_size)
+            shape = (ld.n_bundles, ld.bundle_size)
+            w.add_tensor_info(name, shape, np.dtype(np.int8), ld.n_bundles * ld.bundle_size)
             order.append((il, name, None))
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -156,7 +162,7 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
             if arr is None:
                 b = bundles(il)
                 ld = meta.layers[il]
-                if b.shape != (ld.n_ff, ld.bundle_size) or b.dtype != np.uint8:
+                if b.shape != (ld.n_bundles, ld.bundle_size) or b.dtype != np.uint8:
                     raise AssertionError(f"bundles of layer {il}: {b.shape} {b.dtype}")
                 w.write_tensor_data(b.view(np.int8))
                 if progress:
@@ -189,15 +195,25 @@ class Sidecar:
         return np.asarray(self.tensors[fmt.tensor_name(il, suffix)].data)
 
     def bundles(self, il: int) -> np.ndarray:
-        """[n_ff, bundle size] uint8 view into the file."""
+        """[n_bundles, bundle size] uint8 view into the file."""
         return self.layer_tensor(il, "pi2_bundles").view(np.uint8)
 
+    def layout(self, il: int) -> fmt.BundleLayout:
+        kv = self.kv
+        return fmt.bundle_layout(int(kv["pi2.bundle.gate_type"][il]), int(kv["pi2.bundle.up_type"][il]),
+                                 int(kv["pi2.bundle.down_type"][il]), int(kv["pi2.n_embd"]),
+                                 int(kv["pi2.bundle.align"]), int(kv["pi2.bundle.neurons"][il]))
+
+    def slots(self, il: int) -> np.ndarray:
+        """[n_ff, end of a neuron's parts] uint8 (a copy): row j = the parts of bundle slot j."""
+        lay, n_ff = self.layout(il), int(self.kv["pi2.n_ff"][il])
+        flat = self.bundles(il).reshape(-1)
+        return np.stack([flat[lay.offset(j):lay.offset(j) + lay.end] for j in range(n_ff)])
+
     def bundle_slices(self, il: int) -> tuple[slice, slice, slice]:
-        up_off, down_off, end, _ = fmt.bundle_parts(int(self.kv["pi2.bundle.gate_type"][il]),
-                                                    int(self.kv["pi2.bundle.up_type"][il]),
-                                                    int(self.kv["pi2.bundle.down_type"][il]),
-                                                    int(self.kv["pi2.n_embd"]), int(self.kv["pi2.bundle.align"]))
-        return slice(0, up_off), slice(up_off, down_off), slice(down_off, end)
+        """Gate row, up row and down column within a row of slots()."""
+        lay = self.layout(il)
+        return slice(0, lay.up_offset), slice(lay.up_offset, lay.down_offset), slice(lay.down_offset, lay.end)
 
     def check_model(self, tensor_fingerprints: list[int], model_path: str | Path) -> None:
         """Raises SidecarError unless the sidecar was made from a model with these FFN weights."""
@@ -271,8 +287,16 @@ def read(path: str | Path) -> Sidecar:
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv["pi2.n_embd"])
     for il in range(n_layer):
-        dims = {"n_embd": n_embd, "n_ff": int(kv["pi2.n_ff"][il]), "r": int(kv["pi2.predictor.rank"][il]),
-                "bundle size": int(kv["pi2.bundle.size"][il])}
+        n_ff, bsize, neurons = int(kv["pi2.n_ff"][il]), int(kv["pi2.bundle.size"][il]), int(kv["pi2.bundle.neurons"][il])
+        try:
+            lay = sc.layout(il)
+        except ValueError as e:
+            raise SidecarError(f"sidecar {p}: layer {il}: {e}") from e
+        if bsize % align or bsize < neurons * lay.stride:
+            raise SidecarError(f"sidecar {p}: layer {il} bundle size {bsize} does not hold its {neurons} x {lay.stride} "
+                               f"bytes of data or is not a multiple of pi2.bundle.align = {align}")
+        dims = {"n_embd": n_embd, "n_ff": n_ff, "r": int(kv["pi2.predictor.rank"][il]),
+                "bundle size": bsize, "n_bundles": lay.n_bundles(n_ff)}
         for suffix, (tname, shape) in fmt.TENSORS.items():
             name = fmt.tensor_name(il, suffix)
             t = tensors.get(name)
@@ -282,11 +306,6 @@ def read(path: str | Path) -> Sidecar:
             if t.tensor_type != GGMLQuantizationType[tname] or [int(x) for x in t.shape] != want:
                 raise SidecarError(f"sidecar {p}: tensor {name} is {t.tensor_type.name} {list(t.shape)}, "
                                    f"expected {tname} {want}")
-        d_slice = sc.bundle_slices(il)[2]
-        bsize = dims["bundle size"]
-        if bsize % align or d_slice.stop > bsize:
-            raise SidecarError(f"sidecar {p}: layer {il} bundle size {bsize} does not hold its {d_slice.stop} "
-                               f"bytes of data or is not a multiple of pi2.bundle.align = {align}")
         order = sc.layer_tensor(il, "pi2_order")
         if not np.array_equal(np.sort(order), np.arange(dims["n_ff"])):
             raise SidecarError(f"sidecar {p}: blk.{il}.pi2_order is not a permutation of the layer's neurons")

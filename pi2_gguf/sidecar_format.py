@@ -5,6 +5,7 @@ tests/test_format.py checks these declarations, and the C reader's, against docs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -12,12 +13,15 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ARCHITECTURE = "pi2"
 BUNDLE_ALIGN = 4096  # general.alignment, and the default and largest pi2.bundle.align
 # pi2.bundle.align may be any of these: a bundle can be read with O_DIRECT where the device's logical block
 # divides it (512 on most disks and on this VM; 4096 on UFS flash), and smaller units waste less padding
 BUNDLE_ALIGNS = (512, 1024, 2048, 4096)
+# within a bundle of several neurons each neuron starts on this many bytes (as GGUF tensor data does)
+NEURON_ALIGN = 32
+MAX_BUNDLE_NEURONS = 16
 SUFFIX = ".pi2.gguf"
 
 
@@ -63,6 +67,7 @@ KEYS: dict[str, KT] = {
     "pi2.calib.date": KT.STR,
     "pi2.bundle.align": KT.U32,
     "pi2.bundle.size": KT.U32_ARR,
+    "pi2.bundle.neurons": KT.U32_ARR,
     "pi2.bundle.gate_type": KT.U32_ARR,
     "pi2.bundle.up_type": KT.U32_ARR,
     "pi2.bundle.down_type": KT.U32_ARR,
@@ -78,7 +83,7 @@ TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pi2_pred_b2": ("F32", ("n_ff",)),
     "pi2_freq": ("F32", ("n_ff",)),
     "pi2_order": ("I32", ("n_ff",)),
-    "pi2_bundles": ("I8", ("bundle size", "n_ff")),
+    "pi2_bundles": ("I8", ("bundle size", "n_bundles")),
 }
 
 ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu")
@@ -120,15 +125,50 @@ def check_bundle_align(align: int) -> None:
         raise ValueError(f"pi2.bundle.align is {align}, not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
 
 
-def bundle_parts(gate_type: int, up_type: int, down_type: int, n_embd: int,
-                 align: int = BUNDLE_ALIGN) -> tuple[int, int, int, int]:
-    """(up offset, down offset, end of data, bundle size) of one bundle, its size a multiple of align."""
+def check_bundle_neurons(neurons: int) -> None:
+    """ValueError unless a bundle may hold this many neurons."""
+    if not 1 <= neurons <= MAX_BUNDLE_NEURONS:
+        raise ValueError(f"pi2.bundle.neurons is {neurons}, not 1..{MAX_BUNDLE_NEURONS}")
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    """Where a layer's neurons sit in its bundles (docs/FORMAT.md, "Bundle layout")."""
+
+    up_offset: int    # a neuron's parts: gate row at 0, up row here, down column at down_offset
+    down_offset: int
+    end: int          # end of a neuron's parts
+    stride: int       # from one neuron of a bundle to the next
+    neurons: int      # neurons per bundle
+    size: int         # bytes per bundle, a multiple of the alignment
+
+    def n_bundles(self, n_ff: int) -> int:
+        return -(-n_ff // self.neurons)
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of bundle slot `slot` (a neuron) from the layer's first bundle."""
+        return slot // self.neurons * self.size + slot % self.neurons * self.stride
+
+
+def bundle_layout(gate_type: int, up_type: int, down_type: int, n_embd: int, align: int = BUNDLE_ALIGN,
+                  neurons: int = 1) -> BundleLayout:
+    """The layout of bundles of `neurons` neurons each, padded to a multiple of align."""
     check_bundle_align(align)
+    check_bundle_neurons(neurons)
     up_off = row_size(gate_type, n_embd)
     down_off = up_off + row_size(up_type, n_embd)
     end = down_off + row_size(down_type, n_embd)
-    size = -(-end // align) * align
-    return up_off, down_off, end, size
+    stride = -(-end // NEURON_ALIGN) * NEURON_ALIGN
+    size = -(-(neurons * stride) // align) * align
+    return BundleLayout(up_off, down_off, end, stride, neurons, size)
+
+
+def tightest_bundle_neurons(gate_type: int, up_type: int, down_type: int, n_embd: int, align: int = BUNDLE_ALIGN) -> int:
+    """The number of neurons per bundle (1..MAX_BUNDLE_NEURONS) that pads least per neuron; the fewest on
+    ties. Qwen2.5-1.5B's 2,592-byte neurons: 16 per 41,472-byte bundle, no padding (1: 3,072 at 512)."""
+    def per_neuron(g: int) -> float:
+        return bundle_layout(gate_type, up_type, down_type, n_embd, align, g).size / g
+    return min(range(1, MAX_BUNDLE_NEURONS + 1), key=lambda g: (per_neuron(g), g))
 
 
 # --- fingerprint -------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def weight_shape(matrix: int, n_embd: int, n_ff: int) -> tuple[int, int]:
 
 
 def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, ...] = (8, 16), seed: int = 0,
-          bundle_size: list[int] | None = None, method: str = "cats", bundle_align: int = sf.BUNDLE_ALIGN) -> Sidecar:
+          bundle_size: list[int] | None = None, method: str = "cats", bundle_align: int = sf.BUNDLE_ALIGN,
+          bundle_neurons: int = 1) -> Sidecar:
     rng = np.random.default_rng(seed)
     n_layer = len(n_ff)
     weights: list[list[np.ndarray]] = []
@@ -76,15 +77,18 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         cum = np.cumsum(freq[order])
         hot.append(int(np.searchsorted(cum, cum[-1] / 2) + 1))
 
-        up_off, down_off, end, size = sf.bundle_parts(F16, F16, F16, n_embd, bundle_align)
-        bundles = np.zeros((nf, size), dtype=np.uint8)
+        lay = sf.bundle_layout(F16, F16, F16, n_embd, bundle_align, bundle_neurons)
+        size = lay.size
+        flat = np.zeros(lay.n_bundles(nf) * size, dtype=np.uint8)
         for j, i in enumerate(order):
-            bundles[j, :up_off] = gate[i].view(np.uint8)
-            bundles[j, up_off:down_off] = up[i].view(np.uint8)
-            bundles[j, down_off:end] = np.ascontiguousarray(down[:, i]).view(np.uint8)
+            at = lay.offset(j)
+            flat[at:at + lay.up_offset] = gate[i].view(np.uint8)
+            flat[at + lay.up_offset:at + lay.down_offset] = up[i].view(np.uint8)
+            flat[at + lay.down_offset:at + lay.end] = np.ascontiguousarray(down[:, i]).view(np.uint8)
+        bundles = flat.reshape(-1, size)
         if bundle_size is not None:  # a deliberately wrong size: cut or pad the bundles to it
             size = bundle_size[il]
-            cut = np.zeros((nf, size), dtype=np.uint8)
+            cut = np.zeros((bundles.shape[0], size), dtype=np.uint8)
             cut[:, :min(size, bundles.shape[1])] = bundles[:, :size]
             bundles = cut
         sizes.append(size)
@@ -132,6 +136,7 @@ def build(n_embd: int = 64, n_ff: tuple[int, ...] = (96, 128), rank: tuple[int, 
         "pi2.calib.date": "2025-01-01T00:00:00Z",
         "pi2.bundle.align": bundle_align,
         "pi2.bundle.size": sizes,
+        "pi2.bundle.neurons": per_layer(bundle_neurons),
         "pi2.bundle.gate_type": per_layer(F16),
         "pi2.bundle.up_type": per_layer(F16),
         "pi2.bundle.down_type": per_layer(F16),

@@ -18,6 +18,7 @@ from gguf import GGUFReader
 from pi2_gguf import bundles, corpus, plugin, sidecar, sparsity
 from pi2_gguf import sidecar_format as fmt
 from pi2_gguf.errors import SidecarError
+from pi2_gguf.convert import DENSE_PREDICTION
 from pi2_gguf.model_ffn import ModelFfn, activation_values
 from pi2_gguf.predictor import Predictor, score_fn
 from pi2_gguf.profile import Profile
@@ -133,12 +134,18 @@ def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
     for il in range(model.n_layer):
         ffn = model.layers[il]
         order = sc.layer_tensor(il, "pi2_order").reshape(-1)
-        b = sc.bundles(il)
+        lay = sc.layout(il)
+        raw = sc.bundles(il)
+        assert lay.size % 4096 == 0 and raw.shape == (lay.n_bundles(1536), lay.size)
+        b = sc.slots(il)
         gs, us, ds = sc.bundle_slices(il)
-        assert sc.kv["pi2.bundle.size"][il] % 4096 == 0 and b.shape == (1536, sc.kv["pi2.bundle.size"][il])
         assert np.array_equal(b[:, gs], ffn["gate"].raw[order]), f"layer {il}: gate rows differ"
         assert np.array_equal(b[:, us], ffn["up"].raw[order]), f"layer {il}: up rows differ"
-        assert not b[:, ds.stop:].any()
+        # everything but the neurons' parts is zero padding
+        parts = np.zeros(raw.size, dtype=bool)
+        for j in range(1536):
+            parts[lay.offset(j):lay.offset(j) + lay.end] = True
+        assert not raw.reshape(-1)[~parts].any()
         dtype = QT(sc.kv["pi2.bundle.down_type"][il])
         cols = bundles.dequantize_rows(dtype, b[:, ds], model.n_embd)
         want = ffn["down"].dequantized().T[order]
@@ -146,6 +153,34 @@ def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
         assert err.max() <= sc.kv["pi2.bundle.down_tolerance"][il]
         assert err.max() == pytest.approx(sc.kv["pi2.bundle.down_error"][il], rel=1e-4)
         assert err.max() < 0.2  # 4-bit re-quantization of a 4-bit column: same order as Q4_1's own error
+
+
+def test_bundles_hold_several_neurons_where_every_neuron_is_read(smol_sidecar: Path) -> None:
+    """Layers whose predictor selects at least 90% of the neurons (all of SmolLM2's at 50% product) get the
+    neuron count per bundle that pads least; the others one neuron per bundle."""
+    sc = sidecar.read(smol_sidecar)
+    packed = 0
+    for il in range(sc.n_layer):
+        kv = lambda k: sc.kv[k][il]  # noqa: E731
+        types = (kv("pi2.bundle.gate_type"), kv("pi2.bundle.up_type"), kv("pi2.bundle.down_type"))
+        lay = sc.layout(il)
+        if kv("pi2.predictor.density") >= DENSE_PREDICTION:
+            assert lay.neurons == fmt.tightest_bundle_neurons(*types, 576, 4096) > 1
+            assert lay.size / lay.neurons < fmt.bundle_layout(*types, 576, 4096, 1).size  # less padding per neuron
+            packed += 1
+        else:
+            assert lay.neurons == 1
+    assert packed > sc.n_layer // 2
+
+
+def test_tightest_bundle_neurons() -> None:
+    # Qwen2.5-1.5B's Q4_K neuron: 864 + 864 + 864 bytes; 16 fill 41,472 bytes (81 x 512) exactly
+    q4k = int(QT.Q4_K)
+    assert fmt.tightest_bundle_neurons(q4k, q4k, q4k, 1536, 512) == 16
+    lay = fmt.bundle_layout(q4k, q4k, q4k, 1536, 512, 16)
+    assert (lay.stride, lay.size, lay.offset(17)) == (2592, 41472, 41472 + 2592)
+    # one neuron of 3 x 4096 bytes fits 4 KiB pages exactly: no reason to pack
+    assert fmt.tightest_bundle_neurons(int(QT.F16), int(QT.F16), int(QT.F16), 2048, 4096) == 1
 
 
 def test_bundles_are_4k_aligned_in_the_file(smol_sidecar: Path) -> None:

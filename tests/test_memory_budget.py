@@ -119,6 +119,7 @@ def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_si
                                                          same_engine_settings) -> None:
     """SmolLM2 with the default product criterion (up rows for the admitted neurons, down columns for the
     active ones): on flash as in RAM, bit for bit."""
+    assert max(int(n) for n in read_sidecar(smol_sidecar).kv["pi2.bundle.neurons"]) > 1  # packed bundles
     want, got, c, _ = _ram_then_flash(smollm2, smol_sidecar, smol_sidecar, "oracle", 4)
     assert np.array_equal(got, want)
     assert int(c.misses.sum()) > 0
@@ -166,6 +167,33 @@ def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, lis
     assert (6 << 20) - max(sizes) < info.hot_bytes + info.cold_bytes <= 6 << 20
     misses, read = int(c.misses.sum()), int(c.bytes_read.sum())
     assert misses > 0 and read % 512 == 0 and read >= misses * min(sizes)
+
+
+@pytest.fixture(scope="module")
+def relu_packed(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic ReLU model's sidecar converted as relu512 but with 4 neurons to a bundle."""
+    return convert(relu_model[0], tmp_path_factory.mktemp("relupacked") / "relu4.pi2.gguf", train_tokens=2048,
+                   heldout_tokens=512, progress=False, bundle_align=512, bundle_neurons=4).path
+
+
+def test_bundles_of_several_neurons_decode_alike(relu_model: tuple[Path, Path, list], relu512: Path, relu_packed: Path,
+                                                same_engine_settings) -> None:
+    """4 neurons to a bundle: the same neuron bytes at other offsets, so in RAM and on flash the decode is
+    the one-neuron sidecar's, bit for bit; flash reads whole bundles, so fewer, larger reads."""
+    model = relu_model[0]
+    sc = read_sidecar(relu_packed)
+    assert [int(n) for n in sc.kv["pi2.bundle.neurons"]] == [4] * sc.n_layer
+    size = {int(s) for s in sc.kv["pi2.bundle.size"]}
+    assert len(size) == 1 and min(size) == -(-4 * sc.layout(0).stride // 512) * 512
+    want, got, c, info = _ram_then_flash(model, relu512, relu_packed)
+    assert np.array_equal(got, want)
+    _, got1, c1, _ = _ram_then_flash(model, relu512, relu512)
+    assert np.array_equal(got1, want)
+    # the same neurons pass through the cache; each read holds whole bundles of 4
+    assert int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum()) == int(c1.hot_hits.sum() + c1.cold_hits.sum() + c1.misses.sum())
+    read = int(c.bytes_read.sum())
+    assert read > 0 and read % min(size) == 0
+    assert info.hot_neurons > 0 and info.hot_bytes % min(size) == 0
 
 
 @pytest.fixture

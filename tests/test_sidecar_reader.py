@@ -259,11 +259,15 @@ def test_model_file_is_not_a_sidecar(tmp_path: Path) -> None:
     assert "is not a pi2 sidecar: general.architecture is 'llama', not 'pi2'" in msg
 
 
-def test_format_version_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 3])
+def test_other_format_versions(tmp_path: Path, version: int) -> None:
+    # version 1 (one neuron per bundle, no pi2.bundle.neurons) is refused like any other: convert again
     sc = factory.build()
-    sc.set("pi2.format_version", 2)
-    msg = _refused(factory.write(sc, tmp_path / "v2.pi2.gguf"))
-    assert "has format version 2 (pi2.format_version), but this reader reads only version 1" in msg
+    sc.set("pi2.format_version", version)
+    msg = _refused(factory.write(sc, tmp_path / "v.pi2.gguf"))
+    assert f"has format version {version} (pi2.format_version), but this reader reads only version 2" in msg
+    with pytest.raises(SidecarError, match=f"has format version {version}; this pi2-gguf reads version 2"):
+        read_sidecar(tmp_path / "v.pi2.gguf")
 
 
 @pytest.mark.parametrize("key", list(sf.KEYS))
@@ -350,8 +354,45 @@ def test_bundle_size_smaller_than_its_parts(tmp_path: Path) -> None:
     # n_embd 2048 in F16: gate, up and down rows of 4096 bytes each need a 12288-byte bundle
     sc = factory.build(n_embd=2048, n_ff=(16,), rank=(4,), bundle_size=[8192])
     msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))
-    assert msg.endswith("pi2.bundle.size[0] is 8192, smaller than its three parts: 12288 bytes "
-                        "(gate f16 4096 + up f16 4096 + down f16 4096 for n_embd = 2048)")
+    assert msg.endswith("pi2.bundle.size[0] is 8192, smaller than its 1 neurons of 12288 bytes "
+                        "(gate f16 4096 + up f16 4096 + down f16 4096 for n_embd = 2048, to a multiple of 32)")
+
+
+@pytest.mark.parametrize("align,neurons", [(512, 4), (512, 16), (4096, 3)])
+def test_bundles_of_several_neurons(tmp_path: Path, align: int, neurons: int) -> None:
+    # n_embd 64 in F16: 384 bytes a neuron; `neurons` of them in a bundle padded to the alignment, the last
+    # bundle of a layer partly empty (96 and 128 neurons)
+    sc = factory.build(bundle_align=align, bundle_neurons=neurons)
+    path = factory.write(sc, tmp_path / "g.pi2.gguf")
+    validate_sidecar_c(path)
+    rd = read_sidecar(path)
+    lay = rd.layout(1)
+    assert (lay.stride, lay.neurons) == (384, neurons)
+    assert lay.size == -(-neurons * 384 // align) * align
+    assert rd.bundles(1).shape == (-(-128 // neurons), lay.size)
+    # every slot's parts are its neuron's rows, where the format puts them
+    gate, up, down = sc.weights[1]
+    order = sc.tensors["blk.1.pi2_order"]
+    slots = rd.slots(1)
+    gs, us, ds = rd.bundle_slices(1)
+    for j in (0, neurons - 1, neurons, 127):
+        i = int(order[j])
+        assert slots[j, gs].tobytes() == gate[i].tobytes()
+        assert slots[j, us].tobytes() == up[i].tobytes()
+        assert slots[j, ds].tobytes() == np.ascontiguousarray(down[:, i]).tobytes()
+
+
+def test_bundle_neurons_out_of_range(tmp_path: Path) -> None:
+    sc = factory.build()
+    sc.set("pi2.bundle.neurons", [1, 17])
+    assert _refused(factory.write(sc, tmp_path / "n.pi2.gguf")).endswith("pi2.bundle.neurons[1] is 17, expected 1..16")
+    with pytest.raises(SidecarError, match="pi2.bundle.neurons is 17, not 1..16"):
+        read_sidecar(factory.write(sc, tmp_path / "n2.pi2.gguf"))
+    # 4 neurons of 384 bytes do not fit a 1024-byte bundle
+    sc = factory.build(bundle_align=512, bundle_neurons=4, bundle_size=[2048, 1024])
+    assert _refused(factory.write(sc, tmp_path / "s.pi2.gguf")).endswith(
+        "pi2.bundle.size[1] is 1024, smaller than its 4 neurons of 384 bytes "
+        "(gate f16 128 + up f16 128 + down f16 128 for n_embd = 64, to a multiple of 32)")
 
 
 def test_bundle_part_type_must_divide_n_embd(tmp_path: Path) -> None:
@@ -395,7 +436,7 @@ def test_tensor_of_wrong_type_or_shape(tmp_path: Path) -> None:
     sc = factory.build()
     sc.tensors["blk.0.pi2_bundles"] = sc.tensors["blk.0.pi2_bundles"][:, :2048]
     assert _refused(factory.write(sc, tmp_path / "b.pi2.gguf")).endswith(
-        "tensor blk.0.pi2_bundles has shape (2048, 96, 1, 1), expected (bundle size, n_ff) = (4096, 96)")
+        "tensor blk.0.pi2_bundles has shape (2048, 96, 1, 1), expected (bundle size, n_bundles) = (4096, 96)")
 
 
 def test_tensors_not_4096_aligned(tmp_path: Path) -> None:

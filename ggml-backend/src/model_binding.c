@@ -68,7 +68,7 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, bool keep_pred
     struct pi2_sidecar_layer * L = &b->sc->layer[il];
     struct pi2_binding_layer * B = &b->layer[il];
     // the reader checked that the bundles lie inside the file it read; the mapping is that file
-    if (!b->flash && L->bundles_offset + (uint64_t) L->n_ff * L->bundle_size > b->map_size) {
+    if (!b->flash && L->bundles_offset + (uint64_t) L->n_bundles * L->bundle_size > b->map_size) {
         snprintf(err, errlen, "sidecar %s: layer %u bundles end past the file (changed since it was read?)", b->sc->path, il);
         return -1;
     }

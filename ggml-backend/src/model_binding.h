@@ -18,7 +18,7 @@
 #include "sidecar.h"
 
 struct pi2_binding_layer {
-    const uint8_t * bundles;  // slot j at bundles + j * bundle_size (inside the mapping); NULL on flash
+    const uint8_t * bundles;  // slot j at bundles + pi2_slot_offset(L, j) (inside the mapping); NULL on flash
     // predictor weights, Q8_0 where the widths allow (ggml's F16 dot measured ~5x slower than its Q8_0
     // dot here), else F16. Layer 2 is stored transposed, one row per hidden unit over the slots: relu
     // leaves about half of the hidden units at zero, and only the others' rows are read (as columns

@@ -30,17 +30,20 @@ static double pi2_cold_share(void) {
 enum { PI2_ENTRY_EMPTY, PI2_ENTRY_PENDING, PI2_ENTRY_READY, PI2_ENTRY_FAILED };
 
 struct pi2_cold_entry {
-    int32_t    layer, slot; // what it holds (layer -1: nothing)
+    int32_t    layer, bundle; // what it holds (layer -1: nothing)
     uint32_t   pin;         // epoch of the request that needs it
     uint8_t    ref;         // CLOCK's second-chance bit
     atomic_int state;
 };
 
 struct pi2_cache_layer {
-    uint8_t * hot;     // hot_k bundles, slot order
-    uint32_t  hot_k, n_ff, bsize;
-    uint64_t  offset;  // of slot 0 in the file
-    int32_t * where;   // [n_ff] cold entry holding the slot, or -1
+    uint8_t * hot;       // hot_k bundles, in order
+    uint32_t  hot_k;     // bundles
+    uint32_t  hot_slots; // slots in them (min(hot_k * neurons, n_ff))
+    uint32_t  n_ff, n_bundles, bsize, neurons;
+    size_t    stride;    // from one neuron of a bundle to the next
+    uint64_t  offset;    // of bundle 0 in the file
+    int32_t * where;     // [n_bundles] cold entry holding the bundle, or -1
 };
 
 struct pi2_neuron_cache {
@@ -53,10 +56,10 @@ struct pi2_neuron_cache {
     size_t                   cold_map, entry_size;
     struct pi2_cold_entry *  ent;
     uint32_t                 n_cold, hand, epoch;
-    uint32_t                 gap; // slots a read may bridge between two misses
+    uint32_t                 gap; // bundles a read may bridge between two misses
     uint8_t *                sink; // where bridged bundles land: gap entries
     struct pi2_io_req *      reqs;
-    struct iovec *           iov;  // [largest n_ff] (a slot's bundle at most once per layer): the requests'
+    struct iovec *           iov;  // [largest n_bundles] (a bundle at most once per layer): the requests'
     int32_t *                tags; // iovecs and tags, carved in order
     uint32_t                 max_run; // bundles per request at most
     struct pi2_bundle_file * file;
@@ -76,41 +79,42 @@ static void pi2_futex_wake(atomic_uint * addr) {
     syscall(SYS_futex, (unsigned *) addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
-static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_ff) {
+// the largest bundle (a cold entry's size) and the most bundles of any layer
+static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_bundles) {
     uint32_t b = 0, n = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         b = sc->layer[il].bundle_size > b ? sc->layer[il].bundle_size : b;
-        n = sc->layer[il].n_ff > n ? sc->layer[il].n_ff : n;
+        n = sc->layer[il].n_bundles > n ? sc->layer[il].n_bundles : n;
     }
-    *max_n_ff = n;
+    *max_n_bundles = n;
     return b;
 }
 
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
     // with nothing hot, the cold segment must hold a whole layer (oracle and dense modes need every neuron)
-    uint32_t n_ff = 0;
-    const uint32_t bsize = pi2_max_bundle(sc, &n_ff);
-    return (uint64_t) n_ff * bsize;
+    uint32_t n_bundles = 0;
+    const uint32_t bsize = pi2_max_bundle(sc, &n_bundles);
+    return (uint64_t) n_bundles * bsize;
 }
 
 uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
-    uint32_t n_ff = 0;
-    pi2_max_bundle(sc, &n_ff);
-    uint64_t slots = 0;
+    uint32_t n_bundles = 0;
+    pi2_max_bundle(sc, &n_bundles);
+    uint64_t bundles = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        slots += sc->layer[il].n_ff;
+        bundles += sc->layer[il].n_bundles;
     }
-    // slot maps, entry table (an entry per slot at most), request buffers, frequency sort at planning
-    return slots * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
-           (uint64_t) n_ff * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
+    // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
+    return bundles * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
+           (uint64_t) n_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
 }
 
 struct pi2_freq_item {
     float    f;
-    uint32_t layer, slot;
+    uint32_t layer, bundle;
 };
 
-// by frequency, hottest first; ties (frequencies are counts over the profiled tokens) by layer and slot,
+// by frequency, hottest first; ties (frequencies are counts over the profiled tokens) by layer and bundle,
 // so that planning and creating the cache split the hot segment identically
 static int pi2_freq_desc(const void * a, const void * b) {
     const struct pi2_freq_item * x = a, * y = b;
@@ -120,14 +124,15 @@ static int pi2_freq_desc(const void * a, const void * b) {
     if (x->layer != y->layer) {
         return (x->layer > y->layer) - (x->layer < y->layer);
     }
-    return (x->slot > y->slot) - (x->slot < y->slot);
+    return (x->bundle > y->bundle) - (x->bundle < y->bundle);
 }
 
-// every neuron of the model as a pi2_freq_item, hottest first; NULL when out of memory
+// every bundle of the model as a pi2_freq_item, hottest first; NULL when out of memory. A bundle is as hot
+// as its first slot (slots are in frequency order).
 static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, size_t * n_items) {
     size_t n = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        n += sc->layer[il].n_ff;
+        n += sc->layer[il].n_bundles;
     }
     struct pi2_freq_item * items = malloc((n > 0 ? n : 1) * sizeof(*items));
     if (items == NULL) {
@@ -136,8 +141,8 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
     size_t k = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
-        for (uint32_t j = 0; j < L->n_ff; ++j) {
-            items[k++] = (struct pi2_freq_item) { L->freq[L->order[j]], il, j };
+        for (uint32_t j = 0; j < L->n_bundles; ++j) {
+            items[k++] = (struct pi2_freq_item) { L->freq[L->order[(size_t) j * L->bundle_neurons]], il, j };
         }
     }
     qsort(items, n, sizeof(*items), pi2_freq_desc);
@@ -145,8 +150,8 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
     return items;
 }
 
-// hot_k per layer when the first n_hot items are hot (a layer's items come in slot order, ties in
-// frequency broken by slot, so each layer's hot neurons are its first hot_k slots)
+// hot_k per layer when the first n_hot items are hot (a layer's items come in bundle order, ties in
+// frequency broken by bundle, so each layer's hot bundles are its first hot_k)
 static void pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_hot,
                           uint32_t * hot_k) {
     memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
@@ -155,11 +160,11 @@ static void pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_i
     }
 }
 
-// cold entries the layer with the most non-hot neurons needs (oracle and dense modes read all of them)
+// cold entries the layer with the most non-hot bundles needs (oracle and dense modes read all of them)
 static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * hot_k) {
     uint32_t need = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const uint32_t rest = sc->layer[il].n_ff - hot_k[il];
+        const uint32_t rest = sc->layer[il].n_bundles - hot_k[il];
         need = rest > need ? rest : need;
     }
     return need;
@@ -170,8 +175,8 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
     if (bytes < pi2_cache_min_bytes(sc)) {
         return false;
     }
-    uint32_t max_n_ff = 0;
-    const uint32_t entry = pi2_max_bundle(sc, &max_n_ff);
+    uint32_t max_n_bundles = 0;
+    const uint32_t entry = pi2_max_bundle(sc, &max_n_bundles);
     size_t n_items = 0;
     struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
     uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
@@ -180,8 +185,8 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
         free(hot_k);
         return false;
     }
-    // the longest prefix of the hottest neurons (up to 1 - the cold share of the cache) that leaves the
-    // cold segment room for every non-hot neuron of any one layer. That room is not monotone in the
+    // the longest prefix of the hottest bundles (up to 1 - the cold share of the cache) that leaves the
+    // cold segment room for every non-hot bundle of any one layer. That room is not monotone in the
     // prefix (a layer still without hot neurons needs a whole layer of cold entries), so every prefix is
     // tried; no bisection.
     const uint64_t hot_cap = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes);
@@ -199,7 +204,13 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
         }
     }
     out->hot_bytes   = best_used;
-    out->hot_neurons = best;
+    out->hot_bundles = best;
+    out->hot_neurons = 0;
+    for (size_t k = 0; k < best; ++k) {
+        const struct pi2_sidecar_layer * L = &sc->layer[items[k].layer];
+        const uint64_t first = (uint64_t) items[k].bundle * L->bundle_neurons;
+        out->hot_neurons += L->n_ff - first < L->bundle_neurons ? L->n_ff - first : L->bundle_neurons;
+    }
     out->freq_cutoff = best > 0 ? items[best - 1].f : 1.0f;
     const uint64_t cold_entries = (bytes - best_used) / entry;
     out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
@@ -284,8 +295,8 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     pthread_mutex_init(&c->err_lock, NULL);
     c->plan    = *plan;
     c->n_layer = sc->n_layer;
-    uint32_t max_n_ff = 0;
-    c->entry_size = pi2_max_bundle(sc, &max_n_ff);
+    uint32_t max_n_bundles = 0;
+    c->entry_size = pi2_max_bundle(sc, &max_n_bundles);
     c->n_cold     = plan->n_cold;
     // bridging up to 32 KiB costs ~12 us at this disk's bandwidth, well under a request's (PI2_IO_GAP: bytes)
     const char * gap = getenv("PI2_IO_GAP");
@@ -302,9 +313,9 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     }
     c->layer = calloc(sc->n_layer, sizeof(*c->layer));
     c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
-    c->reqs  = calloc(max_n_ff, sizeof(*c->reqs));
-    c->iov   = calloc(max_n_ff, sizeof(*c->iov));
-    c->tags  = calloc(max_n_ff, sizeof(*c->tags));
+    c->reqs  = calloc(max_n_bundles, sizeof(*c->reqs));
+    c->iov   = calloc(max_n_bundles, sizeof(*c->iov));
+    c->tags  = calloc(max_n_bundles, sizeof(*c->tags));
     c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
     c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
     c->hot_mem  = pi2_map_anon(c->hot_map);
@@ -336,26 +347,30 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
-    pi2_hot_split(sc, items, (size_t) (plan->hot_neurons < n_items ? plan->hot_neurons : n_items), hot_k);
+    pi2_hot_split(sc, items, (size_t) (plan->hot_bundles < n_items ? plan->hot_bundles : n_items), hot_k);
     free(items);
     uint8_t * hot = c->hot_mem;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
         struct pi2_cache_layer * C = &c->layer[il];
-        C->n_ff   = L->n_ff;
-        C->bsize  = L->bundle_size;
-        C->offset = L->bundles_offset;
-        C->where  = malloc(L->n_ff * sizeof(int32_t));
+        C->n_ff      = L->n_ff;
+        C->n_bundles = L->n_bundles;
+        C->neurons   = L->bundle_neurons;
+        C->stride    = L->neuron_stride;
+        C->bsize     = L->bundle_size;
+        C->offset    = L->bundles_offset;
+        C->where     = malloc(L->n_bundles * sizeof(int32_t));
         if (C->where == NULL) {
             snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
             free(hot_k);
             pi2_cache_free(c);
             return NULL;
         }
-        memset(C->where, 0xff, L->n_ff * sizeof(int32_t));
+        memset(C->where, 0xff, L->n_bundles * sizeof(int32_t));
         const uint32_t k = hot_k[il];
-        C->hot_k = k;
-        C->hot   = hot;
+        C->hot_k     = k;
+        C->hot_slots = (uint64_t) k * L->bundle_neurons < L->n_ff ? k * L->bundle_neurons : L->n_ff;
+        C->hot       = hot;
         // one sequential read per layer
         if (k > 0 && pi2_bundle_file_read(c->file, hot, (size_t) k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
             free(hot_k);
@@ -402,11 +417,11 @@ static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
     }
 }
 
-// Slot s of layer L into a cold entry (allocated if it has none), pinned for this request and pending.
+// Bundle k of layer L into a cold entry (allocated if it has none), pinned for this request and pending.
 // -1 if no entry is free.
-static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t s) {
+static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k) {
     struct pi2_cache_layer * L = &c->layer[layer];
-    int64_t e = L->where[s];
+    int64_t e = L->where[k];
     if (e < 0) {
         e = pi2_victim(c);
         if (e < 0) {
@@ -414,17 +429,28 @@ static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t s) {
         }
         struct pi2_cold_entry * E = &c->ent[e];
         if (E->layer >= 0) {
-            c->layer[E->layer].where[E->slot] = -1;
+            c->layer[E->layer].where[E->bundle] = -1;
         }
-        E->layer = layer;
-        E->slot  = (int32_t) s;
-        L->where[s] = (int32_t) e;
+        E->layer  = layer;
+        E->bundle = (int32_t) k;
+        L->where[k] = (int32_t) e;
     }
     struct pi2_cold_entry * E = &c->ent[e];
     E->ref = 1;
     E->pin = c->epoch;
     atomic_store(&E->state, PI2_ENTRY_PENDING);
     return e;
+}
+
+// wanted slots in bundle k
+static uint32_t pi2_wanted(const struct pi2_cache_layer * L, const uint8_t * want, uint32_t k) {
+    const uint32_t first = k * L->neurons;
+    const uint32_t end   = first + L->neurons < L->n_ff ? first + L->neurons : L->n_ff;
+    uint32_t n = 0;
+    for (uint32_t s = first; s < end; ++s) {
+        n += want[s] != 0;
+    }
+    return n;
 }
 
 int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
@@ -436,48 +462,50 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
     c->error[0] = '\0';
     c->epoch++;
     struct pi2_cache_layer * L = &c->layer[layer];
-    for (uint32_t s = 0; s < L->hot_k; ++s) {
+    for (uint32_t s = 0; s < L->hot_slots; ++s) {
         st->hot_hits += want[s] != 0;
     }
-    // A miss within c->gap slots of the run before it extends that run, reading the bundles between too:
-    // one larger read costs far less than another request here (they land in the cache, pinned for now).
+    // A miss within c->gap bundles of the run before it extends that run, reading the bundles between too:
+    // one larger read costs far less than another request here. Hits and misses count neurons; a bundle is
+    // read when any of its neurons is wanted.
     uint32_t nreq = 0, n_iov = 0;
     bool failed = false;
     struct pi2_io_req * cur = NULL;
-    int64_t last = -1; // last slot in cur
-    for (uint32_t s = L->hot_k; s < L->n_ff && !failed; ++s) {
-        if (!want[s]) {
+    int64_t last = -1; // last bundle in cur
+    for (uint32_t k = L->hot_k; k < L->n_bundles && !failed; ++k) {
+        const uint32_t wanted = pi2_wanted(L, want, k);
+        if (wanted == 0) {
             continue;
         }
-        const int64_t e = L->where[s];
+        const int64_t e = L->where[k];
         if (e >= 0 && atomic_load(&c->ent[e].state) == PI2_ENTRY_READY) {
             c->ent[e].ref = 1;
             c->ent[e].pin = c->epoch;
-            st->cold_hits++;
+            st->cold_hits += wanted;
             continue;
         }
-        st->misses++;
-        // (a miss right after the run extends it too: from == s with extend set)
-        const bool extend = cur != NULL && (int64_t) s - last - 1 <= (int64_t) c->gap &&
-                            cur->n + ((int64_t) s - last) <= (int64_t) c->max_run;
-        const int64_t from = extend ? last + 1 : s;
+        st->misses += wanted;
+        // (a miss right after the run extends it too: from == k with extend set)
+        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) c->gap &&
+                            cur->n + ((int64_t) k - last) <= (int64_t) c->max_run;
+        const int64_t from = extend ? last + 1 : k;
         if (!extend) {
             cur = &c->reqs[nreq++];
-            cur->offset = L->offset + (uint64_t) s * L->bsize;
+            cur->offset = L->offset + (uint64_t) k * L->bsize;
             cur->n      = 0;
             cur->iov    = c->iov + n_iov;
             cur->tag    = c->tags + n_iov;
         }
-        n_iov += (uint32_t) (s - from) + 1;
+        n_iov += (uint32_t) (k - from) + 1;
         // the bundles between go to a sink (one gap's worth, shared: its contents are never used); kept in
         // the cache they evicted entries worth keeping (measured: the cold segment's hits went to zero)
-        for (int64_t g = from; g < s; ++g) {
+        for (int64_t g = from; g < k; ++g) {
             cur->iov[cur->n].iov_base = c->sink + (size_t) (g - from) * c->entry_size;
             cur->iov[cur->n].iov_len  = L->bsize;
             cur->tag[cur->n++]        = -1;
             st->bytes_read += L->bsize;
         }
-        const int64_t ge = pi2_claim(c, layer, s);
+        const int64_t ge = pi2_claim(c, layer, k);
         if (ge < 0) {
             snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
             failed = true;
@@ -487,7 +515,7 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
         cur->iov[cur->n].iov_len  = L->bsize;
         cur->tag[cur->n++]        = (int32_t) ge;
         st->bytes_read += L->bsize;
-        last = s;
+        last = k;
     }
     if (cur != NULL && cur->n == 0) { // a run that failed before its first bundle
         nreq--;
@@ -502,14 +530,16 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
 
 const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot) {
     const struct pi2_cache_layer * L = &c->layer[layer];
-    if (slot < L->hot_k) {
-        return L->hot + (size_t) slot * L->bsize;
+    const int64_t k      = slot / L->neurons;
+    const size_t  within = (size_t) (slot % L->neurons) * L->stride;
+    if (k < L->hot_k) {
+        return L->hot + (size_t) k * L->bsize + within;
     }
-    const int32_t e = L->where[slot];
+    const int32_t e = L->where[k];
     if (e < 0 || atomic_load_explicit(&c->ent[e].state, memory_order_acquire) != PI2_ENTRY_READY) {
         return NULL;
     }
-    return c->cold + (size_t) e * c->entry_size;
+    return c->cold + (size_t) e * c->entry_size + within;
 }
 
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns) {
@@ -517,7 +547,8 @@ const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t sl
     if (ready != NULL) {
         return ready;
     }
-    const int32_t e = c->layer[layer].where[slot];
+    const struct pi2_cache_layer * L = &c->layer[layer];
+    const int32_t e = L->where[slot / L->neurons];
     if (e < 0) {
         return NULL;
     }
@@ -542,7 +573,7 @@ const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t sl
     if (s != PI2_ENTRY_READY) {
         return NULL;
     }
-    return c->cold + (size_t) e * c->entry_size;
+    return c->cold + (size_t) e * c->entry_size + (size_t) (slot % L->neurons) * L->stride;
 }
 
 int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen) {

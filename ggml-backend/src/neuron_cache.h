@@ -1,6 +1,6 @@
 // The segmented neuron cache of a model whose FFN lives on flash (PowerInfer-2 section 4.3):
-//  - hot segment: per layer, the first hot_k bundle slots (the most frequently active neurons; slots are
-//    in rank order), read sequentially when the cache is made and pinned. hot_k comes from one global
+//  - hot segment: per layer, the first hot_k bundles (the most frequently active neurons; bundles hold
+//    the slots in rank order), read sequentially when the cache is made and pinned. hot_k comes from one global
 //    frequency cutoff over all layers, so the bytes go where the profile says activations are.
 //  - cold segment: fixed-size entries holding single bundles, replaced by CLOCK (second chance, an LRU
 //    approximation that costs one bit per entry). Entries requested for the token being computed are
@@ -23,13 +23,14 @@ struct pi2_neuron_cache;
 struct pi2_cache_plan {
     uint64_t hot_bytes, cold_bytes;
     uint32_t n_cold;       // cold entries
-    uint64_t hot_neurons;  // summed over layers
+    uint64_t hot_bundles;  // summed over layers
+    uint64_t hot_neurons;  // in them
     float    freq_cutoff;  // neurons at least this frequently active are hot
 };
 
 // Cache bytes below which some layer could not hold every neuron one token may need.
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
-// Bytes the cache spends outside its segments (slot maps, entry table, request buffers).
+// Bytes the cache spends outside its segments (bundle maps, entry table, request buffers).
 uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc);
 // How `bytes` splits into hot and cold segments; false if bytes < pi2_cache_min_bytes.
 bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out);
@@ -43,14 +44,14 @@ struct pi2_cache_token_stats {
     uint64_t hot_hits, cold_hits, misses, bytes_read, requests;
 };
 
-// Looks up the slots with want[slot] != 0 of one layer and queues reads for the missing ones.
+// Looks up the slots with want[slot] != 0 of one layer and queues reads for the bundles missing.
 // 0, or -1 with err (the file changed, or the cache cannot hold them).
 int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
                       char * err, size_t errlen);
-// The bundle of a requested slot once it is in memory; NULL if its read failed (pi2_cache_error says why).
+// The parts of a requested slot (its neuron within its bundle) once they are in memory; NULL if its read failed (pi2_cache_error says why).
 // Adds the time spent waiting to *wait_ns.
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);
-// the bundle of slot if it is in memory now (hot, or a cold entry whose read is done), else NULL; never
+// the parts of slot if they are in memory now (hot, or a cold entry whose read is done), else NULL; never
 // waits (for prefetching)
 const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot);
 // Waits for every queued read (after an error, before entries may be reused), then checks that the file

@@ -68,6 +68,7 @@ static const struct pi2_key_spec pi2_keys[] = {
     { PI2_KEY_CALIB_DATE,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
     { PI2_KEY_BUNDLE_ALIGN,               GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
     { PI2_KEY_BUNDLE_SIZE,                GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
+    { PI2_KEY_BUNDLE_NEURONS,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
     { PI2_KEY_BUNDLE_GATE_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
     { PI2_KEY_BUNDLE_UP_TYPE,             GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
     { PI2_KEY_BUNDLE_DOWN_TYPE,           GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
@@ -81,6 +82,7 @@ enum pi2_dim {
     PI2_DIM_RANK,
     PI2_DIM_N_FF,
     PI2_DIM_BUNDLE_SIZE,
+    PI2_DIM_N_BUNDLES,
 };
 
 static const char * const pi2_dim_name[] = {
@@ -89,6 +91,7 @@ static const char * const pi2_dim_name[] = {
     [PI2_DIM_RANK]        = "r",
     [PI2_DIM_N_FF]        = "n_ff",
     [PI2_DIM_BUNDLE_SIZE] = "bundle size",
+    [PI2_DIM_N_BUNDLES]   = "n_bundles",
 };
 
 enum pi2_tensor_id {
@@ -116,7 +119,7 @@ static const struct pi2_tensor_spec pi2_tensors[PI2_N_TENSOR] = {
     [PI2_T_PRED_B2] = { PI2_TENSOR_PRED_B2, GGML_TYPE_F32, PI2_DIM_N_FF,        PI2_DIM_ONE },
     [PI2_T_FREQ]    = { PI2_TENSOR_FREQ,    GGML_TYPE_F32, PI2_DIM_N_FF,        PI2_DIM_ONE },
     [PI2_T_ORDER]   = { PI2_TENSOR_ORDER,   GGML_TYPE_I32, PI2_DIM_N_FF,        PI2_DIM_ONE },
-    [PI2_T_BUNDLES] = { PI2_TENSOR_BUNDLES, GGML_TYPE_I8,  PI2_DIM_BUNDLE_SIZE, PI2_DIM_N_FF },
+    [PI2_T_BUNDLES] = { PI2_TENSOR_BUNDLES, GGML_TYPE_I8,  PI2_DIM_BUNDLE_SIZE, PI2_DIM_N_BUNDLES },
 };
 
 static const char * const pi2_matrix_name[PI2_N_MATRIX] = {
@@ -429,6 +432,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const uint32_t * rank      = pi2_arr_u32(rd, PI2_KEY_PREDICTOR_RANK);
     const uint32_t * hot       = pi2_arr_u32(rd, PI2_KEY_HOT_COUNT);
     const uint32_t * size      = pi2_arr_u32(rd, PI2_KEY_BUNDLE_SIZE);
+    const uint32_t * neurons   = pi2_arr_u32(rd, PI2_KEY_BUNDLE_NEURONS);
     const uint32_t * gate_type = pi2_arr_u32(rd, PI2_KEY_BUNDLE_GATE_TYPE);
     const uint32_t * up_type   = pi2_arr_u32(rd, PI2_KEY_BUNDLE_UP_TYPE);
     const uint32_t * down_type = pi2_arr_u32(rd, PI2_KEY_BUNDLE_DOWN_TYPE);
@@ -469,16 +473,23 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         L->up_offset   = ggml_row_size(L->gate_type, sc->n_embd);
         L->down_offset = L->up_offset + ggml_row_size(L->up_type, sc->n_embd);
         L->data_end    = L->down_offset + ggml_row_size(L->down_type, sc->n_embd);
+        if (neurons[il] < 1 || neurons[il] > PI2_MAX_BUNDLE_NEURONS) {
+            return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_BUNDLE_NEURONS, il, neurons[il],
+                            PI2_MAX_BUNDLE_NEURONS);
+        }
+        L->bundle_neurons = neurons[il];
+        L->neuron_stride  = (L->data_end + PI2_NEURON_ALIGN - 1) / PI2_NEURON_ALIGN * PI2_NEURON_ALIGN;
+        L->n_bundles      = (L->n_ff + L->bundle_neurons - 1) / L->bundle_neurons;
         if (L->bundle_size % sc->bundle_align != 0) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", not a multiple of %s = %" PRIu32,
                             PI2_KEY_BUNDLE_SIZE, il, L->bundle_size, PI2_KEY_BUNDLE_ALIGN, sc->bundle_align);
         }
-        if (L->bundle_size < L->data_end) {
-            return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", smaller than its three parts: %zu bytes "
-                                "(gate %s %zu + up %s %zu + down %s %zu for n_embd = %" PRIu32 ")",
-                            PI2_KEY_BUNDLE_SIZE, il, L->bundle_size, L->data_end,
+        if (L->bundle_size < (size_t) L->bundle_neurons * L->neuron_stride) {
+            return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", smaller than its %" PRIu32 " neurons of %zu bytes "
+                                "(gate %s %zu + up %s %zu + down %s %zu for n_embd = %" PRIu32 ", to a multiple of %d)",
+                            PI2_KEY_BUNDLE_SIZE, il, L->bundle_size, L->bundle_neurons, L->neuron_stride,
                             ggml_type_name(L->gate_type), L->up_offset, ggml_type_name(L->up_type), L->down_offset - L->up_offset,
-                            ggml_type_name(L->down_type), L->data_end - L->down_offset, sc->n_embd);
+                            ggml_type_name(L->down_type), L->data_end - L->down_offset, sc->n_embd, PI2_NEURON_ALIGN);
         }
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
             L->tensor_fp[m] = fps[(size_t) PI2_N_MATRIX * il + (size_t) m];
@@ -497,6 +508,7 @@ static int64_t pi2_dim_value(const struct pi2_sidecar * sc, const struct pi2_sid
         case PI2_DIM_RANK:        return L->rank;
         case PI2_DIM_N_FF:        return L->n_ff;
         case PI2_DIM_BUNDLE_SIZE: return L->bundle_size;
+        case PI2_DIM_N_BUNDLES:   return L->n_bundles;
         case PI2_DIM_ONE:
         default:                  return 1;
     }

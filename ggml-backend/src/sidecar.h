@@ -36,14 +36,18 @@ struct pi2_sidecar_layer {
     float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
     float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
 
-    // bundle slot j (neuron order[j]) is at bundles_offset + j * bundle_size in the file
-    uint32_t       bundle_size;
+    // bundle slot j (neuron order[j]) is neuron j % bundle_neurons of bundle j / bundle_neurons, at
+    // bundles_offset + pi2_slot_offset(L, j) in the file
+    uint32_t       bundle_size;    // bytes per bundle (the unit read from flash)
+    uint32_t       bundle_neurons; // neurons per bundle
+    uint32_t       n_bundles;
+    size_t         neuron_stride;  // from one neuron of a bundle to the next
     enum ggml_type gate_type;
     enum ggml_type up_type;
     enum ggml_type down_type;
     size_t         up_offset;      // parts within a bundle: gate row at 0, then up row, then down column
     size_t         down_offset;
-    size_t         data_end;       // zero padding from here to bundle_size
+    size_t         data_end;       // end of a neuron's parts
     uint64_t       bundles_offset; // absolute file offset of blk.N.pi2_bundles, a multiple of PI2_BUNDLE_ALIGN
 
     uint64_t tensor_fp[PI2_N_MATRIX]; // fingerprints of the model's gate, up, down weights
@@ -56,6 +60,14 @@ struct pi2_sidecar_layer {
     float *       freq;    // [n_ff]
     int32_t *     order;   // [n_ff], a permutation of 0..n_ff-1
 };
+
+// Byte offset of bundle slot j from the layer's first bundle.
+static inline size_t pi2_slot_offset(const struct pi2_sidecar_layer * L, int64_t j) {
+    if (L->bundle_neurons == 1) {
+        return (size_t) j * L->bundle_size;
+    }
+    return (size_t) (j / L->bundle_neurons) * L->bundle_size + (size_t) (j % L->bundle_neurons) * L->neuron_stride;
+}
 
 struct pi2_sidecar {
     char *   path;

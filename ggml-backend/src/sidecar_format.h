@@ -3,10 +3,12 @@
 // against FORMAT.md's tables, including the type written in the comment after each key and tensor.
 #pragma once
 
-#define PI2_FORMAT_VERSION 1
+#define PI2_FORMAT_VERSION 2
 #define PI2_ARCHITECTURE   "pi2"
 #define PI2_BUNDLE_ALIGN   4096 // general.alignment, and the largest pi2.bundle.align
 #define PI2_BUNDLE_ALIGN_MIN 512 // the smallest pi2.bundle.align (a power of two in between)
+#define PI2_NEURON_ALIGN   32   // a neuron's stride within a bundle is its parts rounded up to this
+#define PI2_MAX_BUNDLE_NEURONS 16
 
 // keys (type as in FORMAT.md's key table)
 #define PI2_KEY_FORMAT_VERSION             "pi2.format_version"             // u32
@@ -38,6 +40,7 @@
 #define PI2_KEY_CALIB_DATE                 "pi2.calib.date"                 // string
 #define PI2_KEY_BUNDLE_ALIGN               "pi2.bundle.align"               // u32
 #define PI2_KEY_BUNDLE_SIZE                "pi2.bundle.size"                // u32[n_layer]
+#define PI2_KEY_BUNDLE_NEURONS             "pi2.bundle.neurons"             // u32[n_layer]
 #define PI2_KEY_BUNDLE_GATE_TYPE           "pi2.bundle.gate_type"           // u32[n_layer]
 #define PI2_KEY_BUNDLE_UP_TYPE             "pi2.bundle.up_type"             // u32[n_layer]
 #define PI2_KEY_BUNDLE_DOWN_TYPE           "pi2.bundle.down_type"           // u32[n_layer]
@@ -61,7 +64,7 @@
 #define PI2_TENSOR_PRED_B2 "pi2_pred_b2" // F32 (n_ff)
 #define PI2_TENSOR_FREQ    "pi2_freq"    // F32 (n_ff)
 #define PI2_TENSOR_ORDER   "pi2_order"   // I32 (n_ff)
-#define PI2_TENSOR_BUNDLES "pi2_bundles" // I8 (bundle size, n_ff)
+#define PI2_TENSOR_BUNDLES "pi2_bundles" // I8 (bundle size, n_bundles)
 
 // fingerprint (FORMAT.md "Fingerprint"): FNV-1a 64 over a header and 16 samples of the tensor's bytes
 #define PI2_FP_OFFSET_BASIS  0xcbf29ce484222325ULL

@@ -156,7 +156,7 @@ static inline void pi2_prefetch(const void * p, size_t n) {
 // bundle of slot s: in the mapping, or (flash) from the cache once read; NULL if its read failed
 static inline const uint8_t * pi2_bundle_at(struct pi2_sparse_plan * p, int64_t s, struct pi2_thread_stats * st) {
     if (p->cache == NULL) {
-        return p->B->bundles + (size_t) s * p->L->bundle_size;
+        return p->B->bundles + pi2_slot_offset(p->L, s);
     }
     const uint8_t * b = pi2_cache_get(p->cache, p->layer, s, &st->wait_ns);
     if (b == NULL) {
@@ -346,7 +346,7 @@ static void pi2_sparse_clusters(struct pi2_sparse_plan * p, int ith, int64_t t) 
             const int32_t a = cand[i + PI2_GATE_AHEAD];
             const int64_t sa = a >= 0 ? a : -1 - a;
             // flash: only a bundle already in memory; one still being read is prefetched by no one
-            const uint8_t * ahead = p->cache == NULL ? p->B->bundles + (size_t) sa * L->bundle_size
+            const uint8_t * ahead = p->cache == NULL ? p->B->bundles + pi2_slot_offset(L, sa)
                                                      : pi2_cache_peek(p->cache, p->layer, sa);
             if (ahead != NULL) {
                 pi2_prefetch(ahead, L->up_offset);
@@ -416,7 +416,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
                 const char * up_row = (const char *) wu->data + n * wu->nb[1];
                 pi2_prefetch(up_row, up_bytes);
                 fill[na[i % 2]++] = (struct pi2_fired) {
-                    .bundle = p->B->bundles + (size_t) p->B->slot_of[n] * L->bundle_size, .up = up_row,
+                    .bundle = p->B->bundles + pi2_slot_offset(L, p->B->slot_of[n]), .up = up_row,
                     .neuron = (int32_t) n, .c = (int32_t) (c0 / PI2_CLUSTER), .act = act,
                 };
             }
