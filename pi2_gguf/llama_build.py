@@ -2,8 +2,8 @@
 
 Standard library only: tools/bootstrap.py runs it before any virtual environment exists.
 
-The wheel is cached under ~/.cache/pi2-gguf/wheels/<version>-<patch hash>/ and rebuilt only when the
-pinned version or the content of patches/*.patch changes. The same patched source tree provides the
+The wheel is cached under ~/.cache/pi2-gguf/wheels/<version>-<patch hash>-<options hash>/ and rebuilt only
+when the pinned version, the content of patches/*.patch or the build options change. The same patched source tree provides the
 ggml headers the PI2 plugin is compiled against, so plugin and wheel always agree.
 """
 
@@ -22,8 +22,12 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-# the multimodal library is not needed and adds minutes to the build
-BUILD_CMAKE_ARGS = "-DLLAVA_BUILD=OFF"
+# The multimodal library is not needed and adds minutes to the build. ggml's AMX matmul (compiled in by
+# -march=native on CPUs with AMX) crashes with a general protection fault in ggml_backend_amx_mul_mat on
+# this machine's Xeon (llama.cpp issue 20824, open), for stock llama.cpp as much as for us: GCC keeps an
+# explicit -mno-amx-int8 whatever -march=native enables, so ggml builds without it. Split with shlex, as
+# scikit-build-core reads CMAKE_ARGS.
+BUILD_CMAKE_ARGS = '-DLLAVA_BUILD=OFF "-DCMAKE_C_FLAGS=-mno-amx-int8" "-DCMAKE_CXX_FLAGS=-mno-amx-int8"'
 
 
 class BuildError(RuntimeError):
@@ -50,8 +54,13 @@ def patch_hash(patches_dir: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def options_hash(cmake_args: str = BUILD_CMAKE_ARGS) -> str:
+    """8 hex digits over the CMake arguments the wheel is built with."""
+    return hashlib.sha256(cmake_args.encode()).hexdigest()[:8]
+
+
 def build_key(patches_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
-    return f"{version}-{patch_hash(patches_dir)}"
+    return f"{version}-{patch_hash(patches_dir)}-{options_hash()}"
 
 
 def sha256_file(path: Path) -> str:

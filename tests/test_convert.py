@@ -234,12 +234,14 @@ def test_wrong_format_version_is_refused(smol_sidecar: Path, tmp_path: Path) -> 
     head = bytearray(smol_sidecar.read_bytes()[:1 << 20])
     key = b"pi2.format_version"
     at = head.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
-    assert struct.unpack_from("<II", head, at) == (4, 1)  # GGUF type UINT32, value 1
-    struct.pack_into("<I", head, at + 4, 2)
-    bad = tmp_path / "v2.pi2.gguf"
+    # GGUF type UINT32, this converter's version; the file claims the next one
+    assert struct.unpack_from("<II", head, at) == (4, fmt.FORMAT_VERSION)
+    other = fmt.FORMAT_VERSION + 1
+    struct.pack_into("<I", head, at + 4, other)
+    bad = tmp_path / f"v{other}.pi2.gguf"
     with smol_sidecar.open("rb") as f:
         bad.write_bytes(bytes(head) + f.read()[len(head):])
-    with pytest.raises(SidecarError, match="format version 2"):
+    with pytest.raises(SidecarError, match=f"format version {other}"):
         sidecar.read(bad)
     with pytest.raises(SidecarError, match="version"):
         plugin.validate_sidecar_c(bad)

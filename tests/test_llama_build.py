@@ -21,7 +21,12 @@ def _patch_adding_line(line: str) -> str:
 
 def test_empty_patches_dir_has_the_empty_hash(tmp_path: Path) -> None:
     assert patch_hash(tmp_path) == hashlib.sha256(b"").hexdigest()[:12]
-    assert build_key(tmp_path) == f"{llama_build.LLAMA_CPP_PYTHON_VERSION}-e3b0c44298fc"
+    assert build_key(tmp_path) == f"{llama_build.LLAMA_CPP_PYTHON_VERSION}-e3b0c44298fc-{llama_build.options_hash()}"
+
+
+def test_key_follows_build_options() -> None:
+    assert llama_build.options_hash("-DLLAVA_BUILD=OFF") != llama_build.options_hash(llama_build.BUILD_CMAKE_ARGS)
+    assert len(llama_build.options_hash()) == 8
 
 
 def test_key_follows_patch_content(tmp_path: Path) -> None:
