@@ -87,7 +87,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     score = pred_mod.score_fn(plan.method, act)
     layers: list[LayerData] = []
     downs: list[bundles_mod.DownColumns] = []
-    layouts: list[fmt.BundleLayout] = []
+    types: list[tuple[int, int, int]] = []  # gate, up and down type of each layer's bundles
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
         gate_w = ffn["gate"].dequantized()
@@ -122,22 +122,29 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
-        types = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype))
-        # several neurons to a bundle only where a token reads (nearly) every bundle anyway: less padding,
-        # and a sparse layer still reads one neuron per bundle
-        neurons = bundle_neurons if bundle_neurons is not None else (
-            fmt.tightest_bundle_neurons(*types, n_embd, bundle_align) if fitted.heldout.density >= DENSE_PREDICTION else 1)
-        layouts.append(fmt.bundle_layout(*types, n_embd, bundle_align, neurons))
+        types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
         layers.append(LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
             recall=fitted.heldout.recall, precision=fitted.heldout.precision,
-            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq),
-            bundle_size=layouts[-1].size, bundle_neurons=neurons,
+            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
             gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
             down_tolerance=down.tolerance, down_error=down.max_error,
             w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
             product_threshold=tp))
         downs.append(down)
+
+    # several neurons to a bundle only where a token reads (nearly) every bundle anyway: less padding, and a
+    # sparse layer still reads one neuron per bundle
+    if bundle_neurons is not None:
+        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align, bundle_neurons) for t in types]
+    else:
+        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align) for t in types]
+        packed = [il for il, ld in enumerate(layers) if ld.predicted_density >= DENSE_PREDICTION]
+        if packed:
+            for il, lay in zip(packed, fmt.packed_bundle_layouts([types[il] for il in packed], model.n_embd, bundle_align)):
+                layouts[il] = lay
+    for ld, lay in zip(layers, layouts):
+        ld.bundle_size, ld.bundle_neurons = lay.size, lay.neurons
 
     meta = SidecarMeta(
         source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                          "block is 512 bytes; elsewhere reads fall back to buffered I/O")
     ap.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
                     help="neurons per bundle, 1-%d (default: 1 where the predictor leaves most neurons out, else "
-                         "the count that pads least: every bundle of such a layer is read each token)" % fmt.MAX_BUNDLE_NEURONS)
+                         "as many as fill the one bundle size of such layers that pads least: every bundle is read each token there)" % fmt.MAX_BUNDLE_NEURONS)
     add_profile_args(ap)
     args = ap.parse_args(argv)
     from .cli import resolve_model

@@ -202,7 +202,8 @@ class Sidecar:
         kv = self.kv
         return fmt.bundle_layout(int(kv["pi2.bundle.gate_type"][il]), int(kv["pi2.bundle.up_type"][il]),
                                  int(kv["pi2.bundle.down_type"][il]), int(kv["pi2.n_embd"]),
-                                 int(kv["pi2.bundle.align"]), int(kv["pi2.bundle.neurons"][il]))
+                                 int(kv["pi2.bundle.align"]), int(kv["pi2.bundle.neurons"][il]),
+                                 int(kv["pi2.bundle.size"][il]))
 
     def slots(self, il: int) -> np.ndarray:
         """[n_ff, end of a neuron's parts] uint8 (a copy): row j = the parts of bundle slot j."""
@@ -287,14 +288,11 @@ def read(path: str | Path) -> Sidecar:
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv["pi2.n_embd"])
     for il in range(n_layer):
-        n_ff, bsize, neurons = int(kv["pi2.n_ff"][il]), int(kv["pi2.bundle.size"][il]), int(kv["pi2.bundle.neurons"][il])
-        try:
+        n_ff, bsize = int(kv["pi2.n_ff"][il]), int(kv["pi2.bundle.size"][il])
+        try:  # also refuses a bundle size that does not hold the layer's neurons
             lay = sc.layout(il)
         except ValueError as e:
             raise SidecarError(f"sidecar {p}: layer {il}: {e}") from e
-        if bsize % align or bsize < neurons * lay.stride:
-            raise SidecarError(f"sidecar {p}: layer {il} bundle size {bsize} does not hold its {neurons} x {lay.stride} "
-                               f"bytes of data or is not a multiple of pi2.bundle.align = {align}")
         dims = {"n_embd": n_embd, "n_ff": n_ff, "r": int(kv["pi2.predictor.rank"][il]),
                 "bundle size": bsize, "n_bundles": lay.n_bundles(n_ff)}
         for suffix, (tname, shape) in fmt.TENSORS.items():

@@ -156,31 +156,38 @@ def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
 
 
 def test_bundles_hold_several_neurons_where_every_neuron_is_read(smol_sidecar: Path) -> None:
-    """Layers whose predictor selects at least 90% of the neurons (all of SmolLM2's at 50% product) get the
-    neuron count per bundle that pads least; the others one neuron per bundle."""
+    """Layers whose predictor selects at least 90% of the neurons (all of SmolLM2's at 50% product) pack
+    several neurons to a bundle, all in bundles of one size; the others one neuron per bundle."""
     sc = sidecar.read(smol_sidecar)
-    packed = 0
+    packed = [il for il in range(sc.n_layer) if sc.kv["pi2.predictor.density"][il] >= DENSE_PREDICTION]
+    types = [tuple(int(sc.kv[f"pi2.bundle.{m}_type"][il]) for m in ("gate", "up", "down")) for il in range(sc.n_layer)]
+    assert len(packed) > sc.n_layer // 2
+    assert [sc.layout(il) for il in packed] == fmt.packed_bundle_layouts([types[il] for il in packed], 576, 4096)
+    assert len({sc.layout(il).size for il in packed}) == 1
     for il in range(sc.n_layer):
-        kv = lambda k: sc.kv[k][il]  # noqa: E731
-        types = (kv("pi2.bundle.gate_type"), kv("pi2.bundle.up_type"), kv("pi2.bundle.down_type"))
         lay = sc.layout(il)
-        if kv("pi2.predictor.density") >= DENSE_PREDICTION:
-            assert lay.neurons == fmt.tightest_bundle_neurons(*types, 576, 4096) > 1
-            assert lay.size / lay.neurons < fmt.bundle_layout(*types, 576, 4096, 1).size  # less padding per neuron
-            packed += 1
+        if il in packed:  # less padding per neuron than a bundle each
+            assert lay.neurons > 1 and lay.size / lay.neurons < fmt.bundle_layout(*types[il], 576, 4096, 1).size
         else:
             assert lay.neurons == 1
-    assert packed > sc.n_layer // 2
 
 
-def test_tightest_bundle_neurons() -> None:
-    # Qwen2.5-1.5B's Q4_K neuron: 864 + 864 + 864 bytes; 16 fill 41,472 bytes (81 x 512) exactly
-    q4k = int(QT.Q4_K)
-    assert fmt.tightest_bundle_neurons(q4k, q4k, q4k, 1536, 512) == 16
-    lay = fmt.bundle_layout(q4k, q4k, q4k, 1536, 512, 16)
-    assert (lay.stride, lay.size, lay.offset(17)) == (2592, 41472, 41472 + 2592)
+def test_packed_bundle_layouts() -> None:
+    q4k, q6k, f16 = int(QT.Q4_K), int(QT.Q6_K), int(QT.F16)
+    # one type alone: the count that pads least. Qwen2.5-1.5B's Q4_K neuron, 3 x 864 bytes: 16 fill 41,472
+    # bytes (81 x 512) exactly
+    (lay,) = fmt.packed_bundle_layouts([(q4k, q4k, q4k)], 1536, 512)
+    assert (lay.neurons, lay.stride, lay.size, lay.offset(17)) == (16, 2592, 41472, 41472 + 2592)
+    # its layers with Q6_K down columns (3,008 bytes a neuron) as well: one size for both, 14 and 12 neurons
+    # in 36,352 bytes, 0.5% padding (16 and 8 in 41,472 and 24,064 bytes would each pad least alone)
+    lays = fmt.packed_bundle_layouts([(q4k, q4k, q4k), (q4k, q4k, q6k), (q4k, q4k, q4k)], 1536, 512)
+    assert [(x.neurons, x.stride, x.size) for x in lays] == [(14, 2592, 36352), (12, 3008, 36352), (14, 2592, 36352)]
+    assert sum(x.size / x.neurons - x.stride for x in lays) / sum(x.stride for x in lays) < 0.006
+    assert lays[1].offset(13) == 36352 + 3008
     # one neuron of 3 x 4096 bytes fits 4 KiB pages exactly: no reason to pack
-    assert fmt.tightest_bundle_neurons(int(QT.F16), int(QT.F16), int(QT.F16), 2048, 4096) == 1
+    assert fmt.packed_bundle_layouts([(f16, f16, f16)], 2048, 4096)[0].neurons == 1
+    with pytest.raises(ValueError, match="does not hold its 14 x 2592 bytes"):
+        fmt.bundle_layout(q4k, q4k, q4k, 1536, 512, 14, 35840)
 
 
 def test_bundles_are_4k_aligned_in_the_file(smol_sidecar: Path) -> None:

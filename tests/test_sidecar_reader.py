@@ -382,6 +382,24 @@ def test_bundles_of_several_neurons(tmp_path: Path, align: int, neurons: int) ->
         assert slots[j, ds].tobytes() == np.ascontiguousarray(down[:, i]).tobytes()
 
 
+def test_bundles_padded_beyond_their_neurons(tmp_path: Path) -> None:
+    # a bundle may be larger than its neurons need (the writer gives packed layers one size): 4 neurons of
+    # 384 bytes in 2048 and 2560 bytes, the neurons where the stride puts them, padding after
+    sc = factory.build(bundle_align=512, bundle_neurons=4, bundle_size=[2048, 2560])
+    path = factory.write(sc, tmp_path / "p.pi2.gguf")
+    validate_sidecar_c(path)
+    rd = read_sidecar(path)
+    assert [rd.layout(il).size for il in (0, 1)] == [2048, 2560]
+    assert rd.layout(1).offset(5) == 2560 + 384
+    gate, up, down = sc.weights[1]
+    order = sc.tensors["blk.1.pi2_order"]
+    slots, (gs, us, ds) = rd.slots(1), rd.bundle_slices(1)
+    for j in (0, 3, 4, 127):
+        i = int(order[j])
+        assert slots[j, gs].tobytes() == gate[i].tobytes() and slots[j, us].tobytes() == up[i].tobytes()
+        assert slots[j, ds].tobytes() == np.ascontiguousarray(down[:, i]).tobytes()
+
+
 def test_bundle_neurons_out_of_range(tmp_path: Path) -> None:
     sc = factory.build()
     sc.set("pi2.bundle.neurons", [1, 17])
