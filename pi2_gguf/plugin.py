@@ -51,6 +51,7 @@ class _LayerCounters(ctypes.Structure):
         ("bytes_read", ctypes.c_uint64),
         ("io_requests", ctypes.c_uint64),
         ("io_wait_ns", ctypes.c_uint64),
+        ("prefetched", ctypes.c_uint64),
     ]
 
 
@@ -63,7 +64,7 @@ class _CacheInfo(ctypes.Structure):
         ("n_cold", ctypes.c_uint32),
         ("direct_io", ctypes.c_uint32),
         ("freq_cutoff", ctypes.c_float),
-        ("pad", ctypes.c_uint32),
+        ("n_prefetch", ctypes.c_uint32),
         ("ffn_ns", ctypes.c_uint64),
         ("embd_bytes", ctypes.c_uint64),
     ]
@@ -72,8 +73,9 @@ class _CacheInfo(ctypes.Structure):
 @dataclass(frozen=True)
 class CacheInfo:
     """The neuron cache of a model with a memory budget: segment sizes (bytes), hot neurons (all layers),
-    cold entries, whether reads bypass the page cache, time spent in its FFN layers, and the bytes of
-    token embedding left in the model file (read per token; 0 when it is in RAM)."""
+    cold entries, whether reads bypass the page cache, time spent in its FFN layers, the bytes of token
+    embedding left in the model file (read per token; 0 when it is in RAM), and the cold entries kept for
+    prefetching the next layer's first bundles."""
 
     fixed_bytes: int
     hot_bytes: int
@@ -84,6 +86,7 @@ class CacheInfo:
     freq_cutoff: float
     ffn_seconds: float
     embedding_bytes: int
+    n_prefetch: int
 
 
 class _Counters(ctypes.Structure):
@@ -120,13 +123,15 @@ class Counters:
     checked_tokens: np.ndarray
     missed: np.ndarray
     # flash-resident FFN (memory budget), per layer: bundles found in the hot segment, in the cold
-    # segment, read from the sidecar; bytes read; read requests; time the threads waited (ns, per thread)
+    # segment, read from the sidecar; bytes read; read requests; time the threads waited (ns, per thread);
+    # of the misses, those read ahead while the layer before finished
     hot_hits: np.ndarray
     cold_hits: np.ndarray
     misses: np.ndarray
     bytes_read: np.ndarray
     io_requests: np.ndarray
     io_wait_ns: np.ndarray
+    prefetched: np.ndarray
 
     def active_per_token(self) -> np.ndarray:
         """Mean active neurons per sparsely decoded token, per layer (nan where none ran sparse)."""
@@ -284,7 +289,7 @@ def read_counters() -> Counters:
         glu_tokens=np.array([lc.glu_tokens for lc in layers], dtype=np.uint64),
         **{name: np.array([getattr(lc, name) for lc in layers], dtype=np.uint64)
            for name in ("sparse_tokens", "neurons", "predicted", "active", "down_sparse_tokens", "checked_tokens", "missed",
-                        "hot_hits", "cold_hits", "misses", "bytes_read", "io_requests", "io_wait_ns")},
+                        "hot_hits", "cold_hits", "misses", "bytes_read", "io_requests", "io_wait_ns", "prefetched")},
     )
 
 
@@ -353,7 +358,8 @@ def cache_info(binding: int) -> CacheInfo | None:
     if _require().pi2_binding_cache_info(binding, ctypes.byref(raw)) != 0:
         return None
     return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons), int(raw.n_cold),
-                     bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9, int(raw.embd_bytes))
+                     bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9, int(raw.embd_bytes),
+                     int(raw.n_prefetch))
 
 
 def inject_read_fault(binding: int, after: int, errno_value: int) -> None:

@@ -126,6 +126,49 @@ def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_si
     assert 0.4 < c.active.sum() / c.neurons.sum() < 0.6 < 0.85 < c.rows[:, 1].sum() / c.neurons.sum() < 0.95
 
 
+def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path,
+                                                       same_engine_settings) -> None:
+    """SmolLM2's product layers run without predictors (every bundle read each token), so while a layer
+    finishes the cache reads the next layer's first bundles into entries kept for that. The same logits,
+    and the same misses and bytes counted as without the prefetch."""
+    runs = []
+    for prefetch in ("0", None):
+        if prefetch is not None:
+            os.environ["PI2_PREFETCH_BYTES"] = prefetch
+        try:
+            flash = _load_small_cache(smollm2, smol_sidecar)
+        finally:
+            os.environ.pop("PI2_PREFETCH_BYTES", None)
+        plugin.reset_counters()
+        logits = _steps(flash, 4)
+        c, info = plugin.read_counters(), flash.cache_info()
+        flash.close()
+        runs.append((logits, c, info))
+    (off, c_off, info_off), (on, c_on, info_on) = runs
+    assert info_off.n_prefetch == 0 < info_on.n_prefetch <= (info_on.n_cold - 1) // 2
+    assert np.array_equal(on, off)
+    # the prefetch reads some of the misses, and the request that uses them reads them no more; its entries
+    # come from the hot segment's share: as many neurons needed in all, no fewer misses
+    assert int(c_off.prefetched.sum()) == 0 < int(c_on.prefetched.sum()) < int(c_on.misses.sum())
+    assert int(c_on.misses.sum()) >= int(c_off.misses.sum()) > 0
+    total = lambda c: int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())  # noqa: E731
+    assert total(c_on) == total(c_off)
+    assert int(c_on.bytes_read.sum()) % fmt.BUNDLE_ALIGN == 0  # whole bundles (4 KiB multiples)
+    assert int(c_on.bytes_read.sum()) >= int(c_off.bytes_read.sum())
+
+
+def test_failed_prefetch_read_ends_generation_with_a_message(smollm2: Path, smol_sidecar: Path) -> None:
+    llm = _load_small_cache(smollm2, smol_sidecar)
+    assert llm.cache_info().n_prefetch > 0
+    _steps(llm, 1)
+    for after in range(0, 40, 3):  # some of these requests are prefetches: every fault must surface
+        plugin.inject_read_fault(llm.pi2_binding, after, errno.EIO)
+        with pytest.raises(SidecarError, match=r"read of \d+ bytes at offset \d+ failed.*Input/output error \(injected\)"):
+            _steps(llm, 3)
+    _steps(llm, 2)
+    llm.close()
+
+
 def _direct_io_takes(path: Path, align: int) -> bool:
     """Whether this file's filesystem takes an O_DIRECT read of align bytes at offset align."""
     buf = mmap.mmap(-1, 4096)  # page-aligned

@@ -53,6 +53,7 @@ struct pi2_layer_counters {
     uint64_t bytes_read;         // by those reads
     uint64_t io_requests;        // reads issued (consecutive bundles share one)
     uint64_t io_wait_ns;         // time the compute threads waited for bundles (per thread, on average)
+    uint64_t prefetched;         // of the misses, read ahead while the layer before finished
 };
 
 struct pi2_counters {
@@ -96,7 +97,7 @@ struct pi2_cache_info {
     uint32_t n_cold;        // cold entries
     uint32_t direct_io;     // 1 when reads bypass the page cache (O_DIRECT)
     float    freq_cutoff;   // neurons at least this frequently active (profile) are hot
-    uint32_t pad;
+    uint32_t n_prefetch;    // of the cold entries, kept for the next layer's first bundles
     uint64_t ffn_ns;        // time in flash FFN layers since the cache was made
     uint64_t embd_bytes;    // token embedding left in the model file, its rows read per token (0: in RAM)
 };

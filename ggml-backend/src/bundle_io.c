@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -259,6 +260,11 @@ void pi2_bundle_file_close(struct pi2_bundle_file * f) {
 
 void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs, int n) {
     pthread_mutex_lock(&f->lock);
+    while (f->next < f->n_reqs && !f->stop) { // the batch before: every request taken by a thread (at most
+        pthread_mutex_unlock(&f->lock);        // a few us with more threads than requests)
+        sched_yield();
+        pthread_mutex_lock(&f->lock);
+    }
     f->reqs   = reqs;
     f->n_reqs = n;
     f->next   = 0;

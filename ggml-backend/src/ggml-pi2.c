@@ -996,6 +996,7 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->cold_bytes  = plan->cold_bytes;
         out->hot_neurons = plan->hot_neurons;
         out->n_cold      = plan->n_cold;
+        out->n_prefetch  = plan->n_prefetch;
         out->freq_cutoff = plan->freq_cutoff;
         out->direct_io   = pi2_cache_direct_io(b->cache);
         out->ffn_ns      = b->ffn_ns;

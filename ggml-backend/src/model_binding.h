@@ -87,5 +87,9 @@ void                 pi2_binding_unref(struct pi2_binding * b);
 bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct ggml_tensor * w_gate,
                               const struct ggml_tensor * w_up, const struct ggml_tensor * w_down);
 
+// Whether a layer decodes with its predictor in this mode; otherwise every gate row is computed, and on
+// flash every bundle of the layer is read each token.
+bool pi2_binding_layer_predicted(const struct pi2_binding * b, int layer, int mode, bool predictor_always);
+
 // "dense", "oracle", "predicted" -> enum pi2_mode; -1 for anything else
 int pi2_mode_parse(const char * s);

@@ -33,6 +33,7 @@ struct pi2_cold_entry {
     int32_t    layer, bundle; // what it holds (layer -1: nothing)
     uint32_t   pin;         // epoch of the request that needs it
     uint8_t    ref;         // CLOCK's second-chance bit
+    uint8_t    prefetched;  // read by pi2_cache_prefetch, not yet counted by a request
     atomic_int state;
 };
 
@@ -62,13 +63,18 @@ struct pi2_neuron_cache {
     struct iovec *           iov;  // [largest n_bundles] (a bundle at most once per layer): the requests'
     int32_t *                tags; // iovecs and tags, carved in order
     uint32_t                 max_run; // bundles per request at most
+    struct pi2_io_req *      pf_reqs; // pi2_cache_prefetch's own requests, iovecs and tags (n_prefetch each)
+    struct iovec *           pf_iov;
+    int32_t *                pf_tags;
     struct pi2_bundle_file * file;
 
     atomic_uint     completions; // futex word: bumped by every finished request
     atomic_int      waiters;
     atomic_int      outstanding; // requests of the current batch not finished
+    atomic_int      pf_outstanding; // prefetch requests not finished
     pthread_mutex_t err_lock;
     char            error[512];
+    char            pf_error[512]; // the first failed prefetch read since the last prefetch
 };
 
 static void pi2_futex_wait(atomic_uint * addr, unsigned val) {
@@ -170,13 +176,17 @@ static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * ho
     return need;
 }
 
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out) {
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, struct pi2_cache_plan * out) {
     memset(out, 0, sizeof(*out));
     if (bytes < pi2_cache_min_bytes(sc)) {
         return false;
     }
     uint32_t max_n_bundles = 0;
     const uint32_t entry = pi2_max_bundle(sc, &max_n_bundles);
+    // prefetch entries from at most a quarter of what the cache has beyond one whole layer, so a small
+    // cache still pins its hottest neurons
+    const uint64_t spare = (bytes / entry - max_n_bundles) / 4;
+    const uint64_t n_pf  = prefetch_bytes / entry < spare ? prefetch_bytes / entry : spare;
     size_t n_items = 0;
     struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
     uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
@@ -198,7 +208,7 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
             break;
         }
         hot_k[items[k].layer]++;
-        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k)) {
+        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k) + n_pf) {
             best      = k + 1;
             best_used = used;
         }
@@ -214,6 +224,7 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
     out->freq_cutoff = best > 0 ? items[best - 1].f : 1.0f;
     const uint64_t cold_entries = (bytes - best_used) / entry;
     out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
+    out->n_prefetch = (uint32_t) n_pf;
     out->cold_bytes = (uint64_t) out->n_cold * entry;
     free(items);
     free(hot_k);
@@ -222,10 +233,12 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_ca
 
 static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
     struct pi2_neuron_cache * c = ctx;
-    if (err != 0) {
+    const bool prefetch = c->pf_reqs != NULL && r >= c->pf_reqs && r < c->pf_reqs + c->plan.n_prefetch;
+    if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
+        char * dst = prefetch ? c->pf_error : c->error;
         pthread_mutex_lock(&c->err_lock);
-        if (c->error[0] == '\0') {
-            snprintf(c->error, sizeof(c->error), "%s", why);
+        if (dst[0] == '\0') {
+            snprintf(dst, sizeof(c->error), "%s", why);
         }
         pthread_mutex_unlock(&c->err_lock);
     }
@@ -234,7 +247,7 @@ static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, con
             atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
         }
     }
-    atomic_fetch_sub(&c->outstanding, 1);
+    atomic_fetch_sub(prefetch ? &c->pf_outstanding : &c->outstanding, 1);
     atomic_fetch_add(&c->completions, 1);
     if (atomic_load(&c->waiters) > 0) {
         pi2_futex_wake(&c->completions);
@@ -281,6 +294,9 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     free(c->reqs);
     free(c->iov);
     free(c->tags);
+    free(c->pf_reqs);
+    free(c->pf_iov);
+    free(c->pf_tags);
     pthread_mutex_destroy(&c->err_lock);
     free(c);
 }
@@ -316,12 +332,17 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     c->reqs  = calloc(max_n_bundles, sizeof(*c->reqs));
     c->iov   = calloc(max_n_bundles, sizeof(*c->iov));
     c->tags  = calloc(max_n_bundles, sizeof(*c->tags));
+    const size_t n_pf = plan->n_prefetch > 0 ? plan->n_prefetch : 1;
+    c->pf_reqs = calloc(n_pf, sizeof(*c->pf_reqs));
+    c->pf_iov  = calloc(n_pf, sizeof(*c->pf_iov));
+    c->pf_tags = calloc(n_pf, sizeof(*c->pf_tags));
     c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
     c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
     c->hot_mem  = pi2_map_anon(c->hot_map);
     c->cold     = pi2_map_anon(c->cold_map);
     c->sink     = pi2_map_anon((size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
-    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->iov == NULL || c->tags == NULL || c->sink == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
+    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->iov == NULL || c->tags == NULL || c->sink == NULL ||
+        c->pf_reqs == NULL || c->pf_iov == NULL || c->pf_tags == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
         (c->cold_map > 0 && c->cold == NULL)) {
         snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
                  (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
@@ -381,7 +402,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     }
     const uint32_t need = pi2_cold_need(sc, hot_k);
     free(hot_k);
-    if (need > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
+    if (need + plan->n_prefetch > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);
         return NULL;
@@ -394,7 +415,8 @@ static int64_t pi2_victim(struct pi2_neuron_cache * c) {
         const uint32_t e = c->hand;
         c->hand = c->hand + 1 < c->n_cold ? c->hand + 1 : 0;
         struct pi2_cold_entry * E = &c->ent[e];
-        if (E->pin == c->epoch) {
+        // this request's, prefetched for the next, or still being read (a prefetch the request did not want)
+        if (E->pin == c->epoch || E->pin == c->epoch + 1 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
             continue;
         }
         if (E->ref) {
@@ -406,20 +428,24 @@ static int64_t pi2_victim(struct pi2_neuron_cache * c) {
     return -1;
 }
 
-static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
-    while (atomic_load(&c->outstanding) > 0) {
+static void pi2_wait_for(struct pi2_neuron_cache * c, atomic_int * outstanding) {
+    while (atomic_load(outstanding) > 0) {
         atomic_fetch_add(&c->waiters, 1);
         const unsigned g = atomic_load(&c->completions);
-        if (atomic_load(&c->outstanding) > 0) {
+        if (atomic_load(outstanding) > 0) {
             pi2_futex_wait(&c->completions, g);
         }
         atomic_fetch_sub(&c->waiters, 1);
     }
 }
 
-// Bundle k of layer L into a cold entry (allocated if it has none), pinned for this request and pending.
-// -1 if no entry is free.
-static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k) {
+static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
+    pi2_wait_for(c, &c->outstanding);
+}
+
+// Bundle k of layer L into a cold entry (allocated if it has none), pinned for the request of epoch `pin`
+// and pending. -1 if no entry is free.
+static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin) {
     struct pi2_cache_layer * L = &c->layer[layer];
     int64_t e = L->where[k];
     if (e < 0) {
@@ -436,8 +462,9 @@ static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k) {
         L->where[k] = (int32_t) e;
     }
     struct pi2_cold_entry * E = &c->ent[e];
-    E->ref = 1;
-    E->pin = c->epoch;
+    E->ref        = 1;
+    E->pin        = pin;
+    E->prefetched = 0;
     atomic_store(&E->state, PI2_ENTRY_PENDING);
     return e;
 }
@@ -451,6 +478,43 @@ static uint32_t pi2_wanted(const struct pi2_cache_layer * L, const uint8_t * wan
         n += want[s] != 0;
     }
     return n;
+}
+
+void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer) {
+    if (c->plan.n_prefetch == 0) {
+        return;
+    }
+    pi2_wait_for(c, &c->pf_outstanding); // the last prefetch (the current request has used it)
+    c->pf_error[0] = '\0';
+    struct pi2_cache_layer * L = &c->layer[layer];
+    uint32_t nreq = 0, n = 0;
+    struct pi2_io_req * cur = NULL;
+    for (uint32_t k = L->hot_k; k < L->n_bundles && n < c->plan.n_prefetch; ++k) {
+        const int64_t e0 = L->where[k];
+        if (e0 >= 0 && atomic_load(&c->ent[e0].state) != PI2_ENTRY_FAILED) {
+            continue; // cached (the request checks that it is ready)
+        }
+        const int64_t e = pi2_claim(c, layer, k, c->epoch + 1);
+        if (e < 0) {
+            break;
+        }
+        c->ent[e].prefetched = 1;
+        if (cur == NULL || cur->n >= (int) c->max_run || cur->offset + (uint64_t) cur->n * L->bsize != L->offset + (uint64_t) k * L->bsize) {
+            cur         = &c->pf_reqs[nreq++];
+            cur->offset = L->offset + (uint64_t) k * L->bsize;
+            cur->n      = 0;
+            cur->iov    = c->pf_iov + n;
+            cur->tag    = c->pf_tags + n;
+        }
+        cur->iov[cur->n].iov_base = c->cold + (size_t) e * c->entry_size;
+        cur->iov[cur->n].iov_len  = L->bsize;
+        cur->tag[cur->n++]        = (int32_t) e;
+        ++n;
+    }
+    atomic_store(&c->pf_outstanding, (int) nreq);
+    if (nreq > 0) {
+        pi2_bundle_file_submit(c->file, c->pf_reqs, (int) nreq);
+    }
 }
 
 int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
@@ -478,6 +542,18 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             continue;
         }
         const int64_t e = L->where[k];
+        if (e >= 0 && c->ent[e].prefetched) {
+            // read (or being read) for this request ahead of it: a miss and its bytes, not read again; if
+            // its read failed, pi2_cache_get says so
+            struct pi2_cold_entry * E = &c->ent[e];
+            E->ref        = 1;
+            E->pin        = c->epoch;
+            E->prefetched = 0;
+            st->misses += wanted;
+            st->prefetched += wanted;
+            st->bytes_read += L->bsize;
+            continue;
+        }
         if (e >= 0 && atomic_load(&c->ent[e].state) == PI2_ENTRY_READY) {
             c->ent[e].ref = 1;
             c->ent[e].pin = c->epoch;
@@ -505,7 +581,7 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             cur->tag[cur->n++]        = -1;
             st->bytes_read += L->bsize;
         }
-        const int64_t ge = pi2_claim(c, layer, k);
+        const int64_t ge = pi2_claim(c, layer, k, c->epoch);
         if (ge < 0) {
             snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
             failed = true;
@@ -586,7 +662,7 @@ int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen) {
 }
 
 const char * pi2_cache_error(struct pi2_neuron_cache * c) {
-    return c->error;
+    return c->error[0] != '\0' ? c->error : c->pf_error;
 }
 
 void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err) {

@@ -23,6 +23,7 @@ struct pi2_neuron_cache;
 struct pi2_cache_plan {
     uint64_t hot_bytes, cold_bytes;
     uint32_t n_cold;       // cold entries
+    uint32_t n_prefetch;   // of them, kept free of any one layer's need for the next layer's first bundles
     uint64_t hot_bundles;  // summed over layers
     uint64_t hot_neurons;  // in them
     float    freq_cutoff;  // neurons at least this frequently active are hot
@@ -32,8 +33,9 @@ struct pi2_cache_plan {
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
 // Bytes the cache spends outside its segments (bundle maps, entry table, request buffers).
 uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc);
-// How `bytes` splits into hot and cold segments; false if bytes < pi2_cache_min_bytes.
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, struct pi2_cache_plan * out);
+// How `bytes` splits into hot and cold segments, with cold room for up to prefetch_bytes of prefetched
+// bundles beyond one layer's need (less if the cache cannot spare it); false if bytes < pi2_cache_min_bytes.
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, struct pi2_cache_plan * out);
 
 // Makes the cache and reads the hot segments; NULL with err on failure.
 struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan, int io_threads,
@@ -42,12 +44,20 @@ void pi2_cache_free(struct pi2_neuron_cache * c);
 
 struct pi2_cache_token_stats {
     uint64_t hot_hits, cold_hits, misses, bytes_read, requests;
+    uint64_t prefetched; // of the misses, read by pi2_cache_prefetch
 };
 
 // Looks up the slots with want[slot] != 0 of one layer and queues reads for the bundles missing.
 // 0, or -1 with err (the file changed, or the cache cannot hold them).
 int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
                       char * err, size_t errlen);
+// Queues reads of the first bundles of `layer` that are neither hot nor cached, into the plan's prefetch
+// entries, and returns without waiting. For a layer that will want every bundle (the engine knows which),
+// called while the current layer finishes its compute: the disk then reads on between layers. Call it
+// once every bundle of the current request is in memory. The request that uses the bundles takes them as
+// they are (ready or still being read), counting them as misses and their bytes as read; pi2_cache_get
+// reports a failed prefetch read.
+void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer);
 // The parts of a requested slot (its neuron within its bundle) once they are in memory; NULL if its read failed (pi2_cache_error says why).
 // Adds the time spent waiting to *wait_ns.
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);

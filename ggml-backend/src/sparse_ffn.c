@@ -110,6 +110,7 @@ struct pi2_sparse_plan {
     // flash: bundles come through the neuron cache; want[slot] 1 = predicted, 2 = recall check only
     struct pi2_neuron_cache *        cache;
     int                              layer;
+    int                              prefetch_layer; // flash: the next layer, if it reads every bundle; else -1
     uint8_t *                        want;
     struct pi2_cache_token_stats     io;
     atomic_int                       failed;
@@ -522,6 +523,12 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         pi2_sparse_clusters(p, ith, t);
     }
     #pragma omp barrier
+    // every bundle of this layer is in memory now: the next layer's first reads go out while this one sums
+    // its down columns and the next one's attention runs (the last token of a batch: the others request
+    // this layer again)
+    if (ith == 0 && p->cache != NULL && p->prefetch_layer >= 0 && t == p->n_tokens - 1 && !atomic_load(&p->failed)) {
+        pi2_cache_prefetch(p->cache, p->prefetch_layer);
+    }
 
     // phase 3: down. Every thread sums the same counts, so all take the same branch.
     if (atomic_load(&p->failed)) { // set before the barrier above, so seen alike
@@ -625,6 +632,7 @@ static void pi2_sparse_count(struct pi2_counters * c, int layer, const struct pi
         pi2_count(&lc->misses, p->io.misses);
         pi2_count(&lc->bytes_read, p->io.bytes_read);
         pi2_count(&lc->io_requests, p->io.requests);
+        pi2_count(&lc->prefetched, p->io.prefetched);
         pi2_count(&lc->io_wait_ns, wait / (uint64_t) p->nth); // per thread, on average
     }
 }
@@ -660,6 +668,11 @@ static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_
         pthread_mutex_lock(&b->cache_lock);
     }
     p->cache = b->cache;
+    // llama runs the layers in order, the last one followed by the first of the next token
+    const int next = (p->layer + 1) % (int) b->sc->n_layer;
+    if (!pi2_binding_layer_predicted(b, next, atomic_load(&b->mode), ctx->dev->predictor_always)) {
+        p->prefetch_layer = next;
+    }
     const uint64_t t0 = pi2_now_ns();
     pi2_sparse_run(p, ctx->n_threads > 0 ? ctx->n_threads : 1);
     // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
@@ -692,9 +705,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         .relu = b->sc->sparsity_method == PI2_SPARSITY_METHOD_RELU,
         .product = b->sc->sparsity_method == PI2_SPARSITY_METHOD_PRODUCT && mode != PI2_MODE_DENSE,
         // flash keeps only the predictors that run (the others were freed at load)
-        .predicted = mode == PI2_MODE_PREDICTED && b->layer[layer].w1 != NULL &&
-                     (b->layer[layer].use_predictor || ctx->dev->predictor_always),
-        .all_active = mode == PI2_MODE_DENSE, .layer = layer,
+        .predicted = pi2_binding_layer_predicted(b, layer, mode, ctx->dev->predictor_always),
+        .all_active = mode == PI2_MODE_DENSE, .layer = layer, .prefetch_layer = -1,
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank,
         .n_clusters = (L->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER, .n_tokens = gate->src[1]->ne[1],
         .down_sparse_max = ctx->dev->down_sparse_max,
