@@ -169,6 +169,29 @@ def test_failed_prefetch_read_ends_generation_with_a_message(smollm2: Path, smol
     llm.close()
 
 
+def test_reads_in_flight_cap_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path,
+                                                       same_engine_settings) -> None:
+    """I/O threads take queued requests in order while less than PI2_IO_INFLIGHT_BYTES is being read: one
+    request at a time (4 KiB), the default (2 MiB) and no cap (0) give the same logits and read the same."""
+    runs = []
+    for cap in ("4096", None, "0"):
+        if cap is not None:
+            os.environ["PI2_IO_INFLIGHT_BYTES"] = cap
+        try:
+            flash = _load_small_cache(smollm2, smol_sidecar)
+        finally:
+            os.environ.pop("PI2_IO_INFLIGHT_BYTES", None)
+        plugin.reset_counters()
+        logits = _steps(flash, 3)
+        c = plugin.read_counters()
+        flash.close()
+        runs.append((logits, int(c.misses.sum()), int(c.bytes_read.sum())))
+    assert runs[0][1] > 0
+    for logits, misses, read in runs[1:]:
+        assert np.array_equal(logits, runs[0][0])
+        assert (misses, read) == runs[0][1:]
+
+
 def _direct_io_takes(path: Path, align: int) -> bool:
     """Whether this file's filesystem takes an O_DIRECT read of align bytes at offset align."""
     buf = mmap.mmap(-1, 4096)  # page-aligned

@@ -31,8 +31,9 @@ int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int 
                           void * done_ctx, char * err, size_t errlen);
 void pi2_bundle_file_close(struct pi2_bundle_file * f);
 
-// Queues n requests once every request of the previous batch has been taken by an I/O thread (the arrays
-// of a batch must stay valid until its requests are done).
+// Queues n requests behind the batches queued before (the arrays of a batch must stay valid until its
+// requests are done). Threads take requests in order, while less than PI2_IO_INFLIGHT_BYTES (2 MiB) is
+// being read.
 void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs, int n);
 // Reads n bytes at off into dst (4 KiB aligned) on the calling thread; 0, or -1 with err.
 int  pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen);

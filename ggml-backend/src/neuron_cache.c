@@ -37,6 +37,19 @@ struct pi2_cold_entry {
     atomic_int state;
 };
 
+// One prefetch's requests, iovecs and tags (at most one per bundle of a layer) and its reads in flight.
+// A set serves the request of one epoch (its key); there are two, so that the next layer's bundles can go
+// out while the current layer's prefetched bundles are still being read.
+struct pi2_pf_set {
+    struct pi2_io_req * reqs;
+    struct iovec *      iov;
+    int32_t *           tags;
+    uint32_t            n_req, n_iov; // used
+    uint32_t            key;          // epoch of the request the bundles are read for
+    atomic_int          outstanding;
+    char                error[512];   // its first failed read
+};
+
 struct pi2_cache_layer {
     uint8_t * hot;       // hot_k bundles, in order
     uint32_t  hot_k;     // bundles
@@ -63,18 +76,15 @@ struct pi2_neuron_cache {
     struct iovec *           iov;  // [largest n_bundles] (a bundle at most once per layer): the requests'
     int32_t *                tags; // iovecs and tags, carved in order
     uint32_t                 max_run; // bundles per request at most
-    struct pi2_io_req *      pf_reqs; // pi2_cache_prefetch's own requests, iovecs and tags (n_prefetch each)
-    struct iovec *           pf_iov;
-    int32_t *                pf_tags;
+    uint32_t                 max_n_bundles;
+    struct pi2_pf_set        pf[2];
     struct pi2_bundle_file * file;
 
     atomic_uint     completions; // futex word: bumped by every finished request
     atomic_int      waiters;
     atomic_int      outstanding; // requests of the current batch not finished
-    atomic_int      pf_outstanding; // prefetch requests not finished
     pthread_mutex_t err_lock;
     char            error[512];
-    char            pf_error[512]; // the first failed prefetch read since the last prefetch
 };
 
 static void pi2_futex_wait(atomic_uint * addr, unsigned val) {
@@ -111,8 +121,9 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
         bundles += sc->layer[il].n_bundles;
     }
     // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
+    // (request arrays: the request's and the two prefetch sets)
     return bundles * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
-           (uint64_t) n_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
+           3 * (uint64_t) n_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
 }
 
 struct pi2_freq_item {
@@ -233,9 +244,14 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t pref
 
 static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
     struct pi2_neuron_cache * c = ctx;
-    const bool prefetch = c->pf_reqs != NULL && r >= c->pf_reqs && r < c->pf_reqs + c->plan.n_prefetch;
+    struct pi2_pf_set * set = NULL;
+    for (int i = 0; i < 2; ++i) {
+        if (c->pf[i].reqs != NULL && r >= c->pf[i].reqs && r < c->pf[i].reqs + c->max_n_bundles) {
+            set = &c->pf[i];
+        }
+    }
     if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
-        char * dst = prefetch ? c->pf_error : c->error;
+        char * dst = set != NULL ? set->error : c->error;
         pthread_mutex_lock(&c->err_lock);
         if (dst[0] == '\0') {
             snprintf(dst, sizeof(c->error), "%s", why);
@@ -247,7 +263,7 @@ static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, con
             atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
         }
     }
-    atomic_fetch_sub(prefetch ? &c->pf_outstanding : &c->outstanding, 1);
+    atomic_fetch_sub(set != NULL ? &set->outstanding : &c->outstanding, 1);
     atomic_fetch_add(&c->completions, 1);
     if (atomic_load(&c->waiters) > 0) {
         pi2_futex_wake(&c->completions);
@@ -294,9 +310,11 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     free(c->reqs);
     free(c->iov);
     free(c->tags);
-    free(c->pf_reqs);
-    free(c->pf_iov);
-    free(c->pf_tags);
+    for (int i = 0; i < 2; ++i) {
+        free(c->pf[i].reqs);
+        free(c->pf[i].iov);
+        free(c->pf[i].tags);
+    }
     pthread_mutex_destroy(&c->err_lock);
     free(c);
 }
@@ -332,17 +350,21 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     c->reqs  = calloc(max_n_bundles, sizeof(*c->reqs));
     c->iov   = calloc(max_n_bundles, sizeof(*c->iov));
     c->tags  = calloc(max_n_bundles, sizeof(*c->tags));
-    const size_t n_pf = plan->n_prefetch > 0 ? plan->n_prefetch : 1;
-    c->pf_reqs = calloc(n_pf, sizeof(*c->pf_reqs));
-    c->pf_iov  = calloc(n_pf, sizeof(*c->pf_iov));
-    c->pf_tags = calloc(n_pf, sizeof(*c->pf_tags));
+    c->max_n_bundles = max_n_bundles;
+    bool pf_ok = true;
+    for (int i = 0; i < 2 && plan->n_prefetch > 0; ++i) {
+        c->pf[i].reqs = calloc(max_n_bundles, sizeof(*c->pf[i].reqs));
+        c->pf[i].iov  = calloc(max_n_bundles, sizeof(*c->pf[i].iov));
+        c->pf[i].tags = calloc(max_n_bundles, sizeof(*c->pf[i].tags));
+        pf_ok = pf_ok && c->pf[i].reqs != NULL && c->pf[i].iov != NULL && c->pf[i].tags != NULL;
+    }
     c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
     c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
     c->hot_mem  = pi2_map_anon(c->hot_map);
     c->cold     = pi2_map_anon(c->cold_map);
     c->sink     = pi2_map_anon((size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
     if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->iov == NULL || c->tags == NULL || c->sink == NULL ||
-        c->pf_reqs == NULL || c->pf_iov == NULL || c->pf_tags == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
+        !pf_ok || (c->hot_map > 0 && c->hot_mem == NULL) ||
         (c->cold_map > 0 && c->cold == NULL)) {
         snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
                  (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
@@ -410,13 +432,14 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     return c;
 }
 
-static int64_t pi2_victim(struct pi2_neuron_cache * c) {
+// A CLOCK victim; `done`: the current request's computation has finished, so its entries are free too.
+static int64_t pi2_victim(struct pi2_neuron_cache * c, bool done) {
     for (uint64_t step = 0; step < 2 * (uint64_t) c->n_cold + 1; ++step) {
         const uint32_t e = c->hand;
         c->hand = c->hand + 1 < c->n_cold ? c->hand + 1 : 0;
         struct pi2_cold_entry * E = &c->ent[e];
         // this request's, prefetched for the next, or still being read (a prefetch the request did not want)
-        if (E->pin == c->epoch || E->pin == c->epoch + 1 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
+        if ((E->pin == c->epoch && !done) || E->pin == c->epoch + 1 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
             continue;
         }
         if (E->ref) {
@@ -445,11 +468,11 @@ static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
 
 // Bundle k of layer L into a cold entry (allocated if it has none), pinned for the request of epoch `pin`
 // and pending. -1 if no entry is free.
-static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin) {
+static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin, bool done) {
     struct pi2_cache_layer * L = &c->layer[layer];
     int64_t e = L->where[k];
     if (e < 0) {
-        e = pi2_victim(c);
+        e = pi2_victim(c, done);
         if (e < 0) {
             return -1;
         }
@@ -480,40 +503,53 @@ static uint32_t pi2_wanted(const struct pi2_cache_layer * L, const uint8_t * wan
     return n;
 }
 
-void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer) {
+void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer, bool done) {
     if (c->plan.n_prefetch == 0) {
         return;
     }
-    pi2_wait_for(c, &c->pf_outstanding); // the last prefetch (the current request has used it)
-    c->pf_error[0] = '\0';
+    // the set of the next request (a second call adds to it), else the older one: the request it served
+    // has taken its bundles, so its reads are done or nearly
+    const uint32_t key = c->epoch + 1;
+    struct pi2_pf_set * S = c->pf[0].key == key ? &c->pf[0] : c->pf[1].key == key ? &c->pf[1] : NULL;
+    if (S == NULL) {
+        S = (int32_t) (c->pf[0].key - c->pf[1].key) <= 0 ? &c->pf[0] : &c->pf[1];
+        pi2_wait_for(c, &S->outstanding);
+        S->n_req = S->n_iov = 0;
+        S->key = key;
+        S->error[0] = '\0';
+    }
     struct pi2_cache_layer * L = &c->layer[layer];
-    uint32_t nreq = 0, n = 0;
+    const uint32_t limit = done ? c->max_n_bundles : c->plan.n_prefetch;
+    const uint32_t req0 = S->n_req;
     struct pi2_io_req * cur = NULL;
-    for (uint32_t k = L->hot_k; k < L->n_bundles && n < c->plan.n_prefetch; ++k) {
+    for (uint32_t k = L->hot_k, n = 0; k < L->n_bundles && n < limit && S->n_iov < c->max_n_bundles; ++k) {
         const int64_t e0 = L->where[k];
-        if (e0 >= 0 && atomic_load(&c->ent[e0].state) != PI2_ENTRY_FAILED) {
-            continue; // cached (the request checks that it is ready)
+        if (e0 >= 0 && (atomic_load(&c->ent[e0].state) != PI2_ENTRY_FAILED || (c->ent[e0].prefetched && c->ent[e0].pin == key))) {
+            continue; // cached or being read (the request checks that it is ready); a failed read for the same
+                      // request is left for it to report
         }
-        const int64_t e = pi2_claim(c, layer, k, c->epoch + 1);
+        const int64_t e = pi2_claim(c, layer, k, key, done);
         if (e < 0) {
             break;
         }
         c->ent[e].prefetched = 1;
         if (cur == NULL || cur->n >= (int) c->max_run || cur->offset + (uint64_t) cur->n * L->bsize != L->offset + (uint64_t) k * L->bsize) {
-            cur         = &c->pf_reqs[nreq++];
+            cur         = &S->reqs[S->n_req++];
             cur->offset = L->offset + (uint64_t) k * L->bsize;
             cur->n      = 0;
-            cur->iov    = c->pf_iov + n;
-            cur->tag    = c->pf_tags + n;
+            cur->iov    = S->iov + S->n_iov;
+            cur->tag    = S->tags + S->n_iov;
         }
         cur->iov[cur->n].iov_base = c->cold + (size_t) e * c->entry_size;
         cur->iov[cur->n].iov_len  = L->bsize;
         cur->tag[cur->n++]        = (int32_t) e;
+        ++S->n_iov;
         ++n;
     }
-    atomic_store(&c->pf_outstanding, (int) nreq);
+    const int nreq = (int) (S->n_req - req0);
     if (nreq > 0) {
-        pi2_bundle_file_submit(c->file, c->pf_reqs, (int) nreq);
+        atomic_fetch_add(&S->outstanding, nreq);
+        pi2_bundle_file_submit(c->file, S->reqs + req0, nreq);
     }
 }
 
@@ -542,7 +578,9 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             continue;
         }
         const int64_t e = L->where[k];
-        if (e >= 0 && c->ent[e].prefetched) {
+        // (a failed prefetch for an earlier request that did not want it is read again, as a miss)
+        if (e >= 0 && c->ent[e].prefetched &&
+            (c->ent[e].pin == c->epoch || atomic_load(&c->ent[e].state) != PI2_ENTRY_FAILED)) {
             // read (or being read) for this request ahead of it: a miss and its bytes, not read again; if
             // its read failed, pi2_cache_get says so
             struct pi2_cold_entry * E = &c->ent[e];
@@ -581,7 +619,7 @@ int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * wa
             cur->tag[cur->n++]        = -1;
             st->bytes_read += L->bsize;
         }
-        const int64_t ge = pi2_claim(c, layer, k, c->epoch);
+        const int64_t ge = pi2_claim(c, layer, k, c->epoch, false);
         if (ge < 0) {
             snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
             failed = true;
@@ -662,7 +700,13 @@ int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen) {
 }
 
 const char * pi2_cache_error(struct pi2_neuron_cache * c) {
-    return c->error[0] != '\0' ? c->error : c->pf_error;
+    if (c->error[0] != '\0') {
+        return c->error;
+    }
+    // the prefetch read for this request first (a set's reads are done before it is used again)
+    const struct pi2_pf_set * a = c->pf[0].key == c->epoch ? &c->pf[0] : &c->pf[1];
+    const struct pi2_pf_set * b = a == &c->pf[0] ? &c->pf[1] : &c->pf[0];
+    return a->error[0] != '\0' ? a->error : b->error;
 }
 
 void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err) {

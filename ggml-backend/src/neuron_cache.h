@@ -51,13 +51,15 @@ struct pi2_cache_token_stats {
 // 0, or -1 with err (the file changed, or the cache cannot hold them).
 int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
                       char * err, size_t errlen);
-// Queues reads of the first bundles of `layer` that are neither hot nor cached, into the plan's prefetch
-// entries, and returns without waiting. For a layer that will want every bundle (the engine knows which),
-// called while the current layer finishes its compute: the disk then reads on between layers. Call it
-// once every bundle of the current request is in memory. The request that uses the bundles takes them as
-// they are (ready or still being read), counting them as misses and their bytes as read; pi2_cache_get
-// reports a failed prefetch read.
-void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer);
+// Queues reads of bundles of `layer` that are neither hot nor cached and returns without waiting; for a
+// layer that will want every bundle (the engine knows which), the one after the current request's. Once
+// the current request is queued (done false): at most the plan's prefetch entries, its first bundles,
+// read after the current ones, so the disk reads on through this layer's last computations. Once the
+// current request's computation has finished (done true; its entries are free then): the rest of the
+// layer, read while the next attention (or the output layer and sampling, between tokens) runs. The
+// request that uses the bundles takes them as they are (ready or still being read), counting them as
+// misses and their bytes as read; pi2_cache_get reports a failed prefetch read.
+void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer, bool done);
 // The parts of a requested slot (its neuron within its bundle) once they are in memory; NULL if its read failed (pi2_cache_error says why).
 // Adds the time spent waiting to *wait_ns.
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);

@@ -430,7 +430,7 @@ static void pi2_sparse_model_rows(struct pi2_sparse_plan * p, int ith, int nth, 
 }
 
 // flash: which slots this token needs (thread ith's clusters), then one thread queues the reads
-static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
+static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
     const int64_t n_clusters = p->n_clusters;
     for (int64_t c = ith; c < n_clusters; c += nth) {
         const int64_t s0 = c * PI2_CLUSTER;
@@ -440,8 +440,14 @@ static void pi2_sparse_request(struct pi2_sparse_plan * p, int ith, int nth) {
         }
     }
     #pragma omp barrier
-    if (ith == 0 && pi2_cache_request(p->cache, p->layer, p->want, &p->io, p->error, sizeof(p->error)) != 0) {
-        atomic_store(&p->failed, 1);
+    if (ith == 0) {
+        if (pi2_cache_request(p->cache, p->layer, p->want, &p->io, p->error, sizeof(p->error)) != 0) {
+            atomic_store(&p->failed, 1);
+        } else if (p->prefetch_layer >= 0 && t == p->n_tokens - 1) {
+            // the next layer's first bundles queue behind this one's (the last token of a batch: the others
+            // request this layer again)
+            pi2_cache_prefetch(p->cache, p->prefetch_layer, false);
+        }
     }
     #pragma omp barrier
 }
@@ -518,17 +524,11 @@ static void pi2_sparse_token(struct pi2_sparse_plan * p, int ith, int nth, int64
         pi2_sparse_model_rows(p, ith, nth, t);
     } else {
         if (p->cache != NULL) {
-            pi2_sparse_request(p, ith, nth);
+            pi2_sparse_request(p, ith, nth, t);
         }
         pi2_sparse_clusters(p, ith, t);
     }
     #pragma omp barrier
-    // every bundle of this layer is in memory now: the next layer's first reads go out while this one sums
-    // its down columns and the next one's attention runs (the last token of a batch: the others request
-    // this layer again)
-    if (ith == 0 && p->cache != NULL && p->prefetch_layer >= 0 && t == p->n_tokens - 1 && !atomic_load(&p->failed)) {
-        pi2_cache_prefetch(p->cache, p->prefetch_layer);
-    }
 
     // phase 3: down. Every thread sums the same counts, so all take the same branch.
     if (atomic_load(&p->failed)) { // set before the barrier above, so seen alike
@@ -682,6 +682,9 @@ static enum ggml_status pi2_exec_flash(struct pi2_backend_ctx * ctx, struct pi2_
     if (!ok) { // the request's own error first, then a read error or a changed file
         snprintf(b->error, sizeof(b->error), "%s",
                  p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_cache_error(p->cache));
+    }
+    if (ok && p->prefetch_layer >= 0) { // this layer's entries are free now: the rest of the next layer
+        pi2_cache_prefetch(p->cache, p->prefetch_layer, true);
     }
     b->ffn_ns += pi2_now_ns() - t0;
     pthread_mutex_unlock(&b->cache_lock);
