@@ -71,15 +71,18 @@ def _minimum(model: Path, sidecar: Path) -> int:
     return int(m.group(1)) * 1_000_000
 
 
-def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted") -> pi2_gguf.Llama:
+def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted",
+                      env: dict[str, str] | None = None) -> pi2_gguf.Llama:
     """A budget of 1 GB, its neuron cache capped at 6 MB (PI2_CACHE_MAX): the test model's 16 MB of bundles
-    then mostly stay on flash, whatever this test process holds."""
-    os.environ["PI2_CACHE_MAX"] = str(6 << 20)
+    then mostly stay on flash, whatever this test process holds. env: more plugin settings for the load."""
+    settings = {"PI2_CACHE_MAX": str(6 << 20), **(env or {})}
+    os.environ.update(settings)
     try:
         return pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, memory_budget="1GB", n_ctx=256, n_threads=2,
                               verbose=False)
     finally:
-        del os.environ["PI2_CACHE_MAX"]
+        for name in settings:
+            del os.environ[name]
 
 
 def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: str = "predicted",
@@ -132,13 +135,8 @@ def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_side
     finishes the cache reads the next layer's first bundles into entries kept for that. The same logits,
     and the same misses and bytes counted as without the prefetch."""
     runs = []
-    for prefetch in ("0", None):
-        if prefetch is not None:
-            os.environ["PI2_PREFETCH_BYTES"] = prefetch
-        try:
-            flash = _load_small_cache(smollm2, smol_sidecar)
-        finally:
-            os.environ.pop("PI2_PREFETCH_BYTES", None)
+    for env in ({"PI2_PREFETCH_BYTES": "0"}, None):
+        flash = _load_small_cache(smollm2, smol_sidecar, env=env)
         plugin.reset_counters()
         logits = _steps(flash, 4)
         c, info = plugin.read_counters(), flash.cache_info()
@@ -174,13 +172,8 @@ def test_reads_in_flight_cap_changes_nothing_but_timing(smollm2: Path, smol_side
     """I/O threads take queued requests in order while less than PI2_IO_INFLIGHT_BYTES is being read: one
     request at a time (4 KiB), the default (2 MiB) and no cap (0) give the same logits and read the same."""
     runs = []
-    for cap in ("4096", None, "0"):
-        if cap is not None:
-            os.environ["PI2_IO_INFLIGHT_BYTES"] = cap
-        try:
-            flash = _load_small_cache(smollm2, smol_sidecar)
-        finally:
-            os.environ.pop("PI2_IO_INFLIGHT_BYTES", None)
+    for env in ({"PI2_IO_INFLIGHT_BYTES": "4096"}, None, {"PI2_IO_INFLIGHT_BYTES": "0"}):
+        flash = _load_small_cache(smollm2, smol_sidecar, env=env)
         plugin.reset_counters()
         logits = _steps(flash, 3)
         c = plugin.read_counters()
