@@ -8,19 +8,18 @@ import numpy as np
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
+from .plugin import ModelSummary, model_summary_c
 
 GGUF_MAGIC = b"GGUF"
 
 
-def open_gguf(path: str | Path, what: str, error: type[Pi2Error]) -> tuple[Path, GGUFReader]:
-    """Opens a GGUF file with gguf-py, checking that it exists, is GGUF, parses, and holds all of its
-    tensors; each failure raises `error` with a message naming the file as `what` ("model file")."""
+def _gguf_path(path: str | Path, what: str, error: type[Pi2Error]) -> Path:
+    """The path of an existing file that starts with the GGUF magic, or `error` naming the file as `what`."""
     p = Path(path).expanduser()
     if not p.exists():
         raise error(f"{what} not found: {p}")
     if not p.is_file():
         raise error(f"{what} path is not a file: {p}")
-    size = p.stat().st_size
     try:
         with p.open("rb") as f:
             magic = f.read(4)
@@ -28,6 +27,14 @@ def open_gguf(path: str | Path, what: str, error: type[Pi2Error]) -> tuple[Path,
         raise error(f"cannot read {what} {p}: {e.strerror}") from e
     if magic != GGUF_MAGIC:
         raise error(f"{what} {p} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    return p
+
+
+def open_gguf(path: str | Path, what: str, error: type[Pi2Error]) -> tuple[Path, GGUFReader]:
+    """Opens a GGUF file with gguf-py, checking that it exists, is GGUF, parses, and holds all of its
+    tensors; each failure raises `error` with a message naming the file as `what` ("model file")."""
+    p = _gguf_path(path, what, error)
+    size = p.stat().st_size
     try:
         reader = GGUFReader(p, "r")
     except (ValueError, IndexError, KeyError, OSError, EOFError, TypeError) as e:
@@ -39,13 +46,21 @@ def open_gguf(path: str | Path, what: str, error: type[Pi2Error]) -> tuple[Path,
     return p, reader
 
 
+def read_model_file(path: str | Path) -> tuple[Path, ModelSummary]:
+    """The resolved path of a readable, complete GGUF model and the plugin's summary of it (FFN fingerprint and
+    sizes), or ModelFileError. The header is read by ggml's reader in the plugin, not gguf-py's: that one
+    builds Python objects for every vocabulary entry (~500 MB for Qwen2.5's 151,936), and what it leaves
+    resident a memory budget would take from the neuron cache."""
+    p = _gguf_path(path, "model file", ModelFileError)
+    summary = model_summary_c(p)
+    if summary.n_tensors == 0:
+        raise ModelFileError(f"{p} holds no tensors")
+    return p.resolve(), summary
+
+
 def check_model_file(path: str | Path) -> Path:
     """Returns the resolved path of a readable, complete GGUF file, or raises ModelFileError."""
-    p, reader = open_gguf(path, "model file", ModelFileError)
-    if len(reader.tensors) == 0:
-        raise ModelFileError(f"{p} holds no tensors")
-    del reader
-    return p.resolve()
+    return read_model_file(path)[0]
 
 
 def read_architecture(path: str | Path) -> str:

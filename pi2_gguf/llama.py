@@ -12,7 +12,7 @@ import llama_cpp
 from . import memory_budget as budgets
 from . import plugin
 from .errors import MemoryBudgetError, SidecarError
-from .gguf_check import check_model_file
+from .gguf_check import read_model_file
 from .sidecar_format import sidecar_path_for
 
 SidecarArg = str | os.PathLike[str] | bool | None
@@ -45,26 +45,28 @@ def resolve_mode(mode: str | None, sidecar: Path | None) -> str:
     return chosen
 
 
-def check_sidecar_matches(model: Path, sidecar: Path) -> None:
+def check_sidecar_matches(model: Path, sidecar: Path, summary: plugin.ModelSummary | None = None) -> None:
     """Refuses a sidecar made for another model before llama loads anything (the plugin checks again
     on the weights it receives)."""
-    from .model_ffn import ModelFfn
-
     _, fp = plugin.sidecar_summary_c(sidecar)
-    ffn = ModelFfn(model)
-    if ffn.fingerprint() != fp:
+    summary = summary or plugin.model_summary_c(model)
+    if summary.n_layer == 0:
+        raise SidecarError(f"sidecar {sidecar}: {model.name} has no gated FFN layers (blk.N.ffn_gate/up/down.weight), "
+                           "so no sidecar applies to it")
+    if summary.fingerprint != fp:
         raise SidecarError(f"sidecar {sidecar}: was made for another model (its fingerprint 0x{fp:016x} is not "
-                           f"{model.name}'s 0x{ffn.fingerprint():016x})")
+                           f"{model.name}'s 0x{summary.fingerprint:016x})")
 
 
-def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None) -> tuple[Path | None, str]:
+def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
+                    summary: plugin.ModelSummary | None = None) -> tuple[Path | None, str]:
     """(sidecar, mode) a model loads with, the sidecar validated by the plugin's reader and checked
     against the model's weights; raises SidecarError naming the problem."""
     path = resolve_sidecar(model, sidecar)
     chosen = resolve_mode(mode, path)
     if path is not None:
         plugin.validate_sidecar_c(path)
-        check_sidecar_matches(model, path)
+        check_sidecar_matches(model, path, summary)
     return path, chosen
 
 
@@ -84,9 +86,9 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str | Path, *args: Any, sidecar: SidecarArg = None, mode: str | None = None,
                  check_recall: bool = False, memory_budget: str | int | None = None, **kwargs: Any) -> None:
-        path = check_model_file(model_path)
+        path, summary = read_model_file(model_path)
         plugin.register()
-        self.pi2_sidecar, self.pi2_mode = prepare_sidecar(path, sidecar, mode)
+        self.pi2_sidecar, self.pi2_mode = prepare_sidecar(path, sidecar, mode, summary)
         budget_arg = memory_budget if memory_budget is not None else os.environ.get("PI2_MEMORY_BUDGET") or None
         self.pi2_memory_budget = None if budget_arg is None else budgets.parse_size(budget_arg)
         if self.pi2_memory_budget is not None:
@@ -96,7 +98,7 @@ class Llama(llama_cpp.Llama):
                 raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
             kwargs["use_mmap"] = False
             kwargs.setdefault("n_batch", 32)
-            budgets.precheck(self.pi2_memory_budget, path, self.pi2_sidecar)
+            budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar)
         self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None,
                                              model=path)
         try:
@@ -110,8 +112,9 @@ class Llama(llama_cpp.Llama):
             plugin.load_end()
         self._pi2_constructed = True
         if self.pi2_memory_budget is not None:
-            # what llama will still touch: its compute buffers, and the logits array with logits_all
-            reserved = sum(compute) + (self.scores.nbytes if self._logits_all else 0)
+            reserved = budgets.compute_reserve(compute, self._n_vocab, self.context_params.n_ubatch,
+                                               self._logits_all or bool(self.context_params.embeddings),
+                                               self.scores.nbytes if self._logits_all else 0)
             budgets.drop_page_cache(path)
             gc.collect()  # GGUF readers of the checks above may still map file pages, which count as resident
             try:

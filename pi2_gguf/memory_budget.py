@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import MemoryBudgetError
+from .plugin import ModelSummary
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -42,30 +43,24 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def precheck(budget: int, model: Path, sidecar: Path) -> None:
+def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path) -> None:
     """Refuses, before anything loads, a budget below what the model needs at the very least: what this
     process holds now, the model's resident non-FFN weights, one layer of bundles and the margin (the
     plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
     the load). A token embedding apart from the output matrix stays in the model file (the plugin reads
     its rows per token), so it does not count."""
     from . import sidecar as sidecar_mod
-    from .model_ffn import ModelFfn
 
     gc.collect()  # unmaps what earlier GGUF readers (sidecar checks) mapped: mapped pages count as resident
-    held = resident_bytes()  # before the readers below map (and count) file pages
-    ffn = ModelFfn(model)
-    sizes = {t.name: int(t.n_bytes) for t in ffn.reader.tensors}
-    non_ffn = model.stat().st_size - sum(int(t.data.nbytes) for layer in ffn.layers for t in layer.values())
-    if "output.weight" in sizes:
-        non_ffn -= sizes.get("token_embd.weight", 0)
+    held = resident_bytes()  # before the reader below maps (and counts) file pages
+    non_ffn = model.file_size - model.ffn_bytes - model.embedding_bytes
     kv = sidecar_mod.read(sidecar).kv
     one_layer = max(-(-int(f) // int(g)) * int(b)
                     for f, g, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.neurons"], kv["pi2.bundle.size"]))
-    del ffn
     need = held + non_ffn + one_layer + MARGIN
     if budget < need:
         raise MemoryBudgetError(
-            f"memory budget {budget / 1e6:.0f} MB is too small for {model.name}: it needs more than {need / 1e6:.0f} MB "
+            f"memory budget {budget / 1e6:.0f} MB is too small for {path.name}: it needs more than {need / 1e6:.0f} MB "
             f"(this process {held / 1e6:.0f} MB, resident non-FFN weights {non_ffn / 1e6:.0f} MB, neuron cache at "
             f"least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; plus predictors, KV cache and compute "
             "buffers)")
@@ -95,6 +90,19 @@ def compute_buffer_log() -> Iterator[list[int]]:
         yield sizes
     finally:
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def compute_reserve(compute: list[int], n_vocab: int, n_ubatch: int, all_outputs: bool, scores_bytes: int) -> int:
+    """What llama will still touch after the budget is read: its compute buffers and, with logits_all,
+    the scores array. llama sizes the compute buffer for a batch whose every token has an output, but
+    llama-cpp-python asks for the last token's logits only (unless logits_all or embeddings), so the
+    other n_ubatch - 1 rows of the logits tensor are never touched (Qwen2.5-1.5B at n_batch 32: 18.5 of
+    the 22 MiB; after a prompt and 16 tokens the process had grown by 5.5 MiB beyond the cold entries)."""
+    total = sum(compute)
+    unused = (n_ubatch - 1) * n_vocab * 4
+    if not all_outputs and total > unused:  # smaller: not the graph this reasons about, nothing discounted
+        total -= unused
+    return total + scores_bytes
 
 
 def drop_page_cache(path: Path) -> None:

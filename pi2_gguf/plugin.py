@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PluginError, SidecarError, VersionMismatchError
+from .errors import ModelFileError, PluginError, SidecarError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
 
 PLUGIN_FILE = "libggml-pi2.so"
@@ -407,10 +407,40 @@ def _tools_lib() -> ctypes.CDLL:
             lib.pi2_columns_add.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                             ctypes.c_void_p, ctypes.c_void_p]
             lib.pi2_columns_add.restype = ctypes.c_int
+            lib.pi2_model_summary.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ModelSummaryC), ctypes.c_char_p,
+                                              ctypes.c_size_t]
+            lib.pi2_model_summary.restype = ctypes.c_int
         except AttributeError as e:
             raise PluginError(f"PI2 plugin {path} has no sidecar reader ({e}); rebuild it with tools/bootstrap.py") from e
         _tools = lib
         return lib
+
+
+class _ModelSummaryC(ctypes.Structure):
+    _fields_ = [("fingerprint", ctypes.c_uint64), ("ffn_bytes", ctypes.c_uint64), ("embedding_bytes", ctypes.c_uint64),
+                ("file_size", ctypes.c_uint64), ("n_tensors", ctypes.c_int64), ("n_layer", ctypes.c_uint32)]
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A model file as pi2 sees it before llama loads it (ggml-pi2.h, pi2_model_summary)."""
+
+    fingerprint: int      # of the gated FFN weights (docs/FORMAT.md); 0 without FFN layers
+    ffn_bytes: int        # blk.N.ffn_{gate,up,down}.weight, all layers
+    embedding_bytes: int  # token_embd.weight when output.weight is a tensor of its own, else 0
+    file_size: int
+    n_tensors: int
+    n_layer: int          # gated FFN layers
+
+
+def model_summary_c(path: str | os.PathLike[str]) -> ModelSummary:
+    """The plugin's reading of a model file: ggml's GGUF reader, so a large vocabulary costs little (gguf-py's
+    reader builds Python objects for every token). Raises ModelFileError with its message."""
+    out = _ModelSummaryC()
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _tools_lib().pi2_model_summary(os.fsencode(path), ctypes.byref(out), err, _ERR_LEN) != 0:
+        raise ModelFileError(err.value.decode("utf-8", "replace"))
+    return ModelSummary(*(int(getattr(out, name)) for name, _ in _ModelSummaryC._fields_))
 
 
 def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:

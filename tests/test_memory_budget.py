@@ -5,6 +5,7 @@ generation with a clear error, and under a cgroup limit equal to the budget the 
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import re
@@ -427,3 +428,30 @@ def test_peak_memory_stays_within_the_budget_in_a_cgroup(relu_model: tuple[Path,
     got = parse_results(r.stdout)[0]
     assert got.tokens == parse_results(ram_env.stdout)[0].tokens
     assert len(got.tokens) == N_STEPS and got.io["misses"] > 0
+
+
+def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar: Path) -> None:
+    """In a fresh process given 150 MB more than it holds: after a 40-token prompt and 16 tokens, its peak
+    resident memory sits between budget - 1.5 margins (the neuron cache got what llama and the process do
+    not touch: compute buffers are reserved as far as llama uses them, e.g. not the n_batch - 1 rows of
+    logits llama-cpp-python never asks for) and budget - half the margin (the plan holds)."""
+    code = (
+        "import json, re, sys, pi2_gguf\n"
+        "from pi2_gguf.generate import last_logits\n"
+        "def status(k):\n"
+        "    return int(re.search(k + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
+        "budget = status('VmRSS') + 150_000_000\n"
+        "llm = pi2_gguf.Llama(sys.argv[1], sidecar=sys.argv[2], memory_budget=budget, n_ctx=256, n_threads=2,\n"
+        "                     verbose=False)\n"
+        f"llm.eval(llm.tokenize((({PROMPT!r} + ' ') * 8).encode(), add_bos=True)[:40])\n"
+        "for _ in range(16):\n"
+        "    llm.eval([int(last_logits(llm).argmax())])\n"
+        "ci = llm.cache_info()\n"
+        "print(json.dumps([budget, status('VmHWM'), ci.hot_bytes + ci.cold_bytes]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(smollm2), str(smol_sidecar)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    budget, peak, cache = json.loads(r.stdout.strip().splitlines()[-1])
+    margin = 32 << 20  # PI2_BUDGET_MARGIN
+    assert budget - 1.5 * margin <= peak <= budget - margin / 2, (budget, peak, cache)
+    assert cache > 0

@@ -146,6 +146,18 @@ GGML_BACKEND_API int pi2_sidecar_summary(const char * path, uint32_t * n_layer, 
 GGML_BACKEND_API int pi2_sidecar_check_weight(const char * path, int layer, int matrix, int type, int64_t ne0, int64_t ne1,
                                               const void * data, size_t nbytes, char * err, size_t errlen);
 
+// A model file as pi2 sees it before llama loads it (model_file.c): 0, or -1 with err set to "model file
+// PATH: problem" (not GGUF, truncated, FFN tensors missing or of shapes that disagree).
+struct pi2_model_summary {
+    uint64_t fingerprint;     // of the gated FFN weights (FORMAT.md "Fingerprint"); 0 without FFN layers
+    uint64_t ffn_bytes;       // blk.N.ffn_{gate,up,down}.weight, all layers
+    uint64_t embedding_bytes; // token_embd.weight when output.weight is a tensor of its own, else 0
+    uint64_t file_size;
+    int64_t  n_tensors;
+    uint32_t n_layer;         // gated FFN layers
+};
+GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen);
+
 // Fingerprint of one FFN weight tensor (FORMAT.md "Fingerprint"), and of a model from its 3 * n_layer
 // tensor fingerprints (gate, up, down of layer 0, then layer 1, ...)
 GGML_BACKEND_API uint64_t pi2_fingerprint_tensor(int type, int64_t ne0, int64_t ne1, const void * data, size_t nbytes);

@@ -20,20 +20,30 @@ static uint64_t pi2_fnv1a64_le(uint64_t v, int n, uint64_t h) {
     return pi2_fnv1a64(b, (size_t) n, h);
 }
 
-uint64_t pi2_fingerprint_tensor(int type, int64_t ne0, int64_t ne1, const void * data, size_t nbytes) {
+uint64_t pi2_fingerprint_header(int type, int64_t ne0, int64_t ne1, size_t nbytes) {
     uint64_t h = PI2_FP_OFFSET_BASIS;
     h = pi2_fnv1a64_le((uint32_t) type, 4, h);
     h = pi2_fnv1a64_le((uint64_t) ne0, 8, h);
     h = pi2_fnv1a64_le((uint64_t) ne1, 8, h);
-    h = pi2_fnv1a64_le((uint64_t) nbytes, 8, h);
+    return pi2_fnv1a64_le((uint64_t) nbytes, 8, h);
+}
+
+size_t pi2_fingerprint_sample(size_t nbytes, int k, size_t * len) {
     const size_t s    = nbytes < PI2_FP_SAMPLE_BYTES ? nbytes : PI2_FP_SAMPLE_BYTES;
     const size_t span = nbytes - s;
     const size_t q = span / (PI2_FP_SAMPLES - 1);
     const size_t r = span % (PI2_FP_SAMPLES - 1);
-    for (size_t k = 0; s > 0 && k < PI2_FP_SAMPLES; ++k) {
-        // floor(k * span / 15) without overflowing k * span
-        const size_t off = k * q + k * r / (PI2_FP_SAMPLES - 1);
-        h = pi2_fnv1a64((const unsigned char *) data + off, s, h);
+    *len = s;
+    // floor(k * span / 15) without overflowing k * span
+    return (size_t) k * q + (size_t) k * r / (PI2_FP_SAMPLES - 1);
+}
+
+uint64_t pi2_fingerprint_tensor(int type, int64_t ne0, int64_t ne1, const void * data, size_t nbytes) {
+    uint64_t h = pi2_fingerprint_header(type, ne0, ne1, nbytes);
+    for (int k = 0; k < PI2_FP_SAMPLES; ++k) {
+        size_t len = 0;
+        const size_t off = pi2_fingerprint_sample(nbytes, k, &len);
+        h = pi2_fnv1a64((const unsigned char *) data + off, len, h);
     }
     return h;
 }

@@ -18,6 +18,7 @@
 #include "bundle_io.h"
 #include "fingerprint.h"
 #include "gguf.h"
+#include "gguf_file.h"
 #include "sidecar_format.h"
 
 //
@@ -133,24 +134,15 @@ static const char * const pi2_matrix_name[PI2_N_MATRIX] = {
 //
 
 struct pi2_reader {
-    const char *          path;
-    int                   fd;
-    uint64_t              file_size;
-    struct gguf_context * gguf;
-    char *                err;
-    size_t                errlen;
+    const char *         path;
+    struct pi2_gguf_file file;
+    char *               err;
+    size_t               errlen;
 };
 
 // err = "sidecar PATH: " + the formatted problem; returns -1
 static int pi2_fail_at(char * err, size_t errlen, const char * path, const char * fmt, va_list ap) {
-    if (err == NULL || errlen == 0) {
-        return -1;
-    }
-    const int n = snprintf(err, errlen, "sidecar %s: ", path);
-    if (n >= 0 && (size_t) n < errlen) {
-        vsnprintf(err + n, errlen - (size_t) n, fmt, ap);
-    }
-    return -1;
+    return pi2_gguf_vfail(err, errlen, "sidecar", path, fmt, ap);
 }
 
 static int pi2_fail(struct pi2_reader * rd, const char * fmt, ...) {
@@ -184,7 +176,7 @@ static const char * pi2_gguf_type_name(enum gguf_type t) {
 
 // exactly n bytes at offset, or -1 with the reason
 static int pi2_read_at(struct pi2_reader * rd, void * dst, size_t n, uint64_t offset, const char * what) {
-    const int e = pi2_read_exact(rd->fd, dst, n, offset);
+    const int e = pi2_read_exact(rd->file.fd, dst, n, offset);
     if (e == PI2_READ_EOF) {
         return pi2_fail(rd, "is truncated: %s (%zu bytes at offset %" PRIu64 ") ends past the end of the file", what, n, offset);
     }
@@ -195,71 +187,18 @@ static int pi2_read_at(struct pi2_reader * rd, void * dst, size_t n, uint64_t of
 }
 
 static int pi2_open_gguf(struct pi2_reader * rd) {
-    rd->fd = open(rd->path, O_RDONLY | O_CLOEXEC);
-    if (rd->fd < 0) {
-        return pi2_fail(rd, "cannot open: %s", strerror(errno));
-    }
-    struct stat st;
-    if (fstat(rd->fd, &st) != 0) {
-        return pi2_fail(rd, "cannot stat: %s", strerror(errno));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        return pi2_fail(rd, "is not a regular file");
-    }
-    rd->file_size = (uint64_t) st.st_size;
-
-    char magic[4] = { 0 };
-    if (rd->file_size < sizeof(magic) || pi2_read_at(rd, magic, sizeof(magic), 0, "the GGUF magic") != 0 ||
-        memcmp(magic, "GGUF", sizeof(magic)) != 0) {
-        return pi2_fail(rd, "is not a GGUF file (it does not start with the GGUF magic; %" PRIu64 " bytes)", rd->file_size);
-    }
-
-    // ggml's reader on the same open file (pread above left the file position at 0)
-    const int fd2 = dup(rd->fd);
-    FILE * f = fd2 >= 0 ? fdopen(fd2, "rb") : NULL;
-    if (f == NULL) {
-        const int e = errno;
-        if (fd2 >= 0) {
-            close(fd2);
-        }
-        return pi2_fail(rd, "cannot open for reading: %s", strerror(e));
-    }
-    struct gguf_init_params params = { /* .no_alloc = */ true, /* .ctx = */ NULL };
-    rd->gguf = gguf_init_from_file_ptr(f, params);
-    fclose(f);
-    if (rd->gguf == NULL) {
-        return pi2_fail(rd, "is not a readable GGUF file: its header is corrupt or truncated (%" PRIu64 " bytes; "
-                            "ggml's GGUF reader logged the detail)", rd->file_size);
-    }
-    return 0;
-}
-
-// every tensor within the file and on a PI2_BUNDLE_ALIGN boundary of it
-static int pi2_check_extents(struct pi2_reader * rd) {
-    const uint64_t data = gguf_get_data_offset(rd->gguf);
-    const int64_t  n    = gguf_get_n_tensors(rd->gguf);
-    for (int64_t i = 0; i < n; ++i) {
-        const char *   name = gguf_get_tensor_name(rd->gguf, i);
-        const uint64_t rel  = gguf_get_tensor_offset(rd->gguf, i);
-        const uint64_t size = gguf_get_tensor_size(rd->gguf, i);
-        const uint64_t off  = data + rel;
-        if (off < data || off > rd->file_size || size > rd->file_size - off) {
-            return pi2_fail(rd, "is truncated: tensor %s needs bytes up to %" PRIu64 " but the file has %" PRIu64 " bytes",
-                            name, off + size, rd->file_size);
-        }
-    }
-    return 0;
+    return pi2_gguf_file_open(&rd->file, "sidecar", rd->path, false, rd->err, rd->errlen);
 }
 
 // after the identity check, so that a model file given as a sidecar is named as such
 static int pi2_check_alignment(struct pi2_reader * rd) {
-    const uint64_t data = gguf_get_data_offset(rd->gguf);
-    const int64_t  n    = gguf_get_n_tensors(rd->gguf);
+    const uint64_t data = gguf_get_data_offset(rd->file.gguf);
+    const int64_t  n    = gguf_get_n_tensors(rd->file.gguf);
     for (int64_t i = 0; i < n; ++i) {
-        const uint64_t off = data + gguf_get_tensor_offset(rd->gguf, i);
+        const uint64_t off = data + gguf_get_tensor_offset(rd->file.gguf, i);
         if (off % PI2_BUNDLE_ALIGN != 0) {
             return pi2_fail(rd, "tensor %s starts at file offset %" PRIu64 ", not a multiple of %d (general.alignment is %zu, must be %d)",
-                            gguf_get_tensor_name(rd->gguf, i), off, PI2_BUNDLE_ALIGN, gguf_get_alignment(rd->gguf), PI2_BUNDLE_ALIGN);
+                            gguf_get_tensor_name(rd->file.gguf, i), off, PI2_BUNDLE_ALIGN, gguf_get_alignment(rd->file.gguf), PI2_BUNDLE_ALIGN);
         }
     }
     return 0;
@@ -270,7 +209,7 @@ static int pi2_check_alignment(struct pi2_reader * rd) {
 //
 
 static int64_t pi2_find(const struct pi2_reader * rd, const char * key) {
-    return gguf_find_key(rd->gguf, key);
+    return gguf_find_key(rd->file.gguf, key);
 }
 
 // the key exists with the declared type and length; -1 with the message otherwise
@@ -282,20 +221,20 @@ static int pi2_check_key(struct pi2_reader * rd, const struct pi2_key_spec * spe
         }
         return pi2_fail(rd, "key %s (%s) is missing", spec->key, spec->desc);
     }
-    const enum gguf_type kt = gguf_get_kv_type(rd->gguf, id);
+    const enum gguf_type kt = gguf_get_kv_type(rd->file.gguf, id);
     if (spec->len == PI2_LEN_SCALAR) {
         if (kt != spec->type) {
             return pi2_fail(rd, "key %s is %s%s, expected %s", spec->key, kt == GGUF_TYPE_ARRAY ? "an array of " : "",
-                            pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->gguf, id) : kt), spec->desc);
+                            pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->file.gguf, id) : kt), spec->desc);
         }
         return 0;
     }
-    if (kt != GGUF_TYPE_ARRAY || gguf_get_arr_type(rd->gguf, id) != spec->type) {
+    if (kt != GGUF_TYPE_ARRAY || gguf_get_arr_type(rd->file.gguf, id) != spec->type) {
         return pi2_fail(rd, "key %s is %s%s, expected %s", spec->key, kt == GGUF_TYPE_ARRAY ? "an array of " : "a single ",
-                        pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->gguf, id) : kt), spec->desc);
+                        pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->file.gguf, id) : kt), spec->desc);
     }
     const size_t want = spec->len == PI2_LEN_LAYERS ? (size_t) n_layer : (size_t) PI2_N_MATRIX * n_layer;
-    const size_t got  = gguf_get_arr_n(rd->gguf, id);
+    const size_t got  = gguf_get_arr_n(rd->file.gguf, id);
     if (got != want) {
         return pi2_fail(rd, "key %s has %zu elements, expected %s = %zu (pi2.n_layer is %" PRIu32 ")",
                         spec->key, got, spec->desc, want, n_layer);
@@ -317,29 +256,29 @@ static int pi2_get_u32(struct pi2_reader * rd, const char * key, uint32_t * v) {
     if (pi2_check_key(rd, pi2_key_spec(key), 0) != 0) {
         return -1;
     }
-    *v = gguf_get_val_u32(rd->gguf, pi2_find(rd, key));
+    *v = gguf_get_val_u32(rd->file.gguf, pi2_find(rd, key));
     return 0;
 }
 
 // the following read keys pi2_check_key has accepted
 static const uint32_t * pi2_arr_u32(const struct pi2_reader * rd, const char * key) {
-    return gguf_get_arr_data(rd->gguf, pi2_find(rd, key));
+    return gguf_get_arr_data(rd->file.gguf, pi2_find(rd, key));
 }
 
 static const float * pi2_arr_f32(const struct pi2_reader * rd, const char * key) {
-    return gguf_get_arr_data(rd->gguf, pi2_find(rd, key));
+    return gguf_get_arr_data(rd->file.gguf, pi2_find(rd, key));
 }
 
 static const char * pi2_str(const struct pi2_reader * rd, const char * key) {
-    return gguf_get_val_str(rd->gguf, pi2_find(rd, key));
+    return gguf_get_val_str(rd->file.gguf, pi2_find(rd, key));
 }
 
 static int pi2_check_identity(struct pi2_reader * rd) {
     const int64_t id = pi2_find(rd, "general.architecture");
-    if (id < 0 || gguf_get_kv_type(rd->gguf, id) != GGUF_TYPE_STRING) {
+    if (id < 0 || gguf_get_kv_type(rd->file.gguf, id) != GGUF_TYPE_STRING) {
         return pi2_fail(rd, "is not a pi2 sidecar (it has no general.architecture string)");
     }
-    const char * arch = gguf_get_val_str(rd->gguf, id);
+    const char * arch = gguf_get_val_str(rd->file.gguf, id);
     if (strcmp(arch, PI2_ARCHITECTURE) != 0) {
         return pi2_fail(rd, "is not a pi2 sidecar: general.architecture is '%s', not '%s' (is it a model file?)", arch, PI2_ARCHITECTURE);
     }
@@ -392,15 +331,15 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     sc->activation      = (enum pi2_activation) a;
     sc->sparsity_method = (enum pi2_sparsity_method) m;
 
-    const uint32_t align = gguf_get_val_u32(rd->gguf, pi2_find(rd, PI2_KEY_BUNDLE_ALIGN));
+    const uint32_t align = gguf_get_val_u32(rd->file.gguf, pi2_find(rd, PI2_KEY_BUNDLE_ALIGN));
     if (align < PI2_BUNDLE_ALIGN_MIN || align > PI2_BUNDLE_ALIGN || (align & (align - 1)) != 0) {
         return pi2_fail(rd, "%s is %" PRIu32 ", not a power of two from %d to %d", PI2_KEY_BUNDLE_ALIGN, align,
                         PI2_BUNDLE_ALIGN_MIN, PI2_BUNDLE_ALIGN);
     }
     sc->bundle_align = align;
 
-    const uint64_t * fps = gguf_get_arr_data(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
-    sc->fingerprint = gguf_get_val_u64(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_FINGERPRINT));
+    const uint64_t * fps = gguf_get_arr_data(rd->file.gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
+    sc->fingerprint = gguf_get_val_u64(rd->file.gguf, pi2_find(rd, PI2_KEY_SOURCE_FINGERPRINT));
     const uint64_t fp = pi2_fingerprint_model(fps, (size_t) PI2_N_MATRIX * sc->n_layer);
     if (fp != sc->fingerprint) {
         return pi2_fail(rd, "is inconsistent: %s is 0x%016" PRIx64 " but its %s hash to 0x%016" PRIx64,
@@ -441,7 +380,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
                                              ? pi2_arr_f32(rd, PI2_KEY_SPARSITY_PRODUCT_THRESHOLDS) : NULL;
     const float *    cutoff    = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_CUTOFF);
     const float *    pdensity  = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_DENSITY);
-    const uint64_t * fps       = gguf_get_arr_data(rd->gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
+    const uint64_t * fps       = gguf_get_arr_data(rd->file.gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
 
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         struct pi2_sidecar_layer * L = &sc->layer[il];
@@ -555,34 +494,34 @@ static void pi2_layer_set_tensor(struct pi2_sidecar_layer * L, enum pi2_tensor_i
 }
 
 static int pi2_read_tensors(struct pi2_reader * rd, struct pi2_sidecar * sc) {
-    const uint64_t data = gguf_get_data_offset(rd->gguf);
+    const uint64_t data = gguf_get_data_offset(rd->file.gguf);
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         struct pi2_sidecar_layer * L = &sc->layer[il];
         for (int t = 0; t < PI2_N_TENSOR; ++t) {
             const struct pi2_tensor_spec * spec = &pi2_tensors[t];
             char name[GGML_MAX_NAME];
             snprintf(name, sizeof(name), "blk.%" PRIu32 ".%s", il, spec->suffix);
-            const int64_t id = gguf_find_tensor(rd->gguf, name);
+            const int64_t id = gguf_find_tensor(rd->file.gguf, name);
             if (id < 0) {
                 return pi2_fail(rd, "tensor %s is missing", name);
             }
-            const enum ggml_type type = gguf_get_tensor_type(rd->gguf, id);
+            const enum ggml_type type = gguf_get_tensor_type(rd->file.gguf, id);
             if (type != spec->type) {
                 return pi2_fail(rd, "tensor %s is %s, expected %s", name, ggml_type_name(type), ggml_type_name(spec->type));
             }
-            const int64_t * ne   = gguf_get_tensor_ne(rd->gguf, id);
+            const int64_t * ne   = gguf_get_tensor_ne(rd->file.gguf, id);
             const int64_t   want0 = pi2_dim_value(sc, L, spec->ne0);
             const int64_t   want1 = pi2_dim_value(sc, L, spec->ne1);
             if (ne[0] != want0 || ne[1] != want1 || ne[2] != 1 || ne[3] != 1) {
                 return pi2_fail(rd, "tensor %s has shape (%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "), expected (%s, %s) = (%" PRId64 ", %" PRId64 ")",
                                 name, ne[0], ne[1], ne[2], ne[3], pi2_dim_name[spec->ne0], pi2_dim_name[spec->ne1], want0, want1);
             }
-            const uint64_t off = data + gguf_get_tensor_offset(rd->gguf, id); // within the file: pi2_check_extents
+            const uint64_t off = data + gguf_get_tensor_offset(rd->file.gguf, id); // within the file: pi2_gguf_file_open checked
             if (t == PI2_T_BUNDLES) {
                 L->bundles_offset = off;
                 continue;
             }
-            const size_t nbytes = gguf_get_tensor_size(rd->gguf, id);
+            const size_t nbytes = gguf_get_tensor_size(rd->file.gguf, id);
             void * buf = malloc(nbytes > 0 ? nbytes : 1);
             if (buf == NULL) {
                 return pi2_fail(rd, "out of memory reading tensor %s (%zu bytes)", name, nbytes);
@@ -627,7 +566,7 @@ void pi2_sidecar_free(struct pi2_sidecar * sc) {
 }
 
 static int pi2_sidecar_read(struct pi2_reader * rd, struct pi2_sidecar * sc) {
-    if (pi2_open_gguf(rd) != 0 || pi2_check_extents(rd) != 0 || pi2_check_identity(rd) != 0 ||
+    if (pi2_open_gguf(rd) != 0 || pi2_check_identity(rd) != 0 ||
         pi2_check_alignment(rd) != 0) {
         return -1;
     }
@@ -647,7 +586,7 @@ static int pi2_sidecar_read(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             return -1;
         }
     }
-    sc->file_size = rd->file_size;
+    sc->file_size = rd->file.file_size;
     sc->n_embd    = n_embd;
     sc->layer     = calloc(n_layer, sizeof(*sc->layer));
     if (sc->layer == NULL) {
@@ -668,7 +607,7 @@ int pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, s
     if (path == NULL) {
         return pi2_fail_path(err, errlen, "(null)", "no path given");
     }
-    struct pi2_reader rd = { .path = path, .fd = -1, .err = err, .errlen = errlen };
+    struct pi2_reader rd = { .path = path, .file = { .fd = -1 }, .err = err, .errlen = errlen };
     struct pi2_sidecar * sc = calloc(1, sizeof(*sc));
     int rc = -1;
     if (sc == NULL || (sc->path = strdup(path)) == NULL) {
@@ -676,10 +615,7 @@ int pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, s
     } else {
         rc = pi2_sidecar_read(&rd, sc);
     }
-    gguf_free(rd.gguf);
-    if (rd.fd >= 0) {
-        close(rd.fd);
-    }
+    pi2_gguf_file_close(&rd.file);
     if (rc != 0) {
         pi2_sidecar_free(sc);
         return -1;

@@ -1,0 +1,115 @@
+// What pi2_gguf.Llama checks of a model before llama loads it: the GGUF header (gguf_file.c), the gated
+// FFN layers (blk.N.ffn_{gate,up,down}.weight, 2-D, shapes that agree), their fingerprint (FORMAT.md)
+// and the bytes a memory budget leaves out of RAM. Of the tensor data only the fingerprint's samples are
+// read. (gguf-py's reader built ~500 MB of Python objects for Qwen2.5-1.5B's vocabulary, and 36 MB of
+// them stayed resident after it was dropped: memory a budget then took from the neuron cache.)
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "bundle_io.h"
+#include "fingerprint.h"
+#include "ggml-pi2.h"
+#include "gguf_file.h"
+#include "sidecar_format.h"
+
+#define PI2_MODEL "model file"
+
+// tensor name's 2-D shape and type, or -1 with err set
+static int pi2_ffn_tensor(const struct pi2_gguf_file * f, const char * path, const char * gate, const char * name,
+                          const struct ggml_tensor ** t, char * err, size_t errlen) {
+    *t = ggml_get_tensor(f->meta, name);
+    if (*t == NULL) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", gate, name);
+    }
+    if (ggml_n_dims(*t) != 2) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s has %d dimensions, expected 2", name, ggml_n_dims(*t));
+    }
+    return 0;
+}
+
+// the fingerprint of a tensor of the file, from its samples (read, not mapped: the kernel's fault-around
+// made a mapping of SmolLM2 resident by 67 MB for 1.4k sampled pages)
+static int pi2_file_tensor_fingerprint(const struct pi2_gguf_file * f, const char * path, const struct ggml_tensor * t,
+                                       uint64_t offset, size_t nbytes, uint64_t * fp, char * err, size_t errlen) {
+    uint8_t buf[PI2_FP_SAMPLE_BYTES];
+    uint64_t h = pi2_fingerprint_header(t->type, t->ne[0], t->ne[1], nbytes);
+    for (int k = 0; k < PI2_FP_SAMPLES; ++k) {
+        size_t len = 0;
+        const size_t off = pi2_fingerprint_sample(nbytes, k, &len);
+        const int r = pi2_read_exact(f->fd, buf, len, offset + off); // within the file: pi2_gguf_file_open checked
+        if (r != 0) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "cannot read %s: %s", t->name,
+                                 r == PI2_READ_EOF ? "the file ends early" : strerror(r));
+        }
+        h = pi2_fnv1a64(buf, len, h);
+    }
+    *fp = h;
+    return 0;
+}
+
+static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out, char * err,
+                         size_t errlen) {
+    const uint64_t data = gguf_get_data_offset(f->gguf);
+    uint64_t fps[3 * PI2_MAX_LAYERS];
+    uint32_t il = 0;
+    for (;; ++il) {
+        char name[3][64];
+        for (int m = 0; m < PI2_N_MATRIX; ++m) {
+            snprintf(name[m], sizeof(name[m]), "blk.%" PRIu32 ".ffn_%s.weight", il, m == 0 ? "gate" : m == 1 ? "up" : "down");
+        }
+        if (gguf_find_tensor(f->gguf, name[0]) < 0) {
+            break;
+        }
+        if (il == PI2_MAX_LAYERS) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
+        }
+        const struct ggml_tensor * t[3];
+        for (int m = 0; m < PI2_N_MATRIX; ++m) {
+            if (pi2_ffn_tensor(f, path, name[0], name[m], &t[m], err, errlen) != 0) {
+                return -1;
+            }
+        }
+        if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " FFN shapes disagree: gate %" PRId64 "x%" PRId64
+                                 ", up %" PRId64 "x%" PRId64 ", down %" PRId64 "x%" PRId64, il, t[0]->ne[0], t[0]->ne[1],
+                                 t[1]->ne[0], t[1]->ne[1], t[2]->ne[0], t[2]->ne[1]);
+        }
+        for (int m = 0; m < PI2_N_MATRIX; ++m) {
+            const int64_t id = gguf_find_tensor(f->gguf, name[m]);
+            const size_t  n  = gguf_get_tensor_size(f->gguf, id);
+            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), n, &fps[3 * il + m],
+                                            err, errlen) != 0) {
+                return -1;
+            }
+            out->ffn_bytes += n;
+        }
+    }
+    out->n_layer     = il;
+    out->fingerprint = il > 0 ? pi2_fingerprint_model(fps, 3 * (size_t) il) : 0;
+    const int64_t embd = gguf_find_tensor(f->gguf, "token_embd.weight");
+    if (embd >= 0 && gguf_find_tensor(f->gguf, "output.weight") >= 0) {
+        out->embedding_bytes = gguf_get_tensor_size(f->gguf, embd);
+    }
+    return 0;
+}
+
+int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen) {
+    memset(out, 0, sizeof(*out));
+    if (err != NULL && errlen > 0) {
+        err[0] = '\0';
+    }
+    if (path == NULL) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, "(null)", "no path given");
+    }
+    struct pi2_gguf_file f;
+    int rc = pi2_gguf_file_open(&f, PI2_MODEL, path, true, err, errlen);
+    if (rc == 0) {
+        out->file_size = f.file_size;
+        out->n_tensors = gguf_get_n_tensors(f.gguf);
+        rc = pi2_summarize(&f, path, out, err, errlen);
+    }
+    pi2_gguf_file_close(&f);
+    return rc;
+}
