@@ -12,15 +12,20 @@ cold page cache (pi2_gguf.cgroup). Rows:
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
 decode time, and ratios.
 
-    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--json]
+    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--json]
+
+With --rounds N the configurations run in turn N times (stock, pi2, stock, pi2, ...), so that a disk
+or a neighbour that slows down for a while slows both; the table gives medians and, per configuration,
+the spread of its per-round ratio to stock (a configuration that fails in a round is not run again).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -48,6 +53,7 @@ class Row:
     io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
     cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
     major_faults: int = 0
+    rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
 
 
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
@@ -67,55 +73,87 @@ def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n:
     return rows
 
 
+def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_bps: int | None, timeout: float) -> Row:
+    row = replace(row, rounds=[])
+    r = cgroup.run(cmd, mem, files, read_bps=read_bps, timeout=timeout)
+    row.peak_mb = r.peak_bytes / 1e6
+    row.disk_read_mb = r.disk_read_bytes / 1e6
+    row.major_faults = r.major_faults
+    if r.timed_out:
+        row.status = f"timed out ({timeout:.0f} s)"
+    elif r.oom_kills > 0:
+        row.status = "OOM-killed"
+    elif r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        row.status = f"failed: {last[:120]}"
+    else:
+        g = parse_results(r.stdout)[0]
+        row.prompt_tps, row.decode_tps, row.decoded = g.prompt_tps, g.decode_tps, len(g.tokens)
+        steps = max(len(g.tokens) - 1, 1)  # the last sampled token is not evaluated
+        row.read_per_token_mb = g.io.get("process_read_bytes", 0) / steps / 1e6
+        if g.decode_seconds > 0:
+            row.io_wait_share = g.io.get("io_wait_s", 0.0) / g.decode_seconds
+        needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
+        if needed:
+            row.cache_hit_rate = 1.0 - g.io["misses"] / needed
+    return row
+
+
+def _median_row(rows: list[Row]) -> Row:
+    """One row for a configuration's rounds: medians of the rates, the highest peak; a failure if any round failed."""
+    failed = next((r for r in rows if r.status != "ok"), None)
+    out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
+    if failed is None:
+        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate"):
+            setattr(out, name, statistics.median(getattr(r, name) for r in rows))
+    out.peak_mb = max(r.peak_mb for r in rows)
+    return out
+
+
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
-              skip_unlimited: bool = False, progress: bool = True) -> list[Row]:
+              skip_unlimited: bool = False, progress: bool = True, rounds: int = 1) -> list[Row]:
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
-    out: list[Row] = []
     configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited)
-    for row, cmd, mem in tqdm(configs, desc="bench", unit="config", disable=not progress):
-        r = cgroup.run(cmd, mem, files, read_bps=read_bps, timeout=timeout)
-        row.peak_mb = r.peak_bytes / 1e6
-        row.disk_read_mb = r.disk_read_bytes / 1e6
-        row.major_faults = r.major_faults
-        if r.timed_out:
-            row.status = f"timed out ({timeout:.0f} s)"
-        elif r.oom_kills > 0:
-            row.status = "OOM-killed"
-        elif r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            row.status = f"failed: {last[:120]}"
-        else:
-            g = parse_results(r.stdout)[0]
-            row.prompt_tps, row.decode_tps, row.decoded = g.prompt_tps, g.decode_tps, len(g.tokens)
-            steps = max(len(g.tokens) - 1, 1)  # the last sampled token is not evaluated
-            row.read_per_token_mb = g.io.get("process_read_bytes", 0) / steps / 1e6
-            if g.decode_seconds > 0:
-                row.io_wait_share = g.io.get("io_wait_s", 0.0) / g.decode_seconds
-            needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
-            if needed:
-                row.cache_hit_rate = 1.0 - g.io["misses"] / needed
-        out.append(row)
-    return out
+    done: list[list[Row]] = [[] for _ in configs]
+    with tqdm(total=rounds * len(configs), desc="bench", unit="run", disable=not progress) as bar:
+        for _ in range(rounds):
+            for k, (row, cmd, mem) in enumerate(configs):
+                if not done[k] or done[k][-1].status == "ok":  # a configuration that failed is not run again
+                    done[k].append(_measure(row, cmd, mem, files, read_bps, timeout))
+                bar.update()
+    return [_median_row(rows) for rows in done]
+
+
+def _ratio(r: Row, base: Row | None) -> str:
+    """decode vs the stock row: the ratio of medians, and with rounds the range of the per-round ratios."""
+    if r.status != "ok" or base is None or base.status != "ok" or not base.decode_tps:
+        return "-"
+    text = f"{r.decode_tps / base.decode_tps:.2f}x"
+    if r.rounds and len(r.rounds) == len(base.rounds):
+        per = [a.decode_tps / b.decode_tps for a, b in zip(r.rounds, base.rounds) if b.decode_tps]
+        text += f" ({min(per):.2f}-{max(per):.2f}x)"
+    return text
 
 
 def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row]) -> str:
     base = next((r for r in rows if r.name.startswith("stock llama.cpp, mmap, repack off") and r.status == "ok"), None)
     pi2_ram = next((r for r in rows if not r.limited and r.status == "ok"), None)
+    n_rounds = max((len(r.rounds) for r in rows), default=0)
     lines = [f"{model.name} ({model.stat().st_size / 1e9:.2f} GB), memory limit {limit / 1e6:.0f} MB, "
-             f"read cap {f'{read_bps / 1e6:.0f} MB/s' if read_bps else 'none'}, cold page cache",
+             f"read cap {f'{read_bps / 1e6:.0f} MB/s' if read_bps else 'none'}, cold page cache"
+             + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else ""),
              "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
              "| cache hits | decode vs stock (repack off) | decode vs pi2 in RAM |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
-        vs_stock = f"{r.decode_tps / base.decode_tps:.2f}x" if ok and base and base.decode_tps else "-"
-        vs_ram = f"{r.decode_tps / pi2_ram.decode_tps:.2f}x" if ok and pi2_ram and pi2_ram.decode_tps else "-"
         wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
         hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
-                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {hits} | {vs_stock} | {vs_ram} |")
+                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {hits} | {_ratio(r, base)} | "
+                     f"{_ratio(r, pi2_ram)} |")
     return "\n".join(lines)
 
 
@@ -132,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per configuration")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations in turn this many times; report medians and ratio ranges")
     ap.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
@@ -143,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     for sidecar in sidecars:
         if not sidecar.is_file():
             raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
+    if args.rounds < 1:
+        raise Pi2Error(f"pi2-gguf bench: --rounds must be at least 1, got {args.rounds}")
     limit = parse_size(args.memory_limit)
     read_bps = parse_size(args.read_bps) if args.read_bps else None
     why = cgroup.available()
     if why:
         raise Pi2Error(f"pi2-gguf bench: {why}")
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
-                     args.skip_unlimited, progress=not args.json)
+                     args.skip_unlimited, progress=not args.json, rounds=args.rounds)
     if args.json:
         json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
                    "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)

@@ -455,3 +455,43 @@ def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar:
     margin = 32 << 20  # PI2_BUDGET_MARGIN
     assert budget - 1.5 * margin <= peak <= budget - margin / 2, (budget, peak, cache)
     assert cache > 0
+
+
+@pytest.mark.skipif(cgroup.available() is not None, reason=str(cgroup.available()))
+def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list], monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """`pi2-gguf bench --rounds 2 --json`: every configuration twice in turn under the limit, medians of the
+    rounds, pi2 reading bundles from flash within the limit, and the table's per-round ratio ranges."""
+    from pi2_gguf.bench import format_table, main
+
+    model, sidecar, _ = relu_model
+    limit = _minimum(model, sidecar) + 40_000_000
+    monkeypatch.setenv("PI2_CACHE_MAX", str(6 << 20))  # the configurations' processes inherit it: most bundles on flash
+    out = tmp_path / "bench.json"
+    with out.open("w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        assert main([str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "4", "--rounds", "2",
+                     "--json"]) == 0
+    monkeypatch.undo()
+    rows = json.loads(out.read_text())["rows"]
+    by_name = {r["name"].split(",")[0] if r["name"].startswith("pi2") else r["name"]: r for r in rows}
+    assert len(rows) == 4
+    stock = by_name["stock llama.cpp, mmap, repack off"]
+    pi2 = next(r for r in rows if r["name"].startswith("pi2, memory budget"))
+    ram = next(r for r in rows if r["name"].startswith("pi2, all in RAM"))
+    for r in (stock, pi2, ram):
+        assert r["status"] == "ok" and len(r["rounds"]) == 2
+        assert r["decode_tps"] == pytest.approx(float(np.median([x["decode_tps"] for x in r["rounds"]])))
+        assert all(x["decoded"] == 4 for x in r["rounds"])
+    for r in rows:
+        if r["limited"]:
+            assert r["peak_mb"] * 1e6 <= limit and all(x["peak_mb"] * 1e6 <= limit for x in r["rounds"])
+    assert pi2["read_per_token_mb"] > 0 and 0 < pi2["cache_hit_rate"] < 1
+    from pi2_gguf.bench import Row
+
+    def row(d: dict) -> Row:
+        return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})
+
+    table = format_table(model, limit, None, [row(r) for r in rows])
+    assert "2 rounds in turn" in table
+    assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\dx\) \|", table), table
