@@ -123,3 +123,14 @@ def test_reading_a_model_costs_little_memory(smollm2: Path) -> None:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["plugin"][0] < 16e6 and out["plugin"][1] < 8e6, out
     assert out["gguf_py"][0] > 50e6, out  # the reader this replaced, measured the same way
+
+
+def test_sidecar_for_a_model_without_ffn_layers_is_refused(tmp_path: Path, smol_sidecar: Path) -> None:
+    from pi2_gguf.errors import SidecarError
+    from pi2_gguf.llama import prepare_sidecar
+
+    no_ffn = _write_model(tmp_path / "no_ffn.gguf", [], {"token_embd.weight": np.ones((100, 32), np.float32)})
+    with pytest.raises(SidecarError, match=f"sidecar {smol_sidecar}: no_ffn.gguf has no gated FFN layers"):
+        prepare_sidecar(no_ffn, smol_sidecar, None, model_summary_c(no_ffn))
+    with pytest.raises(SidecarError, match="was made for another model"):
+        prepare_sidecar(_write_model(tmp_path / "m.gguf", [_ffn()]), smol_sidecar, None)
