@@ -10,6 +10,7 @@
 #include "config.h"
 #include "memory_budget.h"
 #include "model_binding.h"
+#include "pipeline.h"
 #include "pi2_context.h"
 
 void pi2_registry_init(struct pi2_device_ctx * d) {
@@ -199,8 +200,8 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
     int r = -1;
     memset(out, 0, sizeof(*out));
     pthread_mutex_lock(&b->cache_lock);
-    if (b->cache != NULL) {
-        const struct pi2_cache_plan * plan = pi2_cache_get_plan(b->cache);
+    if (b->pipe != NULL) {
+        const struct pi2_cache_plan * plan = pi2_cache_get_plan(pi2_pipeline_cache(b->pipe));
         out->fixed_bytes = b->fixed_bytes;
         out->hot_bytes   = plan->hot_bytes;
         out->cold_bytes  = plan->cold_bytes;
@@ -208,7 +209,7 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->n_cold      = plan->n_cold;
         out->n_prefetch  = plan->n_prefetch;
         out->freq_cutoff = plan->freq_cutoff;
-        out->direct_io   = pi2_cache_direct_io(b->cache);
+        out->direct_io   = pi2_pipeline_direct_io(b->pipe);
         out->ffn_ns      = b->ffn_ns;
         out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
         r = 0;
@@ -224,9 +225,9 @@ int pi2_binding_inject_read_fault(int id, int64_t after, int err) {
         return -1;
     }
     pthread_mutex_lock(&b->cache_lock);
-    const int r = b->cache != NULL ? 0 : -1;
-    if (b->cache != NULL) {
-        pi2_cache_inject_fault(b->cache, after, err);
+    const int r = b->pipe != NULL ? 0 : -1;
+    if (b->pipe != NULL) {
+        pi2_pipeline_inject_fault(b->pipe, after, err);
     }
     pthread_mutex_unlock(&b->cache_lock);
     pi2_binding_unref(b);

@@ -26,6 +26,15 @@ typedef void (*pi2_io_done_fn)(void * ctx, const struct pi2_io_req * r, int err,
 
 struct pi2_bundle_file;
 
+// How the pipeline reads (the flash PI2_IO_* settings).
+struct pi2_io_params {
+    int      threads;      // I/O threads: the queue depth
+    uint64_t inflight_max; // bytes being read at once (SIZE_MAX: no limit)
+    uint64_t max_bytes;    // largest request
+    uint64_t gap;          // bytes a request may bridge between two misses
+};
+
+
 // Opens path for bundle reads with n_threads I/O threads, at most inflight_max bytes being read at once
 // (SIZE_MAX or 0: no limit); 0 on success, -1 with err.
 int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, uint64_t inflight_max, pi2_io_done_fn done,

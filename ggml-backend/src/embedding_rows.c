@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include "bundle_io.h"
+#include "model_binding.h"
+#include "pi2_context.h"
+#include "pi2_log.h"
 #include "gguf.h"
 
 int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
@@ -163,4 +166,31 @@ int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size
         }
     }
     return 0;
+}
+
+// the embedding rows of a decode or prompt batch, read from the model file
+enum ggml_status pi2_exec_embedding_rows(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_tensor * node) {
+    if (b == NULL || b->embd == NULL) {
+        PI2_LOG_ERROR("pi2: %s is not a token embedding PI2 reads from a file\n", node->src[0]->name);
+        return GGML_STATUS_FAILED;
+    }
+    if (!pi2_embedding_verified(b->embd)) {
+        snprintf(b->error, sizeof(b->error), "%s", b->embd->error);
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    void * scratch = pi2_work_reserve(ctx, b->embd->row_size);
+    if (scratch == NULL) {
+        PI2_LOG_ERROR("pi2: out of memory for an embedding row (%zu bytes)\n", b->embd->row_size);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    const struct ggml_tensor * ids = node->src[1];
+    char err[sizeof(b->error)];
+    if (pi2_embedding_rows(b->embd, (const int32_t *) ids->data, ids->nb[0], ids->ne[0], (float *) node->data, node->nb[1], scratch,
+                           err, sizeof(err)) != 0) {
+        memcpy(b->error, err, sizeof(err));
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        return GGML_STATUS_FAILED;
+    }
+    return GGML_STATUS_SUCCESS;
 }

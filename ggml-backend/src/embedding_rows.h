@@ -45,3 +45,9 @@ bool pi2_embedding_verified(struct pi2_embedding * e);
 // row (row_size bytes). 0, or -1 with err set (an id out of range, a failed or short read).
 int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size_t id_stride, int64_t n, float * dst,
                        size_t dst_stride, void * scratch, char * err, size_t errlen);
+
+struct pi2_backend_ctx;
+struct pi2_binding;
+// The GET_ROWS node of a decode or prompt batch on the embedding b left in the model file; fails (logged,
+// b->error set) when the upload did not match the file or a read fails.
+enum ggml_status pi2_exec_embedding_rows(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_tensor * node);

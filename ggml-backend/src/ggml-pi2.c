@@ -279,72 +279,6 @@ static double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting 
     return pi2_setting(b != NULL ? &b->settings : NULL, &pi2_device_ctx()->config.defaults, k);
 }
 
-// An FFN matmul (node i) of a model with a sidecar. If nodes i.. are a layer's FFN sparse decode runs,
-// verify the weights once, then run sparse for decode batches in oracle/predicted mode (flash: always).
-// Otherwise the layer runs dense in RAM (said once), and on flash, where the weights are nowhere else,
-// the compute is refused. Returns the nodes consumed (0: node i runs dense on its own).
-static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_cgraph * cgraph, int i,
-                                 enum ggml_status * st) {
-    struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
-    int layer = 0;
-    enum pi2_matrix m;
-    pi2_ffn_weight_parse(w->name, &layer, &m);
-    const char * why = NULL;
-    if (pi2_sparse_ffn_match(cgraph, i, &why) == 0) {
-        if (pi2_binding_unfit_layer(b, layer, why)) {
-            *st = GGML_STATUS_FAILED;
-            return 1;
-        }
-        return 0;
-    }
-    struct ggml_tensor * glu  = ggml_graph_node(cgraph, i + 2);
-    struct ggml_tensor * gate = glu->src[0];
-    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
-    if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
-        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-        *st = GGML_STATUS_FAILED;
-        return 4;
-    }
-    const int mode = atomic_load(&b->mode);
-    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
-        *st = pi2_exec_gate_up_glu(ctx, glu);
-        if (*st == GGML_STATUS_SUCCESS) {
-            *st = pi2_exec_mul_mat(ctx, down);
-        }
-        return 4;
-    }
-    *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
-    return 4;
-}
-
-// the embedding rows of a decode or prompt batch, read from the model file
-static enum ggml_status pi2_exec_embedding_rows(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
-    struct pi2_binding * b = pi2_weight_binding(node->src[0]);
-    if (b == NULL || b->embd == NULL) {
-        PI2_LOG_ERROR("pi2: %s is not a token embedding PI2 reads from a file\n", node->src[0]->name);
-        return GGML_STATUS_FAILED;
-    }
-    if (!pi2_embedding_verified(b->embd)) {
-        snprintf(b->error, sizeof(b->error), "%s", b->embd->error);
-        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-        return GGML_STATUS_FAILED;
-    }
-    void * scratch = pi2_work_reserve(ctx, b->embd->row_size);
-    if (scratch == NULL) {
-        PI2_LOG_ERROR("pi2: out of memory for an embedding row (%zu bytes)\n", b->embd->row_size);
-        return GGML_STATUS_ALLOC_FAILED;
-    }
-    const struct ggml_tensor * ids = node->src[1];
-    char err[sizeof(b->error)];
-    if (pi2_embedding_rows(b->embd, (const int32_t *) ids->data, ids->nb[0], ids->ne[0], (float *) node->data, node->nb[1], scratch,
-                           err, sizeof(err)) != 0) {
-        memcpy(b->error, err, sizeof(err));
-        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-        return GGML_STATUS_FAILED;
-    }
-    return GGML_STATUS_SUCCESS;
-}
-
 static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph) {
     struct pi2_backend_ctx * ctx = backend->context;
     pi2_count(&ctx->dev->counters.graph_computes, 1);
@@ -358,7 +292,7 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
         enum ggml_status st = GGML_STATUS_SUCCESS;
         struct pi2_binding * b = node->op == GGML_OP_MUL_MAT ? pi2_weight_binding(node->src[0]) : NULL;
         if (b != NULL) {
-            const int used = pi2_compute_bound_ffn(ctx, b, cgraph, i, &st);
+            const int used = pi2_sparse_ffn_compute(ctx, b, cgraph, i, &st);
             if (st != GGML_STATUS_SUCCESS) {
                 return st;
             }
@@ -386,7 +320,7 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
                 st = pi2_exec_glu(ctx, node);
                 break;
             case GGML_OP_GET_ROWS:
-                st = pi2_exec_embedding_rows(ctx, node);
+                st = pi2_exec_embedding_rows(ctx, pi2_weight_binding(node->src[0]), node);
                 break;
             case GGML_OP_NONE:
             case GGML_OP_RESHAPE:

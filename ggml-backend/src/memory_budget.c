@@ -12,6 +12,7 @@
 
 #include "bundle_io.h"
 #include "ggml-pi2.h"
+#include "pipeline.h"
 #include "predictor.h"
 
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
@@ -190,9 +191,9 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         return -1;
     }
     pthread_mutex_lock(&b->cache_lock);
-    if (b->cache != NULL) { // a new budget replaces the cache (its hot segment is read again)
-        pi2_cache_free(b->cache);
-        b->cache = NULL;
+    if (b->pipe != NULL) { // a new budget replaces the cache (its hot segment is read again)
+        pi2_pipeline_free(b->pipe);
+        b->pipe = NULL;
     }
     const uint64_t resident = pi2_resident_bytes();
     const uint64_t overhead = pi2_cache_overhead_bytes(b->sc) + PI2_BUDGET_MARGIN;
@@ -226,9 +227,9 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         .max_bytes    = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
         .gap          = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_GAP),
     };
-    b->cache = pi2_cache_create(b->sc, &plan, &io, err, errlen);
+    b->pipe = pi2_pipeline_create(b->sc, &plan, &io, err, errlen);
     pi2_cache_plan_free(&plan);
     b->ffn_ns = 0;
     pthread_mutex_unlock(&b->cache_lock);
-    return b->cache != NULL ? 0 : -1;
+    return b->pipe != NULL ? 0 : -1;
 }

@@ -14,10 +14,11 @@
 #include <unistd.h>
 
 #include "column_axpy.h"
+#include "pipeline.h"
 #include "pi2_log.h"
 
 static void pi2_binding_destroy(struct pi2_binding * b) {
-    pi2_cache_free(b->cache);
+    pi2_pipeline_free(b->pipe);
     pi2_embedding_free(b->embd);
     pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {

@@ -48,7 +48,7 @@ struct pi2_binding {
     atomic_bool               uploading;   // llama started uploading weights: its weight buffers all exist
     uint64_t                  env_budget;  // PI2_MEMORY_BUDGET: the cache is sized at the first compute
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
-    struct pi2_neuron_cache * cache;
+    struct pi2_pipeline *     pipe;        // the neuron cache and the reads behind it (pipeline.h)
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
     struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)

@@ -5,7 +5,6 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,7 +13,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "bundle_io.h"
 #include "pi2_clock.h"
 
 // a spin-wait hint to the core (x86 PAUSE, ARM YIELD); nothing elsewhere
@@ -32,58 +30,34 @@ struct pi2_cold_entry {
     int32_t    layer, bundle; // what it holds (layer -1: nothing)
     uint32_t   pin;         // epoch of the request that needs it
     uint8_t    ref;         // CLOCK's second-chance bit
-    uint8_t    prefetched;  // read by pi2_cache_prefetch, not yet counted by a request
+    uint8_t    prefetched;  // read ahead for a request, not yet counted by it
     atomic_int state;
-};
-
-// One prefetch's requests, iovecs and tags (at most one per bundle of a layer) and its reads in flight.
-// A set serves the request of one epoch (its key); there are two, so that the next layer's bundles can go
-// out while the current layer's prefetched bundles are still being read.
-struct pi2_pf_set {
-    struct pi2_io_req * reqs;
-    struct iovec *      iov;
-    int32_t *           tags;
-    uint32_t            n_req, n_iov; // used
-    uint32_t            key;          // epoch of the request the bundles are read for
-    atomic_int          outstanding;
-    char                error[512];   // its first failed read
 };
 
 struct pi2_cache_layer {
     uint8_t * hot;       // hot_k bundles, in order
     uint32_t  hot_k;     // bundles
     uint32_t  hot_slots; // slots in them (min(hot_k * neurons, n_ff))
-    uint32_t  n_ff, n_bundles, bsize, neurons;
+    uint32_t  n_bundles, bsize, neurons;
     size_t    stride;    // from one neuron of a bundle to the next
-    uint64_t  offset;    // of bundle 0 in the file
     int32_t * where;     // [n_bundles] cold entry holding the bundle, or -1
 };
 
 struct pi2_neuron_cache {
-    struct pi2_cache_plan    plan;
+    struct pi2_cache_plan    plan; // (hot_k: NULL, the plan's array was the creator's)
     uint32_t                 n_layer;
     struct pi2_cache_layer * layer;
     uint8_t *                hot_mem;
     size_t                   hot_map;
     uint8_t *                cold;
     size_t                   cold_map, entry_size;
+    uint8_t *                scratch;
+    size_t                   scratch_map;
     struct pi2_cold_entry *  ent;
     uint32_t                 n_cold, hand, epoch;
-    uint32_t                 gap; // bundles a read may bridge between two misses
-    uint8_t *                sink; // where bridged bundles land: gap entries
-    struct pi2_io_req *      reqs;
-    struct iovec *           iov;  // [largest n_bundles] (a bundle at most once per layer): the requests'
-    int32_t *                tags; // iovecs and tags, carved in order
-    uint32_t                 max_run; // bundles per request at most
-    uint32_t                 max_n_bundles;
-    struct pi2_pf_set        pf[2];
-    struct pi2_bundle_file * file;
 
-    atomic_uint     completions; // futex word: bumped by every finished request
-    atomic_int      waiters;
-    atomic_int      outstanding; // requests of the current batch not finished
-    pthread_mutex_t err_lock;
-    char            error[512];
+    atomic_uint completions; // futex word: bumped by every finished read (pi2_cache_signal)
+    atomic_int  waiters;
 };
 
 static void pi2_futex_wait(atomic_uint * addr, unsigned val) {
@@ -108,34 +82,6 @@ size_t pi2_cache_entry_overhead(void) {
     return sizeof(struct pi2_cold_entry);
 }
 
-static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
-    struct pi2_neuron_cache * c = ctx;
-    struct pi2_pf_set * set = NULL;
-    for (int i = 0; i < 2; ++i) {
-        if (c->pf[i].reqs != NULL && r >= c->pf[i].reqs && r < c->pf[i].reqs + c->max_n_bundles) {
-            set = &c->pf[i];
-        }
-    }
-    if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
-        char * dst = set != NULL ? set->error : c->error;
-        pthread_mutex_lock(&c->err_lock);
-        if (dst[0] == '\0') {
-            snprintf(dst, sizeof(c->error), "%s", why);
-        }
-        pthread_mutex_unlock(&c->err_lock);
-    }
-    for (int k = 0; k < r->n; ++k) {
-        if (r->tag[k] >= 0) {
-            atomic_store(&c->ent[r->tag[k]].state, err != 0 ? PI2_ENTRY_FAILED : PI2_ENTRY_READY);
-        }
-    }
-    atomic_fetch_sub(set != NULL ? &set->outstanding : &c->outstanding, 1);
-    atomic_fetch_add(&c->completions, 1);
-    if (atomic_load(&c->waiters) > 0) {
-        pi2_futex_wake(&c->completions);
-    }
-}
-
 static void * pi2_map_anon(size_t n) {
     if (n == 0) {
         return NULL;
@@ -152,11 +98,14 @@ static void * pi2_map_anon(size_t n) {
     return p;
 }
 
+static size_t pi2_page_round(size_t n) {
+    return (n + 4095) & ~(size_t) 4095;
+}
+
 void pi2_cache_free(struct pi2_neuron_cache * c) {
     if (c == NULL) {
         return;
     }
-    pi2_bundle_file_close(c->file); // joins the I/O threads before their targets go away
     if (c->layer != NULL) {
         for (uint32_t il = 0; il < c->n_layer; ++il) {
             free(c->layer[il].where);
@@ -169,62 +118,35 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     if (c->cold != NULL) {
         munmap(c->cold, c->cold_map);
     }
-    if (c->sink != NULL) {
-        munmap(c->sink, (size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
+    if (c->scratch != NULL) {
+        munmap(c->scratch, c->scratch_map);
     }
     free(c->ent);
-    free(c->reqs);
-    free(c->iov);
-    free(c->tags);
-    for (int i = 0; i < 2; ++i) {
-        free(c->pf[i].reqs);
-        free(c->pf[i].iov);
-        free(c->pf[i].tags);
-    }
-    pthread_mutex_destroy(&c->err_lock);
     free(c);
 }
 
 struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan,
-                                           const struct pi2_io_params * io, char * err, size_t errlen) {
+                                           uint32_t scratch_entries, char * err, size_t errlen) {
     struct pi2_neuron_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
         return NULL;
     }
-    pthread_mutex_init(&c->err_lock, NULL);
-    c->plan    = *plan;
-    c->n_layer = sc->n_layer;
+    c->plan       = *plan;
+    c->plan.hot_k = NULL;
+    c->n_layer    = sc->n_layer;
     uint32_t max_n_bundles = 0;
-    c->entry_size = pi2_cache_entry_size(sc, &max_n_bundles);
-    c->n_cold     = plan->n_cold;
-    // a miss within io->gap bytes of the run before it extends that run; requests up to io->max_bytes
-    c->gap     = c->entry_size > 0 ? (uint32_t) (io->gap / c->entry_size) : 0;
-    c->max_run = c->entry_size > 0 ? (uint32_t) (io->max_bytes / c->entry_size) : 1;
-    c->max_run = c->max_run < 1 ? 1 : (c->max_run > PI2_IO_MAX_RUN ? PI2_IO_MAX_RUN : c->max_run);
-    if (c->gap > c->max_run - 1) {
-        c->gap = c->max_run - 1;
-    }
-    c->layer = calloc(sc->n_layer, sizeof(*c->layer));
-    c->ent   = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
-    c->reqs  = calloc(max_n_bundles, sizeof(*c->reqs));
-    c->iov   = calloc(max_n_bundles, sizeof(*c->iov));
-    c->tags  = calloc(max_n_bundles, sizeof(*c->tags));
-    c->max_n_bundles = max_n_bundles;
-    bool pf_ok = true;
-    for (int i = 0; i < 2 && plan->n_prefetch > 0; ++i) {
-        c->pf[i].reqs = calloc(max_n_bundles, sizeof(*c->pf[i].reqs));
-        c->pf[i].iov  = calloc(max_n_bundles, sizeof(*c->pf[i].iov));
-        c->pf[i].tags = calloc(max_n_bundles, sizeof(*c->pf[i].tags));
-        pf_ok = pf_ok && c->pf[i].reqs != NULL && c->pf[i].iov != NULL && c->pf[i].tags != NULL;
-    }
-    c->hot_map  = (plan->hot_bytes + 4095) & ~(size_t) 4095;
-    c->cold_map = (plan->cold_bytes + 4095) & ~(size_t) 4095;
-    c->hot_mem  = pi2_map_anon(c->hot_map);
-    c->cold     = pi2_map_anon(c->cold_map);
-    c->sink     = pi2_map_anon((size_t) (c->gap > 0 ? c->gap : 1) * c->entry_size);
-    if (c->layer == NULL || c->ent == NULL || c->reqs == NULL || c->iov == NULL || c->tags == NULL || c->sink == NULL ||
-        !pf_ok || (c->hot_map > 0 && c->hot_mem == NULL) ||
+    c->entry_size  = pi2_cache_entry_size(sc, &max_n_bundles);
+    c->n_cold      = plan->n_cold;
+    c->layer       = calloc(sc->n_layer, sizeof(*c->layer));
+    c->ent         = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
+    c->hot_map     = pi2_page_round(plan->hot_bytes);
+    c->cold_map    = pi2_page_round(plan->cold_bytes);
+    c->scratch_map = pi2_page_round((size_t) (scratch_entries > 0 ? scratch_entries : 1) * c->entry_size);
+    c->hot_mem     = pi2_map_anon(c->hot_map);
+    c->cold        = pi2_map_anon(c->cold_map);
+    c->scratch     = pi2_map_anon(c->scratch_map);
+    if (c->layer == NULL || c->ent == NULL || c->scratch == NULL || (c->hot_map > 0 && c->hot_mem == NULL) ||
         (c->cold_map > 0 && c->cold == NULL)) {
         snprintf(err, errlen, "sidecar %s: out of memory for a neuron cache of %llu bytes", sc->path,
                  (unsigned long long) (plan->hot_bytes + plan->cold_bytes));
@@ -235,20 +157,15 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         c->ent[e].layer = -1;
         atomic_init(&c->ent[e].state, PI2_ENTRY_EMPTY);
     }
-    if (pi2_bundle_file_open(&c->file, sc->path, io->threads, io->inflight_max, pi2_cache_done, c, err, errlen) != 0) {
-        pi2_cache_free(c);
-        return NULL;
-    }
     uint8_t * hot = c->hot_mem;
+    uint32_t need = 0; // cold entries the layer with the most non-hot bundles needs
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
         struct pi2_cache_layer * C = &c->layer[il];
-        C->n_ff      = L->n_ff;
         C->n_bundles = L->n_bundles;
         C->neurons   = L->bundle_neurons;
         C->stride    = L->neuron_stride;
         C->bsize     = L->bundle_size;
-        C->offset    = L->bundles_offset;
         C->where     = malloc(L->n_bundles * sizeof(int32_t));
         if (C->where == NULL) {
             snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
@@ -260,16 +177,8 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         C->hot_k     = k;
         C->hot_slots = (uint64_t) k * L->bundle_neurons < L->n_ff ? k * L->bundle_neurons : L->n_ff;
         C->hot       = hot;
-        // one sequential read per layer
-        if (k > 0 && pi2_bundle_file_read(c->file, hot, (size_t) k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
-            pi2_cache_free(c);
-            return NULL;
-        }
         hot += (size_t) k * L->bundle_size;
-    }
-    uint32_t need = 0; // cold entries the layer with the most non-hot bundles needs
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        need = c->layer[il].n_bundles - c->layer[il].hot_k > need ? c->layer[il].n_bundles - c->layer[il].hot_k : need;
+        need = L->n_bundles - k > need ? L->n_bundles - k : need;
     }
     if (need + plan->n_prefetch > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
@@ -277,6 +186,24 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         return NULL;
     }
     return c;
+}
+
+uint8_t * pi2_cache_hot_segment(struct pi2_neuron_cache * c, int layer, uint32_t * hot_k, uint32_t * hot_slots) {
+    *hot_k     = c->layer[layer].hot_k;
+    *hot_slots = c->layer[layer].hot_slots;
+    return c->layer[layer].hot;
+}
+
+uint8_t * pi2_cache_scratch(struct pi2_neuron_cache * c) {
+    return c->scratch;
+}
+
+uint32_t pi2_cache_begin_request(struct pi2_neuron_cache * c) {
+    return ++c->epoch;
+}
+
+uint32_t pi2_cache_epoch(const struct pi2_neuron_cache * c) {
+    return c->epoch;
 }
 
 // A CLOCK victim; `done`: the current request's computation has finished, so its entries are free too.
@@ -298,24 +225,8 @@ static int64_t pi2_victim(struct pi2_neuron_cache * c, bool done) {
     return -1;
 }
 
-static void pi2_wait_for(struct pi2_neuron_cache * c, atomic_int * outstanding) {
-    while (atomic_load(outstanding) > 0) {
-        atomic_fetch_add(&c->waiters, 1);
-        const unsigned g = atomic_load(&c->completions);
-        if (atomic_load(outstanding) > 0) {
-            pi2_futex_wait(&c->completions, g);
-        }
-        atomic_fetch_sub(&c->waiters, 1);
-    }
-}
-
-static void pi2_wait_outstanding(struct pi2_neuron_cache * c) {
-    pi2_wait_for(c, &c->outstanding);
-}
-
-// Bundle k of layer L into a cold entry (allocated if it has none), pinned for the request of epoch `pin`
-// and pending. -1 if no entry is free.
-static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin, bool done) {
+int64_t pi2_cache_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin, bool done, bool prefetched,
+                        uint8_t ** dst) {
     struct pi2_cache_layer * L = &c->layer[layer];
     int64_t e = L->where[k];
     if (e < 0) {
@@ -334,159 +245,69 @@ static int64_t pi2_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uin
     struct pi2_cold_entry * E = &c->ent[e];
     E->ref        = 1;
     E->pin        = pin;
-    E->prefetched = 0;
+    E->prefetched = prefetched;
     atomic_store(&E->state, PI2_ENTRY_PENDING);
+    *dst = c->cold + (size_t) e * c->entry_size;
     return e;
 }
 
-// wanted slots in bundle k
-static uint32_t pi2_wanted(const struct pi2_cache_layer * L, const uint8_t * want, uint32_t k) {
-    const uint32_t first = k * L->neurons;
-    const uint32_t end   = first + L->neurons < L->n_ff ? first + L->neurons : L->n_ff;
-    uint32_t n = 0;
-    for (uint32_t s = first; s < end; ++s) {
-        n += want[s] != 0;
+enum pi2_found pi2_cache_find(struct pi2_neuron_cache * c, int layer, uint32_t k) {
+    const struct pi2_cache_layer * L = &c->layer[layer];
+    if (k < L->hot_k) {
+        return PI2_FOUND_HOT;
     }
-    return n;
+    const int64_t e = L->where[k];
+    if (e < 0) {
+        return PI2_FOUND_MISSING;
+    }
+    struct pi2_cold_entry * E = &c->ent[e];
+    // (a failed prefetch for an earlier request that did not want it is read again, as a miss)
+    if (E->prefetched && (E->pin == c->epoch || atomic_load(&E->state) != PI2_ENTRY_FAILED)) {
+        // read (or being read) for this request ahead of it; if its read failed, pi2_cache_get says so
+        E->ref        = 1;
+        E->pin        = c->epoch;
+        E->prefetched = 0;
+        return PI2_FOUND_PREFETCHED;
+    }
+    if (atomic_load(&E->state) == PI2_ENTRY_READY) {
+        E->ref = 1;
+        E->pin = c->epoch;
+        return PI2_FOUND_CACHED;
+    }
+    return PI2_FOUND_MISSING;
 }
 
-void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer, bool done) {
-    if (c->plan.n_prefetch == 0) {
-        return;
+bool pi2_cache_should_prefetch(const struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t key) {
+    const int64_t e = c->layer[layer].where[k];
+    if (e < 0) {
+        return true;
     }
-    // the set of the next request (a second call adds to it), else the older one: the request it served
-    // has taken its bundles, so its reads are done or nearly
-    const uint32_t key = c->epoch + 1;
-    struct pi2_pf_set * S = c->pf[0].key == key ? &c->pf[0] : c->pf[1].key == key ? &c->pf[1] : NULL;
-    if (S == NULL) {
-        S = (int32_t) (c->pf[0].key - c->pf[1].key) <= 0 ? &c->pf[0] : &c->pf[1];
-        pi2_wait_for(c, &S->outstanding);
-        S->n_req = S->n_iov = 0;
-        S->key = key;
-        S->error[0] = '\0';
-    }
-    struct pi2_cache_layer * L = &c->layer[layer];
-    const uint32_t limit = done ? c->max_n_bundles : c->plan.n_prefetch;
-    const uint32_t req0 = S->n_req;
-    struct pi2_io_req * cur = NULL;
-    for (uint32_t k = L->hot_k, n = 0; k < L->n_bundles && n < limit && S->n_iov < c->max_n_bundles; ++k) {
-        const int64_t e0 = L->where[k];
-        if (e0 >= 0 && (atomic_load(&c->ent[e0].state) != PI2_ENTRY_FAILED || (c->ent[e0].prefetched && c->ent[e0].pin == key))) {
-            continue; // cached or being read (the request checks that it is ready); a failed read for the same
-                      // request is left for it to report
-        }
-        const int64_t e = pi2_claim(c, layer, k, key, done);
-        if (e < 0) {
-            break;
-        }
-        c->ent[e].prefetched = 1;
-        if (cur == NULL || cur->n >= (int) c->max_run || cur->offset + (uint64_t) cur->n * L->bsize != L->offset + (uint64_t) k * L->bsize) {
-            cur         = &S->reqs[S->n_req++];
-            cur->offset = L->offset + (uint64_t) k * L->bsize;
-            cur->n      = 0;
-            cur->iov    = S->iov + S->n_iov;
-            cur->tag    = S->tags + S->n_iov;
-        }
-        cur->iov[cur->n].iov_base = c->cold + (size_t) e * c->entry_size;
-        cur->iov[cur->n].iov_len  = L->bsize;
-        cur->tag[cur->n++]        = (int32_t) e;
-        ++S->n_iov;
-        ++n;
-    }
-    const int nreq = (int) (S->n_req - req0);
-    if (nreq > 0) {
-        atomic_fetch_add(&S->outstanding, nreq);
-        pi2_bundle_file_submit(c->file, S->reqs + req0, nreq);
+    // cached or being read (the request checks that it is ready); a failed read for the same request is
+    // left for it to report
+    const struct pi2_cold_entry * E = &c->ent[e];
+    return atomic_load(&E->state) == PI2_ENTRY_FAILED && !(E->prefetched && E->pin == key);
+}
+
+void pi2_cache_entry_done(struct pi2_neuron_cache * c, int64_t e, bool ok) {
+    atomic_store(&c->ent[e].state, ok ? PI2_ENTRY_READY : PI2_ENTRY_FAILED);
+}
+
+void pi2_cache_signal(struct pi2_neuron_cache * c) {
+    atomic_fetch_add(&c->completions, 1);
+    if (atomic_load(&c->waiters) > 0) {
+        pi2_futex_wake(&c->completions);
     }
 }
 
-int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
-                      char * err, size_t errlen) {
-    pi2_wait_outstanding(c);
-    if (pi2_bundle_file_check(c->file, err, errlen) != 0) {
-        return -1;
+void pi2_cache_wait_zero(struct pi2_neuron_cache * c, atomic_int * n) {
+    while (atomic_load(n) > 0) {
+        atomic_fetch_add(&c->waiters, 1);
+        const unsigned g = atomic_load(&c->completions);
+        if (atomic_load(n) > 0) {
+            pi2_futex_wait(&c->completions, g);
+        }
+        atomic_fetch_sub(&c->waiters, 1);
     }
-    c->error[0] = '\0';
-    c->epoch++;
-    struct pi2_cache_layer * L = &c->layer[layer];
-    for (uint32_t s = 0; s < L->hot_slots; ++s) {
-        st->hot_hits += want[s] != 0;
-    }
-    // A miss within c->gap bundles of the run before it extends that run, reading the bundles between too:
-    // one larger read costs far less than another request here. Hits and misses count neurons; a bundle is
-    // read when any of its neurons is wanted.
-    uint32_t nreq = 0, n_iov = 0;
-    bool failed = false;
-    struct pi2_io_req * cur = NULL;
-    int64_t last = -1; // last bundle in cur
-    for (uint32_t k = L->hot_k; k < L->n_bundles && !failed; ++k) {
-        const uint32_t wanted = pi2_wanted(L, want, k);
-        if (wanted == 0) {
-            continue;
-        }
-        const int64_t e = L->where[k];
-        // (a failed prefetch for an earlier request that did not want it is read again, as a miss)
-        if (e >= 0 && c->ent[e].prefetched &&
-            (c->ent[e].pin == c->epoch || atomic_load(&c->ent[e].state) != PI2_ENTRY_FAILED)) {
-            // read (or being read) for this request ahead of it: a miss and its bytes, not read again; if
-            // its read failed, pi2_cache_get says so
-            struct pi2_cold_entry * E = &c->ent[e];
-            E->ref        = 1;
-            E->pin        = c->epoch;
-            E->prefetched = 0;
-            st->misses += wanted;
-            st->prefetched += wanted;
-            st->bytes_read += L->bsize;
-            continue;
-        }
-        if (e >= 0 && atomic_load(&c->ent[e].state) == PI2_ENTRY_READY) {
-            c->ent[e].ref = 1;
-            c->ent[e].pin = c->epoch;
-            st->cold_hits += wanted;
-            continue;
-        }
-        st->misses += wanted;
-        // (a miss right after the run extends it too: from == k with extend set)
-        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) c->gap &&
-                            cur->n + ((int64_t) k - last) <= (int64_t) c->max_run;
-        const int64_t from = extend ? last + 1 : k;
-        if (!extend) {
-            cur = &c->reqs[nreq++];
-            cur->offset = L->offset + (uint64_t) k * L->bsize;
-            cur->n      = 0;
-            cur->iov    = c->iov + n_iov;
-            cur->tag    = c->tags + n_iov;
-        }
-        n_iov += (uint32_t) (k - from) + 1;
-        // the bundles between go to a sink (one gap's worth, shared: its contents are never used); kept in
-        // the cache they evicted entries worth keeping (measured: the cold segment's hits went to zero)
-        for (int64_t g = from; g < k; ++g) {
-            cur->iov[cur->n].iov_base = c->sink + (size_t) (g - from) * c->entry_size;
-            cur->iov[cur->n].iov_len  = L->bsize;
-            cur->tag[cur->n++]        = -1;
-            st->bytes_read += L->bsize;
-        }
-        const int64_t ge = pi2_claim(c, layer, k, c->epoch, false);
-        if (ge < 0) {
-            snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)", c->n_cold, layer);
-            failed = true;
-            break;
-        }
-        cur->iov[cur->n].iov_base = c->cold + (size_t) ge * c->entry_size;
-        cur->iov[cur->n].iov_len  = L->bsize;
-        cur->tag[cur->n++]        = (int32_t) ge;
-        st->bytes_read += L->bsize;
-        last = k;
-    }
-    if (cur != NULL && cur->n == 0) { // a run that failed before its first bundle
-        nreq--;
-    }
-    st->requests += nreq;
-    atomic_store(&c->outstanding, (int) nreq);
-    if (nreq > 0) {
-        pi2_bundle_file_submit(c->file, c->reqs, (int) nreq);
-    }
-    return failed ? -1 : 0;
 }
 
 const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot) {
@@ -535,33 +356,6 @@ const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t sl
         return NULL;
     }
     return c->cold + (size_t) e * c->entry_size + (size_t) (slot % L->neurons) * L->stride;
-}
-
-int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen) {
-    pi2_wait_outstanding(c);
-    if (c->error[0] != '\0') {
-        snprintf(err, errlen, "%s", c->error);
-        return -1;
-    }
-    return pi2_bundle_file_check(c->file, err, errlen);
-}
-
-const char * pi2_cache_error(struct pi2_neuron_cache * c) {
-    if (c->error[0] != '\0') {
-        return c->error;
-    }
-    // the prefetch read for this request first (a set's reads are done before it is used again)
-    const struct pi2_pf_set * a = c->pf[0].key == c->epoch ? &c->pf[0] : &c->pf[1];
-    const struct pi2_pf_set * b = a == &c->pf[0] ? &c->pf[1] : &c->pf[0];
-    return a->error[0] != '\0' ? a->error : b->error;
-}
-
-void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err) {
-    pi2_bundle_file_inject_fault(c->file, after, err);
-}
-
-bool pi2_cache_direct_io(const struct pi2_neuron_cache * c) {
-    return pi2_bundle_file_direct(c->file);
 }
 
 const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache * c) {

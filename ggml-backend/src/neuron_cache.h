@@ -1,17 +1,16 @@
-// The segmented neuron cache of a model whose FFN lives on flash (PowerInfer-2 section 4.3):
+// The segmented neuron cache of a model whose FFN lives on flash (PowerInfer-2 section 4.3): its
+// memory, its replacement policy and its lookup; the pipeline (pipeline.c) does the reading.
 //  - hot segment: per layer, the first hot_k bundles (the most frequently active neurons; bundles hold
-//    the slots in rank order), read sequentially when the cache is made and pinned. hot_k comes from one global
-//    frequency cutoff over all layers, so the bytes go where the profile says activations are.
+//    the slots in rank order), read when the cache is made and pinned. hot_k comes from one global
+//    frequency cutoff over all layers (memory_budget.c), so the bytes go where the profile says
+//    activations are.
 //  - cold segment: fixed-size entries holding single bundles, replaced by CLOCK (second chance, an LRU
-//    approximation that costs one bit per entry). Entries requested for the token being computed are
-//    pinned until the next request.
+//    approximation that costs one bit per entry). Entries found or claimed for the request being
+//    computed (an epoch) are pinned until the next request; entries read ahead for the next one too.
 // The predictors (the fixed segment) stay in the model binding.
-//
-// Use, per layer and token: one thread calls pi2_cache_request with the slots the predictor selected,
-// which issues every missing bundle to the I/O threads at once; then any thread may pi2_cache_get a
-// requested slot, which returns as soon as that bundle is in memory.
 #pragma once
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -31,54 +30,58 @@ struct pi2_cache_plan {
     uint32_t * hot_k;        // [n_layer] hot bundles of each layer (its first ones); malloc'd, owned by the plan
 };
 
-// How the cache reads (the flash PI2_IO_* settings).
-struct pi2_io_params {
-    int      threads;      // I/O threads: the queue depth
-    uint64_t inflight_max; // bytes being read at once (SIZE_MAX: no limit)
-    uint64_t max_bytes;    // largest request
-    uint64_t gap;          // bytes a request may bridge between two misses
-};
-
 // A cold entry's size (the largest bundle) and the most bundles of any layer
 uint32_t pi2_cache_entry_size(const struct pi2_sidecar * sc, uint32_t * max_n_bundles);
 // Bytes of bookkeeping per cold entry (for the budget's overhead)
 size_t pi2_cache_entry_overhead(void);
 
-// Makes the cache and reads the hot segments; NULL with err on failure.
+// Makes the segments and tables (nothing is read yet: the pipeline fills the hot segments), with a scratch
+// area of scratch_entries entries; NULL with err on failure.
 struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan,
-                                           const struct pi2_io_params * io, char * err, size_t errlen);
+                                           uint32_t scratch_entries, char * err, size_t errlen);
 void pi2_cache_free(struct pi2_neuron_cache * c);
+const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache * c);
 
+// A layer's hot segment (its first hot_k bundles, hot_slots slots) and the scratch area
+uint8_t * pi2_cache_hot_segment(struct pi2_neuron_cache * c, int layer, uint32_t * hot_k, uint32_t * hot_slots);
+uint8_t * pi2_cache_scratch(struct pi2_neuron_cache * c);
+
+// A new request (its epoch; the entries of the one before are no longer pinned by it), and the current one.
+uint32_t pi2_cache_begin_request(struct pi2_neuron_cache * c);
+uint32_t pi2_cache_epoch(const struct pi2_neuron_cache * c);
+
+enum pi2_found {
+    PI2_FOUND_HOT,        // in the hot segment
+    PI2_FOUND_CACHED,     // in a cold entry, read: pinned for the current request
+    PI2_FOUND_PREFETCHED, // read ahead for the current request (maybe still being read): pinned, adopted
+    PI2_FOUND_MISSING,    // to be read
+};
+// Where bundle k of a layer is for the current request (pinning what it finds).
+enum pi2_found pi2_cache_find(struct pi2_neuron_cache * c, int layer, uint32_t k);
+// A prefetch for the request of epoch `key` should read bundle k: it is neither cached nor being read (a
+// failed read already made for that request is left for it to report).
+bool pi2_cache_should_prefetch(const struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t key);
+// A cold entry for bundle k (CLOCK picks one unless the bundle has one), pinned for the request of epoch
+// `pin` and pending until pi2_cache_entry_done; `done`: the current request's computation has finished
+// (its entries may go too); `prefetched`: read ahead of its request. *dst: where its bytes go. -1 if no
+// entry is free.
+int64_t pi2_cache_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin, bool done, bool prefetched,
+                        uint8_t ** dst);
+// An entry's read finished (ok or not); then pi2_cache_signal, once per finished read request, wakes the
+// threads waiting in pi2_cache_get or pi2_cache_wait_zero.
+void pi2_cache_entry_done(struct pi2_neuron_cache * c, int64_t e, bool ok);
+void pi2_cache_signal(struct pi2_neuron_cache * c);
+// Waits until *n is 0 (a count the signalling side decrements before pi2_cache_signal).
+void pi2_cache_wait_zero(struct pi2_neuron_cache * c, atomic_int * n);
+
+// What one request found, counted in neurons (a bundle is read when any of its neurons is wanted)
 struct pi2_cache_token_stats {
     uint64_t hot_hits, cold_hits, misses, bytes_read, requests;
-    uint64_t prefetched; // of the misses, read by pi2_cache_prefetch
+    uint64_t prefetched; // of the misses, read ahead of the request
 };
 
-// Looks up the slots with want[slot] != 0 of one layer and queues reads for the bundles missing.
-// 0, or -1 with err (the file changed, or the cache cannot hold them).
-int pi2_cache_request(struct pi2_neuron_cache * c, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
-                      char * err, size_t errlen);
-// Queues reads of bundles of `layer` that are neither hot nor cached and returns without waiting; for a
-// layer that will want every bundle (the engine knows which), the one after the current request's. Once
-// the current request is queued (done false): at most the plan's prefetch entries, its first bundles,
-// read after the current ones, so the disk reads on through this layer's last computations. Once the
-// current request's computation has finished (done true; its entries are free then): the rest of the
-// layer, read while the next attention (or the output layer and sampling, between tokens) runs. The
-// request that uses the bundles takes them as they are (ready or still being read), counting them as
-// misses and their bytes as read; pi2_cache_get reports a failed prefetch read.
-void pi2_cache_prefetch(struct pi2_neuron_cache * c, int layer, bool done);
-// The parts of a requested slot (its neuron within its bundle) once they are in memory; NULL if its read failed (pi2_cache_error says why).
-// Adds the time spent waiting to *wait_ns.
+// The parts of a slot (its neuron within its bundle) once they are in memory: hot, or a cold entry whose
+// read is done; NULL if its read failed or it has no entry. Adds the time spent waiting to *wait_ns.
 const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t slot, uint64_t * wait_ns);
-// the parts of slot if they are in memory now (hot, or a cold entry whose read is done), else NULL; never
-// waits (for prefetching)
+// The same if they are in memory now, else NULL; never waits (for prefetching)
 const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot);
-// Waits for every queued read (after an error, before entries may be reused), then checks that the file
-// did not change while they ran. 0, or -1 with err.
-int pi2_cache_finish(struct pi2_neuron_cache * c, char * err, size_t errlen);
-// The first read error since the last request, or "".
-const char * pi2_cache_error(struct pi2_neuron_cache * c);
-
-void pi2_cache_inject_fault(struct pi2_neuron_cache * c, int64_t after, int err);
-bool pi2_cache_direct_io(const struct pi2_neuron_cache * c);
-const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache * c);

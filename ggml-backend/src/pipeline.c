@@ -1,12 +1,334 @@
 #include "pipeline.h"
 
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "bundle_io.h"
 #include "cluster_sched.h"
 #include "memory_budget.h"
 #include "pi2_clock.h"
 #include "pi2_log.h"
 #include "predictor.h"
+
+// One prefetch's requests, iovecs and tags (at most one per bundle of a layer) and its reads in flight.
+// A set serves the request of one epoch (its key); there are two, so that the next layer's bundles can go
+// out while the current layer's prefetched bundles are still being read.
+struct pi2_pf_set {
+    struct pi2_io_req * reqs;
+    struct iovec *      iov;
+    int32_t *           tags;
+    uint32_t            n_req, n_iov; // used
+    uint32_t            key;          // epoch of the request the bundles are read for
+    atomic_int          outstanding;
+    char                error[512];   // its first failed read
+};
+
+struct pi2_pipeline {
+    const struct pi2_sidecar * sc;
+    struct pi2_neuron_cache *  cache;
+    struct pi2_bundle_file *   file;
+    uint32_t                   gap;     // bundles a read may bridge between two misses (into the cache's scratch)
+    uint32_t                   max_run; // bundles per request at most
+    uint32_t                   max_n_bundles;
+    size_t                     entry_size;
+    struct pi2_io_req *        reqs;    // the current request's: [largest n_bundles] (a bundle at most once
+    struct iovec *             iov;     // per layer), its requests' iovecs and tags carved in order
+    int32_t *                  tags;
+    struct pi2_pf_set          pf[2];
+    atomic_int                 outstanding; // requests of the current batch not finished
+    pthread_mutex_t            err_lock;
+    char                       error[512];
+};
+
+// an I/O thread finished request r: its entries ready or failed, its batch's count down, waiters woken
+static void pi2_read_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
+    struct pi2_pipeline * pp = ctx;
+    struct pi2_pf_set * set = NULL;
+    for (int i = 0; i < 2; ++i) {
+        if (pp->pf[i].reqs != NULL && r >= pp->pf[i].reqs && r < pp->pf[i].reqs + pp->max_n_bundles) {
+            set = &pp->pf[i];
+        }
+    }
+    if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
+        char * dst = set != NULL ? set->error : pp->error;
+        pthread_mutex_lock(&pp->err_lock);
+        if (dst[0] == '\0') {
+            snprintf(dst, sizeof(pp->error), "%s", why);
+        }
+        pthread_mutex_unlock(&pp->err_lock);
+    }
+    for (int k = 0; k < r->n; ++k) {
+        if (r->tag[k] >= 0) {
+            pi2_cache_entry_done(pp->cache, r->tag[k], err == 0);
+        }
+    }
+    atomic_fetch_sub(set != NULL ? &set->outstanding : &pp->outstanding, 1);
+    pi2_cache_signal(pp->cache);
+}
+
+void pi2_pipeline_free(struct pi2_pipeline * pp) {
+    if (pp == NULL) {
+        return;
+    }
+    pi2_bundle_file_close(pp->file); // joins the I/O threads before their targets go away
+    pi2_cache_free(pp->cache);
+    free(pp->reqs);
+    free(pp->iov);
+    free(pp->tags);
+    for (int i = 0; i < 2; ++i) {
+        free(pp->pf[i].reqs);
+        free(pp->pf[i].iov);
+        free(pp->pf[i].tags);
+    }
+    pthread_mutex_destroy(&pp->err_lock);
+    free(pp);
+}
+
+struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan,
+                                          const struct pi2_io_params * io, char * err, size_t errlen) {
+    struct pi2_pipeline * pp = calloc(1, sizeof(*pp));
+    if (pp == NULL) {
+        snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+        return NULL;
+    }
+    pthread_mutex_init(&pp->err_lock, NULL);
+    pp->sc = sc;
+    uint32_t max_n_bundles = 0;
+    pp->entry_size = pi2_cache_entry_size(sc, &max_n_bundles);
+    pp->max_n_bundles = max_n_bundles;
+    // a miss within io->gap bytes of the run before it extends that run; requests up to io->max_bytes
+    pp->gap     = pp->entry_size > 0 ? (uint32_t) (io->gap / pp->entry_size) : 0;
+    pp->max_run = pp->entry_size > 0 ? (uint32_t) (io->max_bytes / pp->entry_size) : 1;
+    pp->max_run = pp->max_run < 1 ? 1 : (pp->max_run > PI2_IO_MAX_RUN ? PI2_IO_MAX_RUN : pp->max_run);
+    if (pp->gap > pp->max_run - 1) {
+        pp->gap = pp->max_run - 1;
+    }
+    pp->reqs = calloc(max_n_bundles, sizeof(*pp->reqs));
+    pp->iov  = calloc(max_n_bundles, sizeof(*pp->iov));
+    pp->tags = calloc(max_n_bundles, sizeof(*pp->tags));
+    bool ok = pp->reqs != NULL && pp->iov != NULL && pp->tags != NULL;
+    for (int i = 0; i < 2 && plan->n_prefetch > 0; ++i) {
+        pp->pf[i].reqs = calloc(max_n_bundles, sizeof(*pp->pf[i].reqs));
+        pp->pf[i].iov  = calloc(max_n_bundles, sizeof(*pp->pf[i].iov));
+        pp->pf[i].tags = calloc(max_n_bundles, sizeof(*pp->pf[i].tags));
+        ok = ok && pp->pf[i].reqs != NULL && pp->pf[i].iov != NULL && pp->pf[i].tags != NULL;
+    }
+    if (!ok) {
+        snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
+        pi2_pipeline_free(pp);
+        return NULL;
+    }
+    // bridged bundles land in the cache's scratch (one gap's worth, shared: its contents are never used)
+    pp->cache = pi2_cache_create(sc, plan, pp->gap, err, errlen);
+    if (pp->cache == NULL ||
+        pi2_bundle_file_open(&pp->file, sc->path, io->threads, io->inflight_max, pi2_read_done, pp, err, errlen) != 0) {
+        pi2_pipeline_free(pp);
+        return NULL;
+    }
+    for (uint32_t il = 0; il < sc->n_layer; ++il) { // the hot segments: one sequential read per layer
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        uint32_t hot_k = 0, hot_slots = 0;
+        uint8_t * hot = pi2_cache_hot_segment(pp->cache, (int) il, &hot_k, &hot_slots);
+        if (hot_k > 0 && pi2_bundle_file_read(pp->file, hot, (size_t) hot_k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
+            pi2_pipeline_free(pp);
+            return NULL;
+        }
+    }
+    return pp;
+}
+
+struct pi2_neuron_cache * pi2_pipeline_cache(const struct pi2_pipeline * pp) {
+    return pp->cache;
+}
+
+bool pi2_pipeline_direct_io(const struct pi2_pipeline * pp) {
+    return pi2_bundle_file_direct(pp->file);
+}
+
+void pi2_pipeline_inject_fault(struct pi2_pipeline * pp, int64_t after, int err) {
+    pi2_bundle_file_inject_fault(pp->file, after, err);
+}
+
+// wanted slots in bundle k of layer L
+static uint32_t pi2_wanted(const struct pi2_sidecar_layer * L, const uint8_t * want, uint32_t k) {
+    const uint32_t first = k * L->bundle_neurons;
+    const uint32_t end   = first + L->bundle_neurons < L->n_ff ? first + L->bundle_neurons : L->n_ff;
+    uint32_t n = 0;
+    for (uint32_t s = first; s < end; ++s) {
+        n += want[s] != 0;
+    }
+    return n;
+}
+
+// Queues reads of bundles of `layer` that are neither hot nor cached and returns without waiting; for a
+// layer that will want every bundle (the engine knows which), the one after the current request's. Once
+// the current request is queued (done false): at most the plan's prefetch entries, its first bundles,
+// read after the current ones, so the disk reads on through this layer's last computations. Once the
+// current request's computation has finished (done true; its entries are free then): the rest of the
+// layer, read while the next attention (or the output layer and sampling, between tokens) runs. The
+// request that uses the bundles takes them as they are (ready or still being read), counting them as
+// misses and their bytes as read; pi2_cache_get reports a failed prefetch read.
+static void pi2_prefetch(struct pi2_pipeline * pp, int layer, bool done) {
+    const struct pi2_cache_plan * plan = pi2_cache_get_plan(pp->cache);
+    if (plan->n_prefetch == 0) {
+        return;
+    }
+    // the set of the next request (a second call adds to it), else the older one: the request it served
+    // has taken its bundles, so its reads are done or nearly
+    const uint32_t key = pi2_cache_epoch(pp->cache) + 1;
+    struct pi2_pf_set * S = pp->pf[0].key == key ? &pp->pf[0] : pp->pf[1].key == key ? &pp->pf[1] : NULL;
+    if (S == NULL) {
+        S = (int32_t) (pp->pf[0].key - pp->pf[1].key) <= 0 ? &pp->pf[0] : &pp->pf[1];
+        pi2_cache_wait_zero(pp->cache, &S->outstanding);
+        S->n_req = S->n_iov = 0;
+        S->key = key;
+        S->error[0] = '\0';
+    }
+    const struct pi2_sidecar_layer * L = &pp->sc->layer[layer];
+    uint32_t hot_k = 0, hot_slots = 0;
+    pi2_cache_hot_segment(pp->cache, layer, &hot_k, &hot_slots);
+    const uint32_t limit = done ? pp->max_n_bundles : plan->n_prefetch;
+    const uint32_t req0 = S->n_req;
+    struct pi2_io_req * cur = NULL;
+    for (uint32_t k = hot_k, n = 0; k < L->n_bundles && n < limit && S->n_iov < pp->max_n_bundles; ++k) {
+        if (!pi2_cache_should_prefetch(pp->cache, layer, k, key)) {
+            continue;
+        }
+        uint8_t * dst = NULL;
+        const int64_t e = pi2_cache_claim(pp->cache, layer, k, key, done, true, &dst);
+        if (e < 0) {
+            break;
+        }
+        const uint64_t off = L->bundles_offset + (uint64_t) k * L->bundle_size;
+        if (cur == NULL || cur->n >= (int) pp->max_run || cur->offset + (uint64_t) cur->n * L->bundle_size != off) {
+            cur         = &S->reqs[S->n_req++];
+            cur->offset = off;
+            cur->n      = 0;
+            cur->iov    = S->iov + S->n_iov;
+            cur->tag    = S->tags + S->n_iov;
+        }
+        cur->iov[cur->n].iov_base = dst;
+        cur->iov[cur->n].iov_len  = L->bundle_size;
+        cur->tag[cur->n++]        = (int32_t) e;
+        ++S->n_iov;
+        ++n;
+    }
+    const int nreq = (int) (S->n_req - req0);
+    if (nreq > 0) {
+        atomic_fetch_add(&S->outstanding, nreq);
+        pi2_bundle_file_submit(pp->file, S->reqs + req0, nreq);
+    }
+}
+
+// Looks up the slots with want[slot] != 0 of one layer and queues reads for the bundles missing, all at
+// once. A miss within pp->gap bundles of the run before it extends that run, reading the bundles between
+// too: one larger read costs far less than another request here. 0, or -1 with err (the file changed,
+// or the cache cannot hold them).
+static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want, struct pi2_cache_token_stats * st,
+                       char * err, size_t errlen) {
+    pi2_cache_wait_zero(pp->cache, &pp->outstanding);
+    if (pi2_bundle_file_check(pp->file, err, errlen) != 0) {
+        return -1;
+    }
+    pp->error[0] = '\0';
+    const uint32_t epoch = pi2_cache_begin_request(pp->cache);
+    const struct pi2_sidecar_layer * L = &pp->sc->layer[layer];
+    uint32_t hot_k = 0, hot_slots = 0;
+    pi2_cache_hot_segment(pp->cache, layer, &hot_k, &hot_slots);
+    for (uint32_t s = 0; s < hot_slots; ++s) {
+        st->hot_hits += want[s] != 0;
+    }
+    uint8_t * sink = pi2_cache_scratch(pp->cache);
+    uint32_t nreq = 0, n_iov = 0;
+    bool failed = false;
+    struct pi2_io_req * cur = NULL;
+    int64_t last = -1; // last bundle in cur
+    for (uint32_t k = hot_k; k < L->n_bundles && !failed; ++k) {
+        const uint32_t wanted = pi2_wanted(L, want, k);
+        if (wanted == 0) {
+            continue;
+        }
+        const enum pi2_found found = pi2_cache_find(pp->cache, layer, k);
+        if (found == PI2_FOUND_PREFETCHED) { // a miss and its bytes, not read again
+            st->misses += wanted;
+            st->prefetched += wanted;
+            st->bytes_read += L->bundle_size;
+            continue;
+        }
+        if (found == PI2_FOUND_CACHED) {
+            st->cold_hits += wanted;
+            continue;
+        }
+        st->misses += wanted;
+        // (a miss right after the run extends it too: from == k with extend set)
+        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) pp->gap &&
+                            cur->n + ((int64_t) k - last) <= (int64_t) pp->max_run;
+        const int64_t from = extend ? last + 1 : k;
+        if (!extend) {
+            cur = &pp->reqs[nreq++];
+            cur->offset = L->bundles_offset + (uint64_t) k * L->bundle_size;
+            cur->n      = 0;
+            cur->iov    = pp->iov + n_iov;
+            cur->tag    = pp->tags + n_iov;
+        }
+        n_iov += (uint32_t) (k - from) + 1;
+        // the bundles between go to the sink; kept in the cache they evicted entries worth keeping
+        // (measured: the cold segment's hits went to zero)
+        for (int64_t g = from; g < k; ++g) {
+            cur->iov[cur->n].iov_base = sink + (size_t) (g - from) * pp->entry_size;
+            cur->iov[cur->n].iov_len  = L->bundle_size;
+            cur->tag[cur->n++]        = -1;
+            st->bytes_read += L->bundle_size;
+        }
+        uint8_t * dst = NULL;
+        const int64_t ge = pi2_cache_claim(pp->cache, layer, k, epoch, false, false, &dst);
+        if (ge < 0) {
+            snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)",
+                     pi2_cache_get_plan(pp->cache)->n_cold, layer);
+            failed = true;
+            break;
+        }
+        cur->iov[cur->n].iov_base = dst;
+        cur->iov[cur->n].iov_len  = L->bundle_size;
+        cur->tag[cur->n++]        = (int32_t) ge;
+        st->bytes_read += L->bundle_size;
+        last = k;
+    }
+    if (cur != NULL && cur->n == 0) { // a run that failed before its first bundle
+        nreq--;
+    }
+    st->requests += nreq;
+    atomic_store(&pp->outstanding, (int) nreq);
+    if (nreq > 0) {
+        pi2_bundle_file_submit(pp->file, pp->reqs, (int) nreq);
+    }
+    return failed ? -1 : 0;
+}
+
+// Waits for every queued read (after an error, before entries may be reused), then checks that the file
+// did not change while they ran. 0, or -1 with err.
+static int pi2_finish(struct pi2_pipeline * pp, char * err, size_t errlen) {
+    pi2_cache_wait_zero(pp->cache, &pp->outstanding);
+    if (pp->error[0] != '\0') {
+        snprintf(err, errlen, "%s", pp->error);
+        return -1;
+    }
+    return pi2_bundle_file_check(pp->file, err, errlen);
+}
+
+// the first read error since the last request, or ""
+static const char * pi2_read_error(const struct pi2_pipeline * pp) {
+    if (pp->error[0] != '\0') {
+        return pp->error;
+    }
+    // the prefetch read for this request first (a set's reads are done before it is used again)
+    const uint32_t epoch = pi2_cache_epoch(pp->cache);
+    const struct pi2_pf_set * a = pp->pf[0].key == epoch ? &pp->pf[0] : &pp->pf[1];
+    const struct pi2_pf_set * b = a == &pp->pf[0] ? &pp->pf[1] : &pp->pf[0];
+    return a->error[0] != '\0' ? a->error : b->error;
+}
 
 static const uint8_t * pi2_cache_bundle_get(struct pi2_sparse_plan * p, int64_t s, uint64_t * wait_ns) {
     return pi2_cache_get(p->cache, p->layer, s, wait_ns);
@@ -30,12 +352,12 @@ static void pi2_pipeline_request(struct pi2_sparse_plan * p, int ith, int nth, i
     }
     #pragma omp barrier
     if (ith == 0) {
-        if (pi2_cache_request(p->cache, p->layer, p->want, &p->io, p->error, sizeof(p->error)) != 0) {
+        if (pi2_request(p->pipe, p->layer, p->want, &p->io, p->error, sizeof(p->error)) != 0) {
             atomic_store(&p->failed, 1);
         } else if (p->prefetch_layer >= 0 && t == p->n_tokens - 1) {
             // the next layer's first bundles queue behind this one's (the last token of a batch: the others
             // request this layer again)
-            pi2_cache_prefetch(p->cache, p->prefetch_layer, false);
+            pi2_prefetch(p->pipe, p->prefetch_layer, false);
         }
     }
     #pragma omp barrier
@@ -43,7 +365,7 @@ static void pi2_pipeline_request(struct pi2_sparse_plan * p, int ith, int nth, i
 
 enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan * p, int n_threads) {
     pthread_mutex_lock(&b->cache_lock);
-    if (b->cache == NULL) {
+    if (b->pipe == NULL) {
         pthread_mutex_unlock(&b->cache_lock);
         if (b->env_budget == 0 ||
             pi2_binding_size_cache(b, b->env_budget, b->env_budget / 20, b->error, sizeof(b->error)) != 0) {
@@ -57,7 +379,8 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
         pthread_mutex_lock(&b->cache_lock);
     }
     p->source      = PI2_SOURCE_CACHE;
-    p->cache       = b->cache;
+    p->pipe        = b->pipe;
+    p->cache       = pi2_pipeline_cache(b->pipe);
     p->bundle_get  = pi2_cache_bundle_get;
     p->bundle_peek = pi2_cache_bundle_peek;
     p->request     = pi2_pipeline_request;
@@ -71,14 +394,14 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
     pi2_sched_run(p, n_threads);
     // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
     char err[sizeof(p->error)] = "";
-    const int finished = pi2_cache_finish(p->cache, err, sizeof(err));
+    const int finished = pi2_finish(p->pipe, err, sizeof(err));
     const bool ok = !atomic_load(&p->failed) && finished == 0;
     if (!ok) { // the request's own error first, then a read error or a changed file
         snprintf(b->error, sizeof(b->error), "%s",
-                 p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_cache_error(p->cache));
+                 p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_read_error(p->pipe));
     }
     if (ok && p->prefetch_layer >= 0) { // this layer's entries are free now: the rest of the next layer
-        pi2_cache_prefetch(p->cache, p->prefetch_layer, true);
+        pi2_prefetch(p->pipe, p->prefetch_layer, true);
     }
     b->ffn_ns += pi2_now_ns() - t0;
     pthread_mutex_unlock(&b->cache_lock);

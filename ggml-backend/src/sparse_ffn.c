@@ -61,6 +61,41 @@ int pi2_sparse_ffn_match(struct ggml_cgraph * g, int i, const char ** why) {
     return *why == NULL ? 4 : 0;
 }
 
+// the layer's FFN at nodes i.., dense (a bigger batch, or dense mode, in RAM) or sparse
+int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_cgraph * cgraph, int i,
+                           enum ggml_status * st) {
+    struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
+    int layer = 0;
+    enum pi2_matrix m;
+    pi2_ffn_weight_parse(w->name, &layer, &m);
+    const char * why = NULL;
+    if (pi2_sparse_ffn_match(cgraph, i, &why) == 0) {
+        if (pi2_binding_unfit_layer(b, layer, why)) {
+            *st = GGML_STATUS_FAILED;
+            return 1;
+        }
+        return 0;
+    }
+    struct ggml_tensor * glu  = ggml_graph_node(cgraph, i + 2);
+    struct ggml_tensor * gate = glu->src[0];
+    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
+    if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        *st = GGML_STATUS_FAILED;
+        return 4;
+    }
+    const int mode = atomic_load(&b->mode);
+    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
+        *st = pi2_exec_gate_up_glu(ctx, glu);
+        if (*st == GGML_STATUS_SUCCESS) {
+            *st = pi2_exec_mul_mat(ctx, down);
+        }
+        return 4;
+    }
+    *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
+    return 4;
+}
+
 // in RAM, bundles are in the sidecar's mapping
 static const uint8_t * pi2_mapped_bundle_peek(const struct pi2_sparse_plan * p, int64_t s) {
     return p->B->bundles + pi2_slot_offset(p->L, s);

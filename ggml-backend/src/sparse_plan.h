@@ -60,6 +60,7 @@ struct pi2_thread_stats {
 };
 
 struct pi2_sparse_plan;
+struct pi2_pipeline;
 
 // The bundle bytes of slot s: get waits until they are in memory (NULL if their read failed), peek
 // returns NULL instead of waiting (for prefetching).
@@ -93,6 +94,7 @@ struct pi2_sparse_plan {
     pi2_bundle_get_fn            bundle_get;
     pi2_bundle_peek_fn           bundle_peek;
     pi2_request_fn               request;
+    struct pi2_pipeline *        pipe;
     struct pi2_neuron_cache *    cache;
     int                          prefetch_layer; // flash: the next layer, if it reads every bundle; else -1
     uint8_t *                    want;           // [n_ff] flash: 1 = predicted, 2 = recall check only
