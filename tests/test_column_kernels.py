@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pi2_gguf import bundles, plugin
+from pi2_gguf.converter import bundles
+from pi2_gguf.runtime import plugin
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.Q4_0])

@@ -15,13 +15,17 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from pi2_gguf import bundles, corpus, plugin, sidecar, sparsity
-from pi2_gguf import sidecar_format as fmt
+from pi2_gguf.converter import bundles
+from pi2_gguf.assets import corpus
+from pi2_gguf.runtime import plugin
+from pi2_gguf.sidecar import reader as sidecar
+from pi2_gguf.converter import sparsity
+from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.convert import DENSE_PREDICTION
-from pi2_gguf.model_ffn import ModelFfn, activation_values
-from pi2_gguf.predictor import Predictor, score_fn
-from pi2_gguf.profile import Profile
+from pi2_gguf.converter.convert import DENSE_PREDICTION
+from pi2_gguf.converter.model_ffn import ModelFfn, activation_values
+from pi2_gguf.converter.predictor import Predictor, score_fn
+from pi2_gguf.converter.profile import Profile
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import SMOL_TARGET as TARGET  # noqa: E402
@@ -110,7 +114,7 @@ def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, s
 
 def test_recomputed_gate_matches_llamas_own(smollm2: Path) -> None:
     """Activations are recomputed from profiled FFN inputs; they must match what llama.cpp computed."""
-    from pi2_gguf.llama_runner import LlamaRunner
+    from pi2_gguf.runtime.runner import LlamaRunner
 
     seen: dict[tuple[int, str], np.ndarray] = {}
     with LlamaRunner(smollm2, n_ctx=64, watch=("ffn_norm", "ffn_gate"),

@@ -18,8 +18,8 @@ import llama_cpp
 import numpy as np
 
 import pi2_gguf
-from pi2_gguf import plugin
-from pi2_gguf.generate import greedy, greedy_in_subprocess
+from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime.generate import greedy, greedy_in_subprocess
 
 PROMPTS = [
     "The capital of France is",

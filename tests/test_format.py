@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pi2_gguf import sidecar_format as sf
+from pi2_gguf.sidecar import format as sf
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT_MD = ROOT / "docs" / "FORMAT.md"

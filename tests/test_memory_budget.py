@@ -19,13 +19,14 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import pi2_gguf
-from pi2_gguf import cgroup, plugin
-from pi2_gguf import sidecar_format as fmt
-from pi2_gguf.convert import convert
+from pi2_gguf.bench import cgroup
+from pi2_gguf.runtime import plugin
+from pi2_gguf.sidecar import format as fmt
+from pi2_gguf.converter.convert import convert
 from pi2_gguf.errors import MemoryBudgetError, SidecarError
-from pi2_gguf.generate import greedy_command, last_logits, parse_results
-from pi2_gguf.memory_budget import parse_size
-from pi2_gguf.sidecar import read as read_sidecar
+from pi2_gguf.runtime.generate import greedy_command, last_logits, parse_results
+from pi2_gguf.runtime.memory_budget import parse_size
+from pi2_gguf.sidecar.reader import read as read_sidecar
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
@@ -395,8 +396,8 @@ def test_env_budget_for_other_frontends(relu_model: tuple[Path, Path, list], sam
     ram.close()
     code = (
         "import sys, json, numpy as np, llama_cpp, pi2_gguf\n"
-        "from pi2_gguf import plugin\n"
-        "from pi2_gguf.generate import last_logits\n"
+        "from pi2_gguf.runtime import plugin\n"
+        "from pi2_gguf.runtime.generate import last_logits\n"
         "pi2_gguf.register(); plugin.set_sparse_limits(64, 1.0)\n"
         f"llm = llama_cpp.Llama({str(model)!r}, use_mmap=False, n_ctx=256, n_threads=2, n_batch=32, verbose=False)\n"
         f"llm.eval(llm.tokenize({PROMPT!r}.encode(), add_bos=True)); out = []\n"
@@ -437,7 +438,7 @@ def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar:
     logits llama-cpp-python never asks for) and budget - half the margin (the plan holds)."""
     code = (
         "import json, re, sys, pi2_gguf\n"
-        "from pi2_gguf.generate import last_logits\n"
+        "from pi2_gguf.runtime.generate import last_logits\n"
         "def status(k):\n"
         "    return int(re.search(k + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "budget = status('VmRSS') + 150_000_000\n"
@@ -462,7 +463,7 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
                                              tmp_path: Path) -> None:
     """`pi2-gguf bench --rounds 2 --json`: every configuration twice in turn under the limit, medians of the
     rounds, pi2 reading bundles from flash within the limit, and the table's per-round ratio ranges."""
-    from pi2_gguf.bench import format_table, main
+    from pi2_gguf.bench.memory_limit import format_table, main
 
     model, sidecar, _ = relu_model
     limit = _minimum(model, sidecar) + 40_000_000
@@ -487,7 +488,7 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
         if r["limited"]:
             assert r["peak_mb"] * 1e6 <= limit and all(x["peak_mb"] * 1e6 <= limit for x in r["rounds"])
     assert pi2["read_per_token_mb"] > 0 and 0 < pi2["cache_hit_rate"] < 1
-    from pi2_gguf.bench import Row
+    from pi2_gguf.bench.memory_limit import Row
 
     def row(d: dict) -> Row:
         return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})

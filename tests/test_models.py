@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pi2_gguf import models
+from pi2_gguf.assets import models
 from pi2_gguf.errors import ModelFetchError
-from pi2_gguf.gguf_check import check_model_file, read_architecture
+from pi2_gguf.gguf_file import check_model_file, read_architecture
 
 
 def test_unknown_model() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pi2_gguf import corpus
+from pi2_gguf.assets import corpus
 from pi2_gguf.errors import Pi2Error
-from pi2_gguf.perplexity import _log_softmax_at, perplexity
+from pi2_gguf.bench.perplexity import _log_softmax_at, perplexity
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_sparse_perplexity_at_50_percent(smollm2: Path, smol_sidecar: Path, smol
     """SmolLM2 at 50% sparsity, every scored token through sparse decode. The default criterion
     (product: the smallest |act(gate) * up| dropped) stays within the issue's +5% of dense (measured
     +3.6% oracle); CATS (the smallest |act(gate)|) at the same density loses far more (+36%)."""
-    from pi2_gguf import plugin
+    from pi2_gguf.runtime import plugin
 
     kw = dict(n_ctx=256, max_chunks=3, progress=False)
     dense = perplexity(smollm2, heldout_text, mode="dense", sidecar=smol_sidecar, **kw)

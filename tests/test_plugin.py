@@ -8,7 +8,7 @@ from pathlib import Path
 import llama_cpp
 
 import pi2_gguf
-from pi2_gguf.plugin import DEVICE_NAME, plugin_path
+from pi2_gguf.runtime.plugin import DEVICE_NAME, plugin_path
 
 GGML_BACKEND_DEVICE_TYPE_ACCEL = 3  # enum ggml_backend_dev_type in ggml-backend.h
 

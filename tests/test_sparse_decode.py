@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import pi2_gguf
-from pi2_gguf import plugin
+from pi2_gguf.runtime import plugin
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.generate import greedy_in_subprocess, last_logits
+from pi2_gguf.runtime.generate import greedy_in_subprocess, last_logits
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402
@@ -57,7 +57,7 @@ def test_deep_synthetic_model_keeps_its_density_in_the_last_layers(tmp_path: Pat
     drifted from 0.10 to 0.17-0.20 active in its last layers. Rounds now go on until the depth holds."""
     from gguf import GGMLQuantizationType as QT
 
-    from pi2_gguf import synthetic
+    from pi2_gguf.converter import synthetic
 
     shape = synthetic.Shape(n_embd=128, n_ff=512, n_layer=16, n_head=4, n_head_kv=2, n_ctx=512)
     report = synthetic.make(tmp_path / "deep.gguf", shape, synthetic.Sparsity(density=0.10), "relu", QT.F32,

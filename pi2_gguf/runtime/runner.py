@@ -13,8 +13,8 @@ import llama_cpp as lc
 import numpy as np
 
 from . import ggml_base
-from .errors import ModelFileError, Pi2Error
-from .gguf_check import check_model_file
+from ..errors import ModelFileError, Pi2Error
+from ..gguf_file import check_model_file
 
 
 class _TensorHead(ctypes.Structure):

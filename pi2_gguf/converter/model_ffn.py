@@ -10,9 +10,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from . import sidecar_format as fmt
-from .errors import ModelFileError
-from .gguf_check import check_model_file
+from ..sidecar import format as fmt
+from ..errors import ModelFileError
+from ..gguf_file import check_model_file
 
 MATRICES = ("gate", "up", "down")
 

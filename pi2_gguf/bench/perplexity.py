@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import corpus as corpus_mod
-from .errors import Pi2Error
+from ..assets import corpus as corpus_mod
+from ..errors import Pi2Error
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
                sidecar: str | Path | None = None, mode: str = "dense") -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
     micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees."""
-    from .llama_runner import LlamaRunner
+    from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
         raise Pi2Error(f"--ctx must be at least 16, got {n_ctx}")
     if (mode != "dense" or sidecar is not None) and not plugin:
         raise Pi2Error("a sidecar and the sparse modes need the plugin")
     if plugin:
-        from .plugin import register
+        from ..runtime.plugin import register
 
         register()
     ubatch = SPARSE_UBATCH if mode != "dense" else None
@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="PI2 decode mode (default: predicted with a sidecar, dense without)")
     ap.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
     args = ap.parse_args(argv)
-    from .cli import resolve_model
-    from .llama import prepare_sidecar
-    from .plugin import read_counters
+    from ..cli import resolve_model
+    from ..runtime.llama import prepare_sidecar
+    from ..runtime.plugin import read_counters
 
     if args.text is not None:
         text = "\n\n".join(corpus_mod.text_file(args.text).documents)

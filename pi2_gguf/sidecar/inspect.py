@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import png
-from .sidecar import Sidecar, read
+from .. import png
+from .reader import Sidecar, read
 
 PNG_WIDTH = 1024
 ROW_HEIGHT = 8

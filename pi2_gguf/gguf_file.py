@@ -8,7 +8,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
-from .plugin import ModelSummary, model_summary_c
+from .runtime.plugin import ModelSummary, model_summary_c
 
 GGUF_MAGIC = b"GGUF"
 

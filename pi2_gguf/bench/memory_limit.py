@@ -31,9 +31,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import cgroup
-from .errors import Pi2Error
-from .generate import greedy_command, parse_results
-from .memory_budget import parse_size
+from ..errors import Pi2Error
+from ..runtime.generate import greedy_command, parse_results
+from ..runtime.memory_budget import parse_size
 
 PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
           "revenue per region, then explain how it handles malformed lines.")
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
-    from .gguf_check import check_model_file
-    from .sidecar_format import sidecar_path_for
+    from ..gguf_file import check_model_file
+    from ..sidecar.format import sidecar_path_for
 
     model = check_model_file(args.model)
     sidecars = args.sidecar or [sidecar_path_for(model)]

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from . import sidecar_format as fmt
-from .errors import SidecarError
-from .gguf_check import open_gguf
+from . import format as fmt
+from ..errors import SidecarError
+from ..gguf_file import open_gguf
 
 
 @dataclass

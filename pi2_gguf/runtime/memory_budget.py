@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import MemoryBudgetError
+from ..errors import MemoryBudgetError
 from .plugin import ModelSummary
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -49,7 +49,7 @@ def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path) -> Non
     plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
     the load). A token embedding apart from the output matrix stays in the model file (the plugin reads
     its rows per token), so it does not count."""
-    from . import sidecar as sidecar_mod
+    from ..sidecar import reader as sidecar_mod
 
     gc.collect()  # unmaps what earlier GGUF readers (sidecar checks) mapped: mapped pages count as resident
     held = resident_bytes()  # before the reader below maps (and counts) file pages

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelFileError, PluginError, SidecarError, VersionMismatchError
-from .llama_build import LLAMA_CPP_PYTHON_VERSION
+from ..errors import ModelFileError, PluginError, SidecarError, VersionMismatchError
+from ..llama_build import LLAMA_CPP_PYTHON_VERSION
 
 PLUGIN_FILE = "libggml-pi2.so"
 DEVICE_NAME = "PI2"
@@ -346,7 +346,7 @@ def set_budget(binding: int, budget: int, reserved: int) -> None:
     """Sizes a flash binding's neuron cache: budget minus this process's resident memory now, minus
     reserved (bytes that will be touched later), minus tables and margin; reads the hot segment.
     Raises MemoryBudgetError stating the minimum when the budget is too small."""
-    from .errors import MemoryBudgetError
+    from ..errors import MemoryBudgetError
 
     err = ctypes.create_string_buffer(_ERR_LEN)
     if _require().pi2_binding_set_budget(binding, int(budget), int(reserved), err, _ERR_LEN) != 0:

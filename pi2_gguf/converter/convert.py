@@ -12,16 +12,16 @@ import numpy as np
 from tqdm import tqdm
 
 from . import bundles as bundles_mod
-from . import corpus as corpus_mod
-from . import inspect_sidecar
+from ..assets import corpus as corpus_mod
+from ..sidecar import inspect as inspect_sidecar
 from . import predictor as pred_mod
-from . import sidecar_format as fmt
+from ..sidecar import format as fmt
 from . import sparsity as sp
-from .errors import Pi2Error
+from ..errors import Pi2Error
 from .model_ffn import ModelFfn, activation_values
 from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, add_profile_args, run_profile
-from .sidecar import LayerData, SidecarMeta, write
-from .sidecar import read as read_sidecar
+from ..sidecar.reader import LayerData, SidecarMeta, write
+from ..sidecar.reader import read as read_sidecar
 
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                          "as many as fill the one bundle size of such layers that pads least: every bundle is read each token there)" % fmt.MAX_BUNDLE_NEURONS)
     add_profile_args(ap)
     args = ap.parse_args(argv)
-    from .cli import resolve_model
+    from ..cli import resolve_model
 
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import ModelFetchError
-from .llama_build import cache_dir, sha256_file
+from ..errors import ModelFetchError
+from ..llama_build import cache_dir, sha256_file
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import corpus as corpus_mod
-from .errors import Pi2Error
-from .gguf_check import check_model_file
+from ..assets import corpus as corpus_mod
+from ..errors import Pi2Error
+from ..gguf_file import check_model_file
 
 FFN_INPUT = "ffn_norm"
 DEFAULT_TRAIN_TOKENS = 8192
@@ -122,7 +122,7 @@ class _Recorder:
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int = DEFAULT_TRAIN_TOKENS,
                 heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
                 threads: int | None = None, progress: bool = True) -> Profile:
-    from .llama_runner import LlamaRunner
+    from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
     if train_tokens < 64 or heldout_tokens < 16:

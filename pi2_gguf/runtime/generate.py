@@ -105,7 +105,7 @@ def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, thr
                    mode: str | None = None, keep_prefix: list[int] | None = None, prompt_limit: int = 0,
                    logits: bool = True, memory_budget: int | None = None) -> list[str]:
     """The command line of a greedy_in_subprocess run (for runners that start it themselves)."""
-    cmd = [sys.executable, "-m", "pi2_gguf.generate", "--model", str(model), "-n", str(n),
+    cmd = [sys.executable, "-m", "pi2_gguf.runtime.generate", "--model", str(model), "-n", str(n),
            "--threads", str(threads), "--ctx", str(ctx)]
     if memory_budget:
         cmd += ["--memory-budget", str(memory_budget)]
