@@ -30,8 +30,8 @@ def _peak_rss_mb() -> float:
 def cmd_run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from .runtime.generate import greedy
     from .gguf_file import check_model_file
+    from .runtime.generate import greedy
 
     path = resolve_model(args.model)
     if args.no_plugin:

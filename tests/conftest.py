@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pi2_gguf.assets import corpus
-from pi2_gguf.assets import models
+from pi2_gguf.assets import corpus, models
 from pi2_gguf.converter import synthetic
 from pi2_gguf.converter.convert import convert
 from pi2_gguf.converter.profile import Profile, run_profile

@@ -15,17 +15,16 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from pi2_gguf.converter import bundles
 from pi2_gguf.assets import corpus
-from pi2_gguf.runtime import plugin
-from pi2_gguf.sidecar import reader as sidecar
-from pi2_gguf.converter import sparsity
-from pi2_gguf.sidecar import format as fmt
-from pi2_gguf.errors import SidecarError
+from pi2_gguf.converter import bundles, sparsity
 from pi2_gguf.converter.convert import DENSE_PREDICTION
 from pi2_gguf.converter.model_ffn import ModelFfn, activation_values
 from pi2_gguf.converter.predictor import Predictor, score_fn
 from pi2_gguf.converter.profile import Profile
+from pi2_gguf.errors import SidecarError
+from pi2_gguf.runtime import plugin
+from pi2_gguf.sidecar import format as fmt
+from pi2_gguf.sidecar import reader as sidecar
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import SMOL_TARGET as TARGET  # noqa: E402

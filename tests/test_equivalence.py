@@ -19,7 +19,8 @@ import numpy as np
 
 import pi2_gguf
 from pi2_gguf.runtime import plugin
-from pi2_gguf.runtime.generate import greedy, greedy_in_subprocess
+from pi2_gguf.runtime.generate import greedy
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 PROMPTS = [
     "The capital of France is",

@@ -20,12 +20,13 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import pi2_gguf
 from pi2_gguf.bench import cgroup
-from pi2_gguf.runtime import plugin
-from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.converter.convert import convert
 from pi2_gguf.errors import MemoryBudgetError, SidecarError
-from pi2_gguf.runtime.generate import greedy_command, last_logits, parse_results
+from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime.generate import last_logits
+from pi2_gguf.runtime.isolated import greedy_command, parse_results
 from pi2_gguf.runtime.memory_budget import parse_size
+from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.sidecar.reader import read as read_sidecar
 
 PROMPT = "The history of the Roman Empire"

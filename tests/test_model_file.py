@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from pi2_gguf.converter.model_ffn import ModelFfn
 from pi2_gguf.errors import ModelFileError
 from pi2_gguf.gguf_file import read_model_file
-from pi2_gguf.converter.model_ffn import ModelFfn
 from pi2_gguf.runtime.plugin import model_summary_c
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pi2_gguf.assets import corpus
-from pi2_gguf.errors import Pi2Error
 from pi2_gguf.bench.perplexity import _log_softmax_at, perplexity
+from pi2_gguf.errors import Pi2Error
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,16 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from pi2_gguf.sidecar import format as sf
 from pi2_gguf.errors import SidecarError
+from pi2_gguf.runtime.plugin import (
+    check_sidecar_weight_c,
+    fingerprint_model_c,
+    fingerprint_tensor_c,
+    sidecar_summary_c,
+    validate_sidecar_c,
+)
+from pi2_gguf.sidecar import format as sf
 from pi2_gguf.sidecar.reader import read as read_sidecar
-from pi2_gguf.runtime.plugin import (check_sidecar_weight_c, fingerprint_model_c, fingerprint_tensor_c, sidecar_summary_c,
-                             validate_sidecar_c)
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 import sidecar_factory as factory  # noqa: E402

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import pi2_gguf
-from pi2_gguf.runtime import plugin
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.runtime.generate import greedy_in_subprocess, last_logits
+from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime.generate import last_logits
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402

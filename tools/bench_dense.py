@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pi2_gguf.assets import models
-from pi2_gguf.runtime.generate import greedy_in_subprocess
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
           "revenue per region, then explain how it handles malformed lines.")

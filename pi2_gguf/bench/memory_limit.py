@@ -30,10 +30,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import cgroup
 from ..errors import Pi2Error
-from ..runtime.generate import greedy_command, parse_results
+from ..runtime.isolated import greedy_command, parse_results
 from ..runtime.memory_budget import parse_size
+from . import cgroup
 
 PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
           "revenue per region, then explain how it handles malformed lines.")

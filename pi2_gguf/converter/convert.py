@@ -11,18 +11,24 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import bundles as bundles_mod
 from ..assets import corpus as corpus_mod
-from ..sidecar import inspect as inspect_sidecar
-from . import predictor as pred_mod
-from ..sidecar import format as fmt
-from . import sparsity as sp
 from ..errors import Pi2Error
-from .model_ffn import ModelFfn, activation_values
-from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, add_profile_args, run_profile
-from ..sidecar.reader import LayerData, SidecarMeta, write
+from ..sidecar import format as fmt
+from ..sidecar import inspect as inspect_sidecar
 from ..sidecar.reader import read as read_sidecar
-
+from ..sidecar.writer import LayerData, SidecarMeta, write
+from . import bundles as bundles_mod
+from . import predictor as pred_mod
+from . import sparsity as sp
+from .model_ffn import ModelFfn, activation_values
+from .profile import (
+    DEFAULT_HELDOUT_TOKENS,
+    DEFAULT_TRAIN_TOKENS,
+    DEFAULT_WINDOW,
+    Profile,
+    add_profile_args,
+    run_profile,
+)
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
 # engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99), so its bundles hold several neurons

@@ -10,9 +10,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from ..sidecar import format as fmt
 from ..errors import ModelFileError
 from ..gguf_file import check_model_file
+from ..sidecar import format as fmt
 
 MATRICES = ("gate", "up", "down")
 

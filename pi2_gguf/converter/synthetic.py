@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
-from . import bundles
 from ..errors import Pi2Error
+from . import bundles
 
 ACTIVATIONS = ("relu", "drelu", "silu")
 TOKENIZER_KEYS_SKIP = ("tokenizer.chat_template",)

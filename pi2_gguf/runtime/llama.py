@@ -9,11 +9,11 @@ from typing import Any, Sequence
 
 import llama_cpp
 
-from . import memory_budget as budgets
-from . import plugin
 from ..errors import MemoryBudgetError, SidecarError
 from ..gguf_file import read_model_file
 from ..sidecar.format import sidecar_path_for
+from . import memory_budget as budgets
+from . import plugin
 
 SidecarArg = str | os.PathLike[str] | bool | None
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from . import ggml_base
 from ..errors import ModelFileError, Pi2Error
 from ..gguf_file import check_model_file
+from . import ggml_base
 
 
 class _TensorHead(ctypes.Structure):
