@@ -30,3 +30,7 @@ class SidecarError(Pi2Error):
 
 class MemoryBudgetError(Pi2Error):
     """A memory budget is malformed, or too small to run the model (the message states the minimum)."""
+
+
+class MissingExtraError(Pi2Error):
+    """An optional dependency is not installed; the message names the extra that brings it."""

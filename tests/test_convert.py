@@ -312,7 +312,13 @@ def test_convert_cli_writes_beside_the_model_and_leaves_it_untouched(smollm2: Pa
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     w, h = struct.unpack(">II", data[16:24])
-    assert (w, h) == (1024, 30 * 8)
+    assert w == 1000 and h > 400  # 10 x (1.5 + 0.12 per layer) inches at 100 dpi
+    # without matplotlib: an error naming the extra, no traceback
+    code = "import sys; sys.modules['matplotlib'] = None; from pi2_gguf.cli import main; sys.exit(main(sys.argv[1:]))"
+    res = subprocess.run([sys.executable, "-c", code, "inspect", str(out), "--png", str(tmp_path / "no.png")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "pip install 'pi2-gguf[plot]'" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "no.png").exists()
     # bad input through the CLI: clear errors, exit code 2
     res = subprocess.run([*cli, "inspect", str(model)], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 2 and "not a pi2 sidecar" in res.stderr

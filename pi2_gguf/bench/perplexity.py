@@ -9,17 +9,13 @@ estimate is printed per chunk as [i]ppl, then "Final estimate: PPL = x +/- err".
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from ..assets import corpus as corpus_mod
 from ..errors import Pi2Error
 
 
@@ -86,43 +82,3 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
     ppl = math.exp(mean)
     err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
     return Perplexity(ppl, err, n_chunk, count, tuple(running))
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf perplexity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
-    ap.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
-                    "articles the converter never trains on)")
-    ap.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default %(default)s)")
-    ap.add_argument("--chunks", type=int, help="score at most this many chunks")
-    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
-    ap.add_argument("--mode", choices=("dense", "oracle", "predicted"),
-                    help="PI2 decode mode (default: predicted with a sidecar, dense without)")
-    ap.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
-    args = ap.parse_args(argv)
-    from ..cli import resolve_model
-    from ..runtime.llama import prepare_sidecar
-    from ..runtime.plugin import read_counters
-
-    if args.text is not None:
-        text = "\n\n".join(corpus_mod.text_file(args.text).documents)
-    else:
-        text = "\n\n".join(corpus_mod.wiki().split()[1])
-    model = resolve_model(args.model)
-    sidecar, mode = (None, "dense") if args.no_plugin else prepare_sidecar(model, args.sidecar, args.mode)
-    res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
-                     sidecar=sidecar, mode=mode)
-    print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
-    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}"
-    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
-          f"{res.scored_tokens} tokens scored, {how})")
-    if mode != "dense":
-        c = read_counters()
-        print(f"active neurons per token: {float(c.active.sum()) / max(float(c.sparse_tokens.sum()), 1):.0f} of "
-              f"each layer's FFN on average (per layer: {', '.join(f'{v:.0f}' for v in c.active_per_token())})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,15 +63,13 @@ class Sidecar:
                                    f"{b:016x}, the sidecar expects {a:016x}")
 
 
-def _field_value(reader: GGUFReader, key: str) -> Any:
+def _field_value(reader: GGUFReader, key: str, path: Path) -> Any:
+    """The key's value (a list for arrays), or None without the key."""
     f = reader.get_field(key)
-    if f is None:
-        return None
-    if f.types and f.types[0] == GGUFValueType.ARRAY:
-        return [f.parts[i][0].item() for i in f.data]
-    if f.types and f.types[0] == GGUFValueType.STRING:
-        return bytes(np.asarray(f.parts[f.data[0]])).decode("utf-8", errors="replace")
-    return f.parts[f.data[0]][0].item()
+    try:
+        return None if f is None else f.contents()
+    except UnicodeDecodeError as e:
+        raise SidecarError(f"sidecar {path}: key {key} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
 _EXPECT_TYPE = {fmt.KT.U32: GGUFValueType.UINT32, fmt.KT.U64: GGUFValueType.UINT64, fmt.KT.F32: GGUFValueType.FLOAT32,
@@ -82,13 +80,13 @@ _EXPECT_TYPE = {fmt.KT.U32: GGUFValueType.UINT32, fmt.KT.U64: GGUFValueType.UINT
 def read(path: str | Path) -> Sidecar:
     """Opens and validates a sidecar (every rule of docs/FORMAT.md except the model fingerprint)."""
     p, reader = open_gguf(path, "sidecar", SidecarError)
-    version = _field_value(reader, "pi2.format_version")
+    version = _field_value(reader, "pi2.format_version", p)
     if version is None:
         raise SidecarError(f"{p} is not a pi2 sidecar (no pi2.format_version)")
     if version != fmt.FORMAT_VERSION:
         raise SidecarError(f"sidecar {p} has format version {version}; this pi2-gguf reads version "
                            f"{fmt.FORMAT_VERSION} (convert the model again)")
-    method = _field_value(reader, "pi2.sparsity.method")
+    method = _field_value(reader, "pi2.sparsity.method", p)
     if method is None:
         raise SidecarError(f"sidecar {p} lacks key pi2.sparsity.method")
     if method not in fmt.SPARSITY_METHODS:
@@ -103,7 +101,7 @@ def read(path: str | Path) -> Sidecar:
         got = f.types[-1] if f.types else None
         if (f.types[0] == GGUFValueType.ARRAY) != is_arr or got != _EXPECT_TYPE[kt]:
             raise SidecarError(f"sidecar {p}: key {key} has type {[t.name for t in f.types]}, expected {kt.value}")
-        kv[key] = _field_value(reader, key)
+        kv[key] = _field_value(reader, key, p)
     n_layer = int(kv["pi2.n_layer"])
     for key, kt in keys.items():
         if kt.value.endswith("[]"):
