@@ -9,11 +9,8 @@ from functools import partial
 from pathlib import Path
 
 from ..runtime.isolated import greedy_command, parse_results
-from . import cgroup
+from . import PROMPT, cgroup
 from .rounds import Series, ratio, run_in_turn
-
-PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
-          "revenue per region, then explain how it handles malformed lines.")
 
 
 @dataclass

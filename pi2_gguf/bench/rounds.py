@@ -83,3 +83,21 @@ def ratio(a: Sequence[float], b: Sequence[float]) -> Ratio | None:
     per = [x / y for x, y in zip(a, b) if y]  # zip: rounds both ran
     med = statistics.median(a) / statistics.median(b)
     return Ratio(med, min(per, default=med), max(per, default=med), len(per))
+
+
+def markdown_table(series: Sequence[Series[R]], base: Series[R] | None, medians: dict[str, tuple[str, str]],
+                   ratios: dict[str, str]) -> str:
+    """One row per configuration: medians (header -> (attribute, format spec)), then the ratio to `base` of
+    the attributes in `ratios` (header -> attribute); a failed configuration shows why."""
+    head = ["configuration", *medians, *ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in series:
+        if not s.ok:
+            cells = [f"failed: {s.failure[-120:]}"] + ["-"] * (len(head) - 2)
+        else:
+            cells = [format(s.median(attr), spec) for attr, spec in medians.values()]
+            for attr in ratios.values():
+                got = ratio(s.values(attr), base.values(attr)) if base is not None and base.ok else None
+                cells.append("-" if got is None else str(got))
+        lines.append("| " + " | ".join([s.name, *cells]) + " |")
+    return "\n".join(lines)
