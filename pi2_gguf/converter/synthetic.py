@@ -160,7 +160,7 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
         gw.write_kv_data_to_file()
         gw.write_tensors_to_file(progress=False)
         gw.close()
-        os.replace(tmp, path)
+        tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -79,7 +79,7 @@ def save_hotness_png(sc: Sidecar, path: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
+        tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return out

@@ -50,18 +50,6 @@ class Sidecar:
         lay = self.layout(il)
         return slice(0, lay.up_offset), slice(lay.up_offset, lay.down_offset), slice(lay.down_offset, lay.end)
 
-    def check_model(self, tensor_fingerprints: list[int], model_path: str | Path) -> None:
-        """Raises SidecarError unless the sidecar was made from a model with these FFN weights."""
-        ours = [int(x) for x in self.kv["pi2.source.tensor_fingerprints"]]
-        if len(ours) != len(tensor_fingerprints):
-            raise SidecarError(f"sidecar {self.path} was made for another model: it covers {len(ours) // 3} FFN "
-                               f"layers, {model_path} has {len(tensor_fingerprints) // 3}")
-        for i, (a, b) in enumerate(zip(ours, tensor_fingerprints)):
-            if a != b:
-                raise SidecarError(f"sidecar {self.path} was made for another model: the fingerprint of "
-                                   f"blk.{i // 3}.ffn_{('gate', 'up', 'down')[i % 3]}.weight in {model_path} is "
-                                   f"{b:016x}, the sidecar expects {a:016x}")
-
 
 def _field_value(reader: GGUFReader, key: str, path: Path) -> Any:
     """The key's value (a list for arrays), or None without the key."""

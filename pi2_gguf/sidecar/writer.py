@@ -168,7 +168,7 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
             else:
                 w.write_tensor_data(arr)
         w.close()
-        os.replace(tmp, out)
+        tmp.replace(out)
     finally:
         if w.fout is not None:
             w.close()
