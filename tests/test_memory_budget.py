@@ -74,18 +74,23 @@ def _minimum(model: Path, sidecar: Path) -> int:
     return int(m.group(1)) * 1_000_000
 
 
+DEFAULTS = {"PI2_CACHE_MAX": "0", "PI2_PREFETCH_BYTES": "8MiB", "PI2_IO_INFLIGHT_BYTES": "2MiB"}  # docs/SETTINGS.md
+
+
 def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted",
                       env: dict[str, str] | None = None) -> pi2_gguf.Llama:
     """A budget of 1 GB, its neuron cache capped at 6 MB (PI2_CACHE_MAX): the test model's 16 MB of bundles
     then mostly stay on flash, whatever this test process holds. env: more plugin settings for the load."""
     settings = {"PI2_CACHE_MAX": str(6 << 20), **(env or {})}
-    os.environ.update(settings)
+    plugin.register()
+    for name, value in settings.items():  # the defaults while this model loads (its cache is made then)
+        plugin.configure(name, value)
     try:
         return pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, memory_budget="1GB", n_ctx=256, n_threads=2,
                               verbose=False)
     finally:
         for name in settings:
-            del os.environ[name]
+            plugin.configure(name, DEFAULTS[name])
 
 
 def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: str = "predicted",

@@ -115,19 +115,25 @@ GGML_BACKEND_API int pi2_binding_set_check_recall(int id, int on);
 GGML_BACKEND_API int pi2_binding_error(int id, char * err, size_t errlen);
 // Drops the registry's hold on a binding once its model is freed (the weight buffers hold their own)
 GGML_BACKEND_API int pi2_binding_release(int id);
-// Largest decode batch that runs sparse (default PI2_SPARSE_BATCH or 4) and the active fraction up to
-// which down runs by columns (default PI2_DOWN_SPARSE_MAX or 0.2); set before computing
+// Per-model settings by variable name (docs/SETTINGS.md: PI2_SPARSE_BATCH, PI2_DOWN_SPARSE_MAX, PI2_PROMPT,
+// PI2_PREDICTOR, PI2_ROWS, PI2_IO_*, PI2_PREFETCH_BYTES, PI2_CACHE_MAX, PI2_COLD_SHARE): id > 0 sets it for
+// that loaded model's binding only; id 0 sets the default every model without its own value follows (the
+// environment gives the first defaults). Values are parsed as the environment's are. 0, or -1 with err
+// naming the variable and the value ("PI2_DOWN_SPARSE_MAX=2 is not a fraction in 0..1"). PI2_PREDICTOR
+// and the flash settings act when a model's cache is made; PI2_PROMPT at the next graph llama schedules.
+GGML_BACKEND_API int pi2_config_set(int id, const char * name, const char * value, char * err, size_t errlen);
+// Every PI2_* variable the plugin reads, comma-separated, into buf: 0, or -1 if size is too small.
+GGML_BACKEND_API int pi2_config_names(char * buf, size_t size);
+// "600MB" (10^6), "1GiB" (2^30), "1500000000" -> bytes: 0, or -1 if s is not a size
+GGML_BACKEND_API int pi2_parse_size(const char * s, uint64_t * out);
+// Resident memory of this process in bytes (/proc/self/statm, after returning freed heap); 0 if unreadable.
+GGML_BACKEND_API uint64_t pi2_resident_bytes(void);
+// sizeof a public struct by name: "pi2_counters", "pi2_cache_info", "pi2_model_summary"; 0 for other names
+GGML_BACKEND_API size_t pi2_struct_size(const char * name);
+// Deprecated process-wide forms of pi2_config_set(0, ...), kept until the Python side moves over.
 GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max);
-// Predicted mode runs a layer's predictor only where its bytes are below the gate bytes it saves (auto);
-// always = 1 runs every predictor (to measure them). Default: PI2_PREDICTOR=auto|always, else auto.
 GGML_BACKEND_API void pi2_set_predictor_always(int always);
-// In RAM, predicted-mode layers without a predictor compute every gate: model = 1 reads gate/up rows from
-// the model's contiguous matrices in row order, 0 from the bundles (slot order, as oracle and flash do).
-// Default: PI2_ROWS=model|bundles, else model.
 GGML_BACKEND_API void pi2_set_model_rows(int model);
-// Batches above the sparse limit (prompts) run in ggml-cpu's kernels on the weights in PI2's buffer (1,
-// the default; PI2_PROMPT=cpu) or in PI2's dense kernel (0; PI2_PROMPT=pi2). Takes effect at the next
-// graph llama schedules (llama reuses a scheduled graph for a batch of the same shape).
 GGML_BACKEND_API void pi2_set_prompt_on_cpu(int on);
 
 // Testing the down-column kernels: y[0..n) += sum of a[c] * column c, columns in a ggml type (blocks

@@ -40,7 +40,6 @@ struct pi2_bundle_file {
     pthread_t           threads[PI2_IO_MAX_THREADS];
     int                 n_threads;
 
-    atomic_uint_fast64_t bytes_read, reads;
     atomic_int_fast64_t  fault_after;
     atomic_int           fault_err;
 };
@@ -106,14 +105,11 @@ int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
 // the request's iovecs into iov, those that continue the previous one in memory merged into it: entries
 // of consecutive slots are mostly neighbours in the cache (its clock hands them out in order), and the
 // kernel pins each iovec's pages separately (that pinning was the largest CPU cost of a read). Returns
-// the count and adds the bytes to *total (if not NULL).
-static int pi2_merged_iov(const struct pi2_io_req * r, struct iovec * iov, size_t * total) {
+// the count.
+static int pi2_merged_iov(const struct pi2_io_req * r, struct iovec * iov) {
     int m = 0;
     for (int k = 0; k < r->n; ++k) {
         const struct iovec v = r->iov[k];
-        if (total != NULL) {
-            *total += v.iov_len;
-        }
         if (m > 0 && (char *) iov[m - 1].iov_base + iov[m - 1].iov_len == (char *) v.iov_base) {
             iov[m - 1].iov_len += v.iov_len;
         } else {
@@ -123,11 +119,11 @@ static int pi2_merged_iov(const struct pi2_io_req * r, struct iovec * iov, size_
     return m;
 }
 
-// one request into its iovecs: O_DIRECT, falling back to buffered where the filesystem refuses
-static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, char * why, size_t whylen) {
+// one request of `total` bytes (its iovecs' lengths) into its iovecs: O_DIRECT, falling back to buffered
+// where the filesystem refuses
+static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, size_t total, char * why, size_t whylen) {
     struct iovec iov[PI2_IO_MAX_RUN];
-    size_t total = 0;
-    const int m = pi2_merged_iov(r, iov, &total);
+    const int m = pi2_merged_iov(r, iov);
     const int64_t left = atomic_fetch_sub(&f->fault_after, 1);
     const int inject = atomic_load(&f->fault_err);
     if (inject != 0 && left == 0) {
@@ -145,7 +141,7 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
             PI2_LOG_WARN("pi2: sidecar %s: O_DIRECT refused a read of %zu bytes at offset %llu; reading through the "
                          "page cache from now on\n", f->path, total, (unsigned long long) r->offset);
         }
-        pi2_merged_iov(r, iov, NULL); // the failed attempt may have moved them
+        pi2_merged_iov(r, iov); // the failed attempt may have moved them
         e = pi2_preadv_full(f->fd_plain, iov, m, r->offset, &got);
     }
     if (e == PI2_READ_EOF) { // the bundle lies past the end: the file was cut since it was checked
@@ -156,8 +152,6 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
                  (unsigned long long) r->offset, got, strerror(e), e == EIO && got < total ? " (was the file truncated?)" : "");
         return e;
     }
-    atomic_fetch_add(&f->bytes_read, total);
-    atomic_fetch_add(&f->reads, 1);
     return 0;
 }
 
@@ -196,7 +190,7 @@ static void * pi2_io_thread(void * arg) {
         f->in_flight += bytes;
         pthread_mutex_unlock(&f->lock);
         why[0] = '\0';
-        const int e = pi2_read_req(f, r, why, sizeof(why));
+        const int e = pi2_read_req(f, r, bytes, why, sizeof(why));
         f->done(f->done_ctx, r, e, why);
         // no wake-up: this thread takes the next request itself (a waiting one would find no more room)
         pthread_mutex_lock(&f->lock);
@@ -205,7 +199,7 @@ static void * pi2_io_thread(void * arg) {
     }
 }
 
-int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, pi2_io_done_fn done,
+int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, uint64_t inflight_max, pi2_io_done_fn done,
                          void * done_ctx, char * err, size_t errlen) {
     *out = NULL;
     struct pi2_bundle_file * f = calloc(1, sizeof(*f));
@@ -234,17 +228,11 @@ int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n
     if (f->fd < 0) {
         f->fd = f->fd_plain; // tmpfs and some others refuse O_DIRECT
     }
-    atomic_init(&f->bytes_read, 0);
-    atomic_init(&f->reads, 0);
     atomic_init(&f->fault_after, -1);
     atomic_init(&f->fault_err, 0);
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->wake, NULL);
-    // 2 MiB: this disk reads 1 MiB requests as fast one at a time as 32 at once (DESIGN.md section 5);
-    // PI2_IO_INFLIGHT_BYTES overrides, 0: no limit
-    const char * cap = getenv("PI2_IO_INFLIGHT_BYTES");
-    const long long cap_bytes = cap != NULL ? atoll(cap) : 2ll << 20;
-    f->in_flight_max = cap_bytes > 0 ? (size_t) cap_bytes : SIZE_MAX;
+    f->in_flight_max = inflight_max > 0 && inflight_max < SIZE_MAX ? (size_t) inflight_max : SIZE_MAX;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 64 * 1024); // a few frames and a message buffer
@@ -318,19 +306,11 @@ int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint6
     struct iovec      iov = { .iov_base = dst, .iov_len = n };
     int32_t           tag = -1;
     struct pi2_io_req r   = { .offset = off, .n = 1, .iov = &iov, .tag = &tag };
-    return pi2_read_req(f, &r, err, errlen) == 0 ? 0 : -1;
+    return pi2_read_req(f, &r, n, err, errlen) == 0 ? 0 : -1;
 }
 
 bool pi2_bundle_file_direct(const struct pi2_bundle_file * f) {
     return atomic_load(&f->direct);
-}
-
-uint64_t pi2_bundle_file_bytes_read(const struct pi2_bundle_file * f) {
-    return atomic_load(&f->bytes_read);
-}
-
-uint64_t pi2_bundle_file_reads(const struct pi2_bundle_file * f) {
-    return atomic_load(&f->reads);
 }
 
 void pi2_bundle_file_inject_fault(struct pi2_bundle_file * f, int64_t after, int err) {

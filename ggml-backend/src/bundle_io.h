@@ -1,6 +1,6 @@
 // Reads neuron bundles from the sidecar file: O_DIRECT where the filesystem allows it (buffered reads
 // otherwise), on a small pool of I/O threads, so that one token's misses are in flight together (this
-// disk serves 4 KiB reads ~5-8x faster at queue depth 16 than one at a time; DESIGN.md section 5).
+// virtual disk here served 4 KiB O_DIRECT reads at ~10k/s one at a time and 50-80k/s at queue depth 16-32).
 // The file is checked for changes (size, mtime) around every batch: a sidecar truncated or rewritten
 // while a model runs must end the generation with an error, not feed garbage into the FFN.
 #pragma once
@@ -26,14 +26,14 @@ typedef void (*pi2_io_done_fn)(void * ctx, const struct pi2_io_req * r, int err,
 
 struct pi2_bundle_file;
 
-// Opens path for bundle reads with n_threads I/O threads; 0 on success, -1 with err.
-int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, pi2_io_done_fn done,
+// Opens path for bundle reads with n_threads I/O threads, at most inflight_max bytes being read at once
+// (SIZE_MAX or 0: no limit); 0 on success, -1 with err.
+int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, uint64_t inflight_max, pi2_io_done_fn done,
                           void * done_ctx, char * err, size_t errlen);
 void pi2_bundle_file_close(struct pi2_bundle_file * f);
 
 // Queues n requests behind the batches queued before (the arrays of a batch must stay valid until its
-// requests are done). Threads take requests in order, while less than PI2_IO_INFLIGHT_BYTES (2 MiB) is
-// being read.
+// requests are done). Threads take requests in order, while less than the in-flight limit is being read.
 void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs, int n);
 // Reads n bytes at off into dst (4 KiB aligned) on the calling thread; 0, or -1 with err.
 int  pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen);
@@ -41,8 +41,6 @@ int  pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint
 int  pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen);
 
 bool     pi2_bundle_file_direct(const struct pi2_bundle_file * f); // O_DIRECT in use
-uint64_t pi2_bundle_file_bytes_read(const struct pi2_bundle_file * f);
-uint64_t pi2_bundle_file_reads(const struct pi2_bundle_file * f);   // requests completed
 
 // Reads exactly n bytes at off from fd (any file, retrying short reads and EINTR): 0; an errno value on
 // a read error; PI2_READ_EOF when the file ends first.

@@ -1,14 +1,16 @@
 #include "ffn_names.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+static const char * const pi2_ffn_suffix[PI2_N_MATRIX] = {
+    [PI2_MATRIX_GATE] = "ffn_gate.weight",
+    [PI2_MATRIX_UP]   = "ffn_up.weight",
+    [PI2_MATRIX_DOWN] = "ffn_down.weight",
+};
+
 bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
-    static const char * const suffix[PI2_N_MATRIX] = {
-        [PI2_MATRIX_GATE] = "ffn_gate.weight",
-        [PI2_MATRIX_UP]   = "ffn_up.weight",
-        [PI2_MATRIX_DOWN] = "ffn_down.weight",
-    };
     if (name == NULL || strncmp(name, "blk.", 4) != 0) {
         return false;
     }
@@ -18,11 +20,15 @@ bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matr
         return false;
     }
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        if (strcmp(end + 1, suffix[m]) == 0) {
+        if (strcmp(end + 1, pi2_ffn_suffix[m]) == 0) {
             *layer  = (int) il;
             *matrix = (enum pi2_matrix) m;
             return true;
         }
     }
     return false;
+}
+
+void pi2_ffn_weight_name(int layer, enum pi2_matrix matrix, char * buf, size_t size) {
+    snprintf(buf, size, "blk.%d.%s", layer, pi2_ffn_suffix[matrix]);
 }

@@ -1,5 +1,6 @@
-// PI2 ggml backend: glue only (buffer type, backend, device, registry), in the shape of ggml-blas.
-// The FFN work itself lives in ffn_exec.c (scheduling) and the kernel files beside it.
+// PI2 ggml backend: glue only (buffer, buffer type, backend, device and registry interfaces), in the shape
+// of ggml-blas. The FFN work lives in sparse_ffn.c (sparse decode) and ffn_exec.c (dense), model loads
+// in binding_registry.c, the PI2_* settings in config.c; docs/BACKEND.md maps the rest.
 // MAP_ANONYMOUS and MAP_NORESERVE are outside POSIX
 #define _DEFAULT_SOURCE
 #include "ggml-pi2.h"
@@ -24,19 +25,6 @@
 
 #define PI2_NAME      "PI2"
 #define PI2_ALIGNMENT 64
-#define PI2_DEFAULT_SPARSE_BATCH 4
-#define PI2_DEFAULT_DOWN_SPARSE_MAX 0.2f
-#define PI2_STR_(x)   #x
-#define PI2_STR(x)    PI2_STR_(x)
-
-#ifndef PI2_VERSION
-#define PI2_VERSION "dev"
-#endif
-#ifndef PI2_LLAMA_CPP_PYTHON_VERSION
-#define PI2_LLAMA_CPP_PYTHON_VERSION "unknown"
-#endif
-
-static struct pi2_device_ctx * pi2_device_ctx(void);
 
 //
 // buffer interface: plain host memory, so the CPU backend reads PI2's outputs without copies
@@ -163,8 +151,14 @@ static const char * pi2_buft_get_name(ggml_backend_buffer_type_t buft) {
 static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     struct pi2_device_ctx * dctx = pi2_device_ctx();
     pthread_mutex_lock(&dctx->lock);
-    if (dctx->config_error[0] != '\0') {
-        PI2_LOG_REFUSAL("pi2: %s\n", dctx->config_error);
+    if (dctx->config.error[0] != '\0') {
+        PI2_LOG_REFUSAL("pi2: %s\n", dctx->config.error);
+        pthread_mutex_unlock(&dctx->lock);
+        return NULL;
+    }
+    // the first buffer of a load: the frontend has set this model's settings by now
+    if (dctx->pending != NULL && pi2_binding_prepare(dctx->pending) != 0) {
+        PI2_LOG_REFUSAL("pi2: %s\n", dctx->pending->error);
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
     }
@@ -279,32 +273,45 @@ static struct pi2_binding * pi2_weight_binding(const struct ggml_tensor * w) {
     return bc->binding;
 }
 
-// One layer's gate/up/GLU (and down, when it follows) of a model with a sidecar: verify the weights once,
-// then run sparse for decode batches in oracle/predicted mode. Returns the nodes consumed (0: not handled).
-static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgraph, int i, struct ggml_tensor * glu,
+// the model's value of a per-model setting, for a weight of a model with a sidecar (else the default)
+static double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting k) {
+    const struct pi2_binding * b = pi2_weight_binding(w);
+    return pi2_setting(b != NULL ? &b->settings : NULL, &pi2_device_ctx()->config.defaults, k);
+}
+
+// An FFN matmul (node i) of a model with a sidecar. If nodes i.. are a layer's FFN sparse decode runs,
+// verify the weights once, then run sparse for decode batches in oracle/predicted mode (flash: always).
+// Otherwise the layer runs dense in RAM (said once), and on flash, where the weights are nowhere else,
+// the compute is refused. Returns the nodes consumed (0: node i runs dense on its own).
+static int pi2_compute_bound_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_cgraph * cgraph, int i,
                                  enum ggml_status * st) {
-    struct ggml_tensor * gate = glu->src[0];
-    struct pi2_binding * b    = pi2_weight_binding(gate->src[0]);
-    const int n_nodes = ggml_graph_n_nodes(cgraph);
-    if (b == NULL || i + 3 >= n_nodes) {
-        return 0;
-    }
-    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
-    if (!pi2_sparse_ffn_pattern(glu, down) || (down->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
-        return 0;
-    }
+    struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
     int layer = 0;
     enum pi2_matrix m;
-    pi2_ffn_weight_parse(gate->src[0]->name, &layer, &m);
+    pi2_ffn_weight_parse(w->name, &layer, &m);
+    const char * why = NULL;
+    if (pi2_sparse_ffn_match(cgraph, i, &why) == 0) {
+        if (pi2_binding_unfit_layer(b, layer, why)) {
+            *st = GGML_STATUS_FAILED;
+            return 1;
+        }
+        return 0;
+    }
+    struct ggml_tensor * glu  = ggml_graph_node(cgraph, i + 2);
+    struct ggml_tensor * gate = glu->src[0];
+    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
     if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
         return 4;
     }
     const int mode = atomic_load(&b->mode);
-    // flash: every batch and mode runs here, the weights being nowhere else
-    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > ctx->dev->sparse_batch_max)) {
-        return 0;
+    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
+        *st = pi2_exec_gate_up_glu(ctx, glu);
+        if (*st == GGML_STATUS_SUCCESS) {
+            *st = pi2_exec_mul_mat(ctx, down);
+        }
+        return 4;
     }
     *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
     return 4;
@@ -349,17 +356,20 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             continue;
         }
         enum ggml_status st = GGML_STATUS_SUCCESS;
-        if (node->op == GGML_OP_MUL_MAT && i + 2 < n_nodes &&
-            pi2_ffn_fusable(node, ggml_graph_node(cgraph, i + 1), ggml_graph_node(cgraph, i + 2))) {
-            const int used = pi2_compute_bound_ffn(ctx, cgraph, i, ggml_graph_node(cgraph, i + 2), &st);
+        struct pi2_binding * b = node->op == GGML_OP_MUL_MAT ? pi2_weight_binding(node->src[0]) : NULL;
+        if (b != NULL) {
+            const int used = pi2_compute_bound_ffn(ctx, b, cgraph, i, &st);
+            if (st != GGML_STATUS_SUCCESS) {
+                return st;
+            }
             if (used > 0) {
-                if (st != GGML_STATUS_SUCCESS) {
-                    return st;
-                }
                 pi2_count(&ctx->dev->counters.nodes_computed, (uint64_t) used);
                 i += used - 1;
                 continue;
             }
+        }
+        if (node->op == GGML_OP_MUL_MAT && i + 2 < n_nodes &&
+            pi2_ffn_fusable(node, ggml_graph_node(cgraph, i + 1), ggml_graph_node(cgraph, i + 2))) {
             st = pi2_exec_gate_up_glu(ctx, ggml_graph_node(cgraph, i + 2));
             if (st != GGML_STATUS_SUCCESS) {
                 return st;
@@ -396,6 +406,31 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
     return GGML_STATUS_SUCCESS;
 }
 
+// Sees each graph llama schedules on PI2 before it computes (also the graphs llama reserves when a context
+// is made): an FFN of a model with a sidecar that sparse decode cannot run is found here, so a model loaded
+// for a memory budget is refused while it loads (pi2_binding_error), not at its first token.
+static void pi2_backend_graph_optimize(ggml_backend_t backend, struct ggml_cgraph * cgraph,
+                                       struct ggml_backend_graph_optimize_params * params) {
+    const int n_nodes = ggml_graph_n_nodes(cgraph);
+    for (int i = 0; i < n_nodes; i++) {
+        const struct ggml_tensor * node = ggml_graph_node(cgraph, i);
+        struct pi2_binding * b = node->op == GGML_OP_MUL_MAT ? pi2_weight_binding(node->src[0]) : NULL;
+        int layer = 0;
+        enum pi2_matrix m;
+        const char * why = NULL;
+        if (b == NULL || !pi2_ffn_weight_parse(node->src[0]->name, &layer, &m)) {
+            continue;
+        }
+        if (pi2_sparse_ffn_match(cgraph, i, &why) == 4) {
+            i += 3;
+        } else {
+            pi2_binding_unfit_layer(b, layer, why);
+        }
+    }
+    GGML_UNUSED(backend);
+    GGML_UNUSED(params);
+}
+
 static const struct ggml_backend_i pi2_backend_i = {
     /* .get_name            = */ pi2_backend_get_name,
     /* .free                = */ pi2_backend_free,
@@ -412,7 +447,7 @@ static const struct ggml_backend_i pi2_backend_i = {
     /* .graph_compute       = */ pi2_backend_graph_compute,
     /* .event_record        = */ NULL,
     /* .event_wait          = */ NULL,
-    /* .graph_optimize      = */ NULL,
+    /* .graph_optimize      = */ pi2_backend_graph_optimize,
 };
 
 static ggml_guid_t pi2_backend_guid(void) {
@@ -573,8 +608,8 @@ static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggm
 // (Flash weights are not in memory, so their prompts stay in PI2.)
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
-    return d->prompt_on_cpu && w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0 &&
-           n_tokens > d->sparse_batch_max;
+    return w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0 &&
+           pi2_weight_setting(w, PI2_SET_PROMPT) != 0.0 && n_tokens > pi2_weight_setting(w, PI2_SET_SPARSE_BATCH);
 }
 
 static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
@@ -671,129 +706,16 @@ static struct pi2_device_ctx     pi2_dev_ctx;
 static struct ggml_backend_device pi2_device;
 static struct ggml_backend_reg    pi2_reg;
 
-static struct pi2_device_ctx * pi2_device_ctx(void) {
+struct pi2_device_ctx * pi2_device_ctx(void) {
     return &pi2_dev_ctx;
-}
-
-// *out = (env name is on_value), or dflt when unset; false (config_error set) for any other value
-static bool pi2_env_switch(struct pi2_device_ctx * d, const char * name, const char * on_value, const char * off_value,
-                           bool dflt, bool * out) {
-    const char * v = getenv(name);
-    *out = dflt;
-    if (v == NULL) {
-        return true;
-    }
-    if (strcmp(v, on_value) != 0 && strcmp(v, off_value) != 0) {
-        snprintf(d->config_error, sizeof(d->config_error), "%s=%s is not %s or %s", name, v, on_value, off_value);
-        return false;
-    }
-    *out = strcmp(v, on_value) == 0;
-    return true;
-}
-
-// "600MB" (10^6), "2GiB" (2^30), "1500000000" -> bytes; 0 on success
-static int pi2_parse_size(const char * s, uint64_t * out) {
-    char * end = NULL;
-    errno = 0;
-    const double v = strtod(s, &end);
-    if (end == s || errno != 0 || !(v > 0.0)) {
-        return -1;
-    }
-    while (*end == ' ') {
-        end++;
-    }
-    static const struct { const char * unit; double mul; } units[] = {
-        { "", 1.0 }, { "B", 1.0 }, { "K", 1e3 }, { "KB", 1e3 }, { "KiB", 1024.0 }, { "M", 1e6 }, { "MB", 1e6 },
-        { "MiB", 1048576.0 }, { "G", 1e9 }, { "GB", 1e9 }, { "GiB", 1073741824.0 }, { "T", 1e12 }, { "TB", 1e12 },
-        { "TiB", 1099511627776.0 },
-    };
-    for (size_t k = 0; k < sizeof(units) / sizeof(units[0]); ++k) {
-        if (strcasecmp(end, units[k].unit) == 0) {
-            *out = (uint64_t) (v * units[k].mul);
-            return 0;
-        }
-    }
-    return -1;
-}
-
-static void pi2_config_from_env(struct pi2_device_ctx * d) {
-    d->sparse_batch_max = PI2_DEFAULT_SPARSE_BATCH;
-    d->down_sparse_max  = PI2_DEFAULT_DOWN_SPARSE_MAX;
-    const char * batch = getenv("PI2_SPARSE_BATCH");
-    if (batch != NULL) {
-        char * end = NULL;
-        const long v = strtol(batch, &end, 10);
-        if (end == batch || *end != '\0' || v < 0 || v > 64) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_SPARSE_BATCH=%s is not a number of tokens in 0..64", batch);
-            return;
-        }
-        d->sparse_batch_max = (int) v;
-    }
-    const char * down = getenv("PI2_DOWN_SPARSE_MAX");
-    if (down != NULL) {
-        char * end = NULL;
-        const float v = strtof(down, &end);
-        if (end == down || *end != '\0' || !(v >= 0.0f && v <= 1.0f)) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_DOWN_SPARSE_MAX=%s is not a fraction in 0..1", down);
-            return;
-        }
-        d->down_sparse_max = v;
-    }
-    if (!pi2_env_switch(d, "PI2_PROMPT", "cpu", "pi2", true, &d->prompt_on_cpu) ||
-        !pi2_env_switch(d, "PI2_PREDICTOR", "always", "auto", false, &d->predictor_always) ||
-        !pi2_env_switch(d, "PI2_ROWS", "model", "bundles", true, &d->model_rows)) {
-        return;
-    }
-    const char * mode_s = getenv("PI2_MODE");
-    const char * path   = getenv("PI2_SIDECAR");
-    int mode = PI2_MODE_PREDICTED;
-    if (mode_s != NULL && (mode = pi2_mode_parse(mode_s)) < 0) {
-        snprintf(d->config_error, sizeof(d->config_error), "PI2_MODE=%s is not dense, oracle or predicted", mode_s);
-        return;
-    }
-    if (path == NULL || path[0] == '\0') {
-        if (getenv("PI2_MEMORY_BUDGET") != NULL) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_MEMORY_BUDGET needs a sidecar: set PI2_SIDECAR "
-                     "(pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)");
-            return;
-        }
-        if (mode_s != NULL && mode != PI2_MODE_DENSE) {
-            snprintf(d->config_error, sizeof(d->config_error), "PI2_MODE=%s needs a sidecar: set PI2_SIDECAR "
-                     "(pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)", mode_s);
-        }
-        return;
-    }
-    const char * budget_s = getenv("PI2_MEMORY_BUDGET");
-    uint64_t budget = 0;
-    if (budget_s != NULL && budget_s[0] != '\0' && pi2_parse_size(budget_s, &budget) != 0) {
-        snprintf(d->config_error, sizeof(d->config_error), "PI2_MEMORY_BUDGET=%s is not a size (e.g. 600MB, 2GiB, 1500000000)", budget_s);
-        return;
-    }
-    char err[sizeof(d->config_error) - 16];
-    // the model is not named to the plugin: its embedding stays in the model file only when the sidecar is
-    // MODEL.pi2.gguf beside MODEL.gguf (llama's upload is compared with that file, so a wrong guess fails)
-    char model[4096] = "";
-    const size_t n = strlen(path);
-    const char * suffix = ".pi2.gguf";
-    if (n > strlen(suffix) && n < sizeof(model) && strcmp(path + n - strlen(suffix), suffix) == 0) {
-        snprintf(model, sizeof(model), "%.*s.gguf", (int) (n - strlen(suffix)), path);
-    }
-    const bool beside = model[0] != '\0' && access(model, R_OK) == 0;
-    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) mode, budget > 0, beside ? model : NULL, d->predictor_always,
-                                        err, sizeof(err));
-    if (d->env_binding == NULL) {
-        snprintf(d->config_error, sizeof(d->config_error), "PI2_SIDECAR: %s", err);
-        return;
-    }
-    d->env_binding->env_budget = budget;
-    d->pending = d->env_binding;
 }
 
 ggml_backend_reg_t ggml_backend_pi2_reg(void) {
     if (pi2_reg.iface.get_name == NULL) {
         pthread_mutex_init(&pi2_dev_ctx.lock, NULL);
         pi2_dev_ctx.next_binding_id = 1;
-        pi2_config_from_env(&pi2_dev_ctx);
+        pi2_config_from_env(&pi2_dev_ctx.config);
+        pi2_registry_init(&pi2_dev_ctx);
         pi2_glu_tables_init(&pi2_dev_ctx.glu);
         pi2_dev_ctx.buft = (struct ggml_backend_buffer_type) {
             /* .iface   = */ pi2_buft_i,
@@ -817,274 +739,6 @@ ggml_backend_reg_t ggml_backend_pi2_reg(void) {
         };
     }
     return &pi2_reg;
-}
-
-void pi2_counters_read(struct pi2_counters * out) {
-    // counters are atomically incremented; a snapshot may straddle one node, which readers tolerate
-    memcpy(out, &pi2_device_ctx()->counters, sizeof(*out));
-}
-
-void pi2_counters_reset(void) {
-    memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
-}
-
-static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, const char * model_path, char * err, size_t errlen) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
-        snprintf(err, errlen, "mode %d is not dense (0), oracle (1) or predicted (2)", mode);
-        return -1;
-    }
-    if (sidecar_path == NULL) {
-        if (flash) {
-            snprintf(err, errlen, "a memory budget needs a sidecar (pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)");
-            return -1;
-        }
-        if (mode != PI2_MODE_DENSE) {
-            snprintf(err, errlen, "mode %s needs a sidecar", mode == PI2_MODE_ORACLE ? "oracle" : "predicted");
-            return -1;
-        }
-        pthread_mutex_lock(&d->lock);
-        d->pending = NULL;
-        pthread_mutex_unlock(&d->lock);
-        return 0;
-    }
-    pthread_mutex_lock(&d->lock);
-    const int id = d->next_binding_id;
-    int slot = -1;
-    for (int k = 0; k < PI2_MAX_BINDINGS && slot < 0; ++k) {
-        if (d->bindings[k] == NULL) {
-            slot = k;
-        }
-    }
-    if (slot >= 0) {
-        d->next_binding_id++;
-    }
-    pthread_mutex_unlock(&d->lock);
-    if (slot < 0) {
-        snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
-        return -1;
-    }
-    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, model_path, d->predictor_always,
-                                                err, errlen);
-    if (b == NULL) {
-        return -1;
-    }
-    pthread_mutex_lock(&d->lock);
-    if (d->bindings[slot] != NULL) { // taken meanwhile by a concurrent load
-        pthread_mutex_unlock(&d->lock);
-        pi2_binding_unref(b);
-        snprintf(err, errlen, "concurrent model loads with sidecars; load one at a time");
-        return -1;
-    }
-    d->bindings[slot] = b; // the registry's reference
-    pi2_binding_ref(b);
-    d->pending = b;         // the pending reference, dropped by pi2_load_end
-    pthread_mutex_unlock(&d->lock);
-    return id;
-}
-
-int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
-    return pi2_load_begin_impl(sidecar_path, mode, false, NULL, err, errlen);
-}
-
-int pi2_load_begin_flash(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen) {
-    return pi2_load_begin_impl(sidecar_path, mode, true, model_path, err, errlen);
-}
-
-int pi2_config_error(char * err, size_t errlen) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    pthread_mutex_lock(&d->lock);
-    snprintf(err, errlen, "%s", d->config_error);
-    pthread_mutex_unlock(&d->lock);
-    return d->config_error[0] != '\0' ? -1 : 0;
-}
-
-void pi2_load_end(void) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    pthread_mutex_lock(&d->lock);
-    struct pi2_binding * old = d->pending;
-    d->pending = d->env_binding;
-    pthread_mutex_unlock(&d->lock);
-    if (old != NULL && old != d->env_binding) {
-        pi2_binding_unref(old);
-    }
-}
-
-// the registry slot of the binding with this id, or -1 (d->lock held)
-static int pi2_binding_slot(const struct pi2_device_ctx * d, int id) {
-    for (int k = 0; k < PI2_MAX_BINDINGS; ++k) {
-        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
-            return k;
-        }
-    }
-    return -1;
-}
-
-// the registered binding with this id, referenced (caller unrefs), or NULL
-static struct pi2_binding * pi2_binding_find(int id) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    pthread_mutex_lock(&d->lock);
-    const int k = pi2_binding_slot(d, id);
-    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
-    if (found != NULL) {
-        pi2_binding_ref(found);
-    }
-    pthread_mutex_unlock(&d->lock);
-    return found;
-}
-
-int pi2_binding_set_mode(int id, int mode) {
-    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
-        return -1;
-    }
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        return -1;
-    }
-    atomic_store(&b->mode, mode);
-    pi2_binding_unref(b);
-    return 0;
-}
-
-int pi2_binding_set_check_recall(int id, int on) {
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        return -1;
-    }
-    atomic_store(&b->check_recall, on != 0);
-    pi2_binding_unref(b);
-    return 0;
-}
-
-int pi2_binding_error(int id, char * err, size_t errlen) {
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        return -1;
-    }
-    snprintf(err, errlen, "%s", b->error);
-    pi2_binding_unref(b);
-    return 0;
-}
-
-int pi2_binding_set_budget(int id, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        snprintf(err, errlen, "no model binding %d", id);
-        return -1;
-    }
-    char msg[1024];
-    const int r = pi2_binding_size_cache(b, budget, reserved, msg, sizeof(msg));
-    if (r != 0) {
-        snprintf(err, errlen, "%s", msg);
-    }
-    pi2_binding_unref(b);
-    return r;
-}
-
-int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        return -1;
-    }
-    int r = -1;
-    memset(out, 0, sizeof(*out));
-    pthread_mutex_lock(&b->cache_lock);
-    if (b->cache != NULL) {
-        const struct pi2_cache_plan * plan = pi2_cache_get_plan(b->cache);
-        out->fixed_bytes = b->fixed_bytes;
-        out->hot_bytes   = plan->hot_bytes;
-        out->cold_bytes  = plan->cold_bytes;
-        out->hot_neurons = plan->hot_neurons;
-        out->n_cold      = plan->n_cold;
-        out->n_prefetch  = plan->n_prefetch;
-        out->freq_cutoff = plan->freq_cutoff;
-        out->direct_io   = pi2_cache_direct_io(b->cache);
-        out->ffn_ns      = b->ffn_ns;
-        out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
-        r = 0;
-    }
-    pthread_mutex_unlock(&b->cache_lock);
-    pi2_binding_unref(b);
-    return r;
-}
-
-int pi2_binding_inject_read_fault(int id, int64_t after, int err) {
-    struct pi2_binding * b = pi2_binding_find(id);
-    if (b == NULL) {
-        return -1;
-    }
-    pthread_mutex_lock(&b->cache_lock);
-    const int r = b->cache != NULL ? 0 : -1;
-    if (b->cache != NULL) {
-        pi2_cache_inject_fault(b->cache, after, err);
-    }
-    pthread_mutex_unlock(&b->cache_lock);
-    pi2_binding_unref(b);
-    return r;
-}
-
-int pi2_binding_release(int id) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    pthread_mutex_lock(&d->lock);
-    const int k = pi2_binding_slot(d, id);
-    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
-    if (k >= 0) {
-        d->bindings[k] = NULL;
-    }
-    pthread_mutex_unlock(&d->lock);
-    if (found == NULL) {
-        return -1;
-    }
-    pi2_binding_unref(found); // the weight buffers keep theirs until llama frees the model
-    return 0;
-}
-
-void pi2_set_prompt_on_cpu(int on) {
-    pi2_device_ctx()->prompt_on_cpu = on != 0;
-}
-
-void pi2_set_model_rows(int model) {
-    pi2_device_ctx()->model_rows = model != 0;
-}
-
-void pi2_set_predictor_always(int always) {
-    pi2_device_ctx()->predictor_always = always != 0;
-}
-
-void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {
-    struct pi2_device_ctx * d = pi2_device_ctx();
-    if (batch_max >= 0 && batch_max <= 64) {
-        d->sparse_batch_max = batch_max;
-    }
-    if (down_sparse_max >= 0.0f && down_sparse_max <= 1.0f) {
-        d->down_sparse_max = down_sparse_max;
-    }
-}
-
-int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a, const void * const * cols) {
-    if (type < 0 || type >= GGML_TYPE_COUNT || !pi2_column_type_usable((enum ggml_type) type) || n <= 0 ||
-        n % ggml_blck_size((enum ggml_type) type) != 0) {
-        return -1;
-    }
-    float * tmp = malloc((size_t) pi2_column_scratch(n) * sizeof(float));
-    if (tmp == NULL) {
-        return -1;
-    }
-    struct pi2_column_sum sum = { .type = (enum ggml_type) type, .n = n, .y = y, .tmp = tmp };
-    for (int64_t c = 0; c < n_cols; ++c) {
-        pi2_column_sum_add(&sum, a[c], cols[c]);
-    }
-    pi2_column_sum_finish(&sum);
-    free(tmp);
-    return 0;
-}
-
-size_t pi2_counters_size(void) {
-    return sizeof(struct pi2_counters);
-}
-
-const char * pi2_build_info(void) {
-    return "pi2 " PI2_VERSION "; ggml api " PI2_STR(GGML_BACKEND_API_VERSION) "; llama-cpp-python " PI2_LLAMA_CPP_PYTHON_VERSION;
 }
 
 static int pi2_score(void) {

@@ -14,27 +14,18 @@
 #include "ggml-pi2.h"
 #include "ggml.h"
 #include "embedding_rows.h"
+#include "config.h"
 #include "neuron_cache.h"
+#include "predictor.h"
 #include "sidecar.h"
 
 struct pi2_binding_layer {
-    const uint8_t * bundles;  // slot j at bundles + pi2_slot_offset(L, j) (inside the mapping); NULL on flash
-    // predictor weights, Q8_0 where the widths allow (ggml's F16 dot measured ~5x slower than its Q8_0
-    // dot here), else F16. Layer 2 is stored transposed, one row per hidden unit over the slots: relu
-    // leaves about half of the hidden units at zero, and only the others' rows are read (as columns
-    // added into the scores), half the bytes of one dot product per slot.
-    enum ggml_type  pred_type; // w1
-    enum ggml_type  w2_type;
-    char *          w1;       // [rank] rows of n_embd
-    char *          w2;       // [rank] rows of n_ff, slot order
-    size_t          w1_stride, w2_stride;
-    float *         b2_slot;  // [n_ff]
-    int32_t *       slot_of;  // [n_ff] bundle slot of each neuron (in RAM: rows walked in the model's order)
-    atomic_int      verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
-    atomic_int      uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
-    // predicted mode runs the predictor only where it pays: its bytes (w1, w2) below the gate bytes it
-    // saves, (1 - predictor density) * gate bytes. Elsewhere every gate row is computed (as oracle).
-    bool            use_predictor;
+    const uint8_t *      bundles;  // slot j at bundles + pi2_slot_offset(L, j) (inside the mapping); NULL on flash
+    struct pi2_predictor pred;     // prepared at the first weight buffer of the load (pi2_binding_prepare)
+    int32_t *            slot_of;  // [n_ff] bundle slot of each neuron (in RAM: rows walked in the model's order)
+    atomic_int           verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
+    atomic_int           uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
+    atomic_bool          dense_logged; // the layer's graph was found unfit for sparse decode (logged once)
 };
 
 struct pi2_binding {
@@ -46,6 +37,9 @@ struct pi2_binding {
     struct pi2_binding_layer * layer; // [sc->n_layer]
     atomic_int                 mode;         // enum pi2_mode
     atomic_int                 check_recall; // predicted mode also runs the full gate to count misses
+    struct pi2_settings        settings;     // this model's own values (NaN: follow the defaults)
+    const struct pi2_settings * defaults;    // the device's (config.h)
+    bool                       prepared;     // predictors prepared (device lock)
     char                       error[512];   // why a compute failed (fingerprint mismatch), for the frontend
 
     // Flash-resident FFN (a memory budget): the weight buffers keep nothing, each upload is checked
@@ -53,7 +47,6 @@ struct pi2_binding {
     bool                      flash;
     atomic_bool               uploading;   // llama started uploading weights: its weight buffers all exist
     uint64_t                  env_budget;  // PI2_MEMORY_BUDGET: the cache is sized at the first compute
-    int                       io_threads;
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
     struct pi2_neuron_cache * cache;
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
@@ -61,24 +54,23 @@ struct pi2_binding {
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
 };
 
-// Budget accounting: a cache sized from `budget` minus what the process holds now (resident memory),
-// minus `reserved` (memory the caller knows will be touched later: llama's compute buffers, logits
-// arrays) and the cache's own tables and a margin. 0, or -1 with err naming the minimum budget.
-#define PI2_BUDGET_MARGIN (32ull << 20)
-int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen);
-// Resident memory of this process (bytes), from /proc/self/statm; 0 if unreadable.
-uint64_t pi2_resident_bytes(void);
-
 // flash: an upload of blk.<layer>.ffn_* weight `matrix` (the whole tensor) is checked, then dropped
 void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, const struct ggml_tensor * w, const void * data,
                               size_t nbytes);
 
-// Opens the sidecar and maps its bundles; NULL with err set on failure.
-// flash: bundles are read through a neuron cache (pi2_binding_set_budget) instead of a mapping; only the
-// predictors that run are kept (all of them with keep_predictors); model_path (may be NULL) is the model
-// file, whose token embedding then stays there (embedding_rows.h).
+// Opens the sidecar and maps its bundles; NULL with err set on failure. flash: bundles are read through a
+// neuron cache (memory_budget.h) instead of a mapping; model_path (may be NULL) is the model file, whose
+// token embedding then stays there (embedding_rows.h). defaults: the settings a model without its own follows.
 struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, const char * model_path,
-                                        bool keep_predictors, char * err, size_t errlen);
+                                        const struct pi2_settings * defaults, char * err, size_t errlen);
+// Prepares the predictors, once, when llama allocates the model's first weight buffer (after the frontend
+// had its chance to set PI2_PREDICTOR for this model): on flash only those that run are kept. 0, or -1
+// with b->error set.
+int                  pi2_binding_prepare(struct pi2_binding * b);
+// this model's value of a per-model setting
+static inline double pi2_binding_setting(const struct pi2_binding * b, enum pi2_setting k) {
+    return pi2_setting(&b->settings, b->defaults, k);
+}
 void                 pi2_binding_ref(struct pi2_binding * b);
 void                 pi2_binding_unref(struct pi2_binding * b);
 
@@ -87,9 +79,7 @@ void                 pi2_binding_unref(struct pi2_binding * b);
 bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct ggml_tensor * w_gate,
                               const struct ggml_tensor * w_up, const struct ggml_tensor * w_down);
 
-// Whether a layer decodes with its predictor in this mode; otherwise every gate row is computed, and on
-// flash every bundle of the layer is read each token.
-bool pi2_binding_layer_predicted(const struct pi2_binding * b, int layer, int mode, bool predictor_always);
+// A layer of this model whose FFN graph sparse decode cannot run (why: what differs). Said once per layer;
+// in RAM the layer runs dense (false), on flash it cannot run at all: true, with b->error set.
+bool pi2_binding_unfit_layer(struct pi2_binding * b, int layer, const char * why);
 
-// "dense", "oracle", "predicted" -> enum pi2_mode; -1 for anything else
-int pi2_mode_parse(const char * s);

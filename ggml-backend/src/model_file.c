@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "bundle_io.h"
+#include "ffn_names.h"
 #include "fingerprint.h"
 #include "ggml-pi2.h"
 #include "gguf_file.h"
@@ -52,12 +53,12 @@ static int pi2_file_tensor_fingerprint(const struct pi2_gguf_file * f, const cha
 static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out, char * err,
                          size_t errlen) {
     const uint64_t data = gguf_get_data_offset(f->gguf);
-    uint64_t fps[3 * PI2_MAX_LAYERS];
+    uint64_t fps[PI2_N_MATRIX * PI2_MAX_LAYERS];
     uint32_t il = 0;
     for (;; ++il) {
-        char name[3][64];
+        char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            snprintf(name[m], sizeof(name[m]), "blk.%" PRIu32 ".ffn_%s.weight", il, m == 0 ? "gate" : m == 1 ? "up" : "down");
+            pi2_ffn_weight_name((int) il, (enum pi2_matrix) m, name[m], sizeof(name[m]));
         }
         if (gguf_find_tensor(f->gguf, name[0]) < 0) {
             break;
@@ -65,7 +66,7 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
         if (il == PI2_MAX_LAYERS) {
             return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
         }
-        const struct ggml_tensor * t[3];
+        const struct ggml_tensor * t[PI2_N_MATRIX];
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
             if (pi2_ffn_tensor(f, path, name[0], name[m], &t[m], err, errlen) != 0) {
                 return -1;
@@ -79,7 +80,7 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
             const int64_t id = gguf_find_tensor(f->gguf, name[m]);
             const size_t  n  = gguf_get_tensor_size(f->gguf, id);
-            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), n, &fps[3 * il + m],
+            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), n, &fps[PI2_N_MATRIX * il + m],
                                             err, errlen) != 0) {
                 return -1;
             }
@@ -87,7 +88,7 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
         }
     }
     out->n_layer     = il;
-    out->fingerprint = il > 0 ? pi2_fingerprint_model(fps, 3 * (size_t) il) : 0;
+    out->fingerprint = il > 0 ? pi2_fingerprint_model(fps, PI2_N_MATRIX * (size_t) il) : 0;
     const int64_t embd = gguf_find_tensor(f->gguf, "token_embd.weight");
     if (embd >= 0 && gguf_find_tensor(f->gguf, "output.weight") >= 0) {
         out->embedding_bytes = gguf_get_tensor_size(f->gguf, embd);

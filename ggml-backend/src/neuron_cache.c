@@ -17,14 +17,13 @@
 #include "bundle_io.h"
 #include "pi2_clock.h"
 
-// Share of the cache kept for the cold segment beyond the one layer it must hold; the rest pins the
-// hottest neurons. Measured on the 1.5B ReLU model under 600 MB: the cold segment gets no hits unless it
-// holds a whole token's misses over all layers (CLOCK then sees a cyclic sweep), so by default it gets
-// only what correctness needs (PI2_COLD_SHARE overrides, for measurement).
-static double pi2_cold_share(void) {
-    const char * v = getenv("PI2_COLD_SHARE");
-    const double x = v != NULL ? atof(v) : 0.0;
-    return x >= 0.0 && x <= 0.9 ? x : 0.0;
+// a spin-wait hint to the core (x86 PAUSE, ARM YIELD); nothing elsewhere
+static inline void pi2_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield");
+#endif
 }
 
 enum { PI2_ENTRY_EMPTY, PI2_ENTRY_PENDING, PI2_ENTRY_READY, PI2_ENTRY_FAILED };
@@ -95,8 +94,7 @@ static void pi2_futex_wake(atomic_uint * addr) {
     syscall(SYS_futex, (unsigned *) addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
-// the largest bundle (a cold entry's size) and the most bundles of any layer
-static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_bundles) {
+uint32_t pi2_cache_entry_size(const struct pi2_sidecar * sc, uint32_t * max_n_bundles) {
     uint32_t b = 0, n = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         b = sc->layer[il].bundle_size > b ? sc->layer[il].bundle_size : b;
@@ -106,140 +104,8 @@ static uint32_t pi2_max_bundle(const struct pi2_sidecar * sc, uint32_t * max_n_b
     return b;
 }
 
-uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
-    // with nothing hot, the cold segment must hold a whole layer (oracle and dense modes need every neuron)
-    uint32_t n_bundles = 0;
-    const uint32_t bsize = pi2_max_bundle(sc, &n_bundles);
-    return (uint64_t) n_bundles * bsize;
-}
-
-uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
-    uint32_t n_bundles = 0;
-    pi2_max_bundle(sc, &n_bundles);
-    uint64_t bundles = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        bundles += sc->layer[il].n_bundles;
-    }
-    // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
-    // (request arrays: the request's and the two prefetch sets)
-    return bundles * (sizeof(int32_t) + sizeof(struct pi2_cold_entry) + 2 * sizeof(float)) +
-           3 * (uint64_t) n_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
-}
-
-struct pi2_freq_item {
-    float    f;
-    uint32_t layer, bundle;
-};
-
-// by frequency, hottest first; ties (frequencies are counts over the profiled tokens) by layer and bundle,
-// so that planning and creating the cache split the hot segment identically
-static int pi2_freq_desc(const void * a, const void * b) {
-    const struct pi2_freq_item * x = a, * y = b;
-    if (x->f != y->f) {
-        return (x->f < y->f) - (x->f > y->f);
-    }
-    if (x->layer != y->layer) {
-        return (x->layer > y->layer) - (x->layer < y->layer);
-    }
-    return (x->bundle > y->bundle) - (x->bundle < y->bundle);
-}
-
-// every bundle of the model as a pi2_freq_item, hottest first; NULL when out of memory. A bundle is as hot
-// as its first slot (slots are in frequency order).
-static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, size_t * n_items) {
-    size_t n = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        n += sc->layer[il].n_bundles;
-    }
-    struct pi2_freq_item * items = malloc((n > 0 ? n : 1) * sizeof(*items));
-    if (items == NULL) {
-        return NULL;
-    }
-    size_t k = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const struct pi2_sidecar_layer * L = &sc->layer[il];
-        for (uint32_t j = 0; j < L->n_bundles; ++j) {
-            items[k++] = (struct pi2_freq_item) { L->freq[L->order[(size_t) j * L->bundle_neurons]], il, j };
-        }
-    }
-    qsort(items, n, sizeof(*items), pi2_freq_desc);
-    *n_items = n;
-    return items;
-}
-
-// hot_k per layer when the first n_hot items are hot (a layer's items come in bundle order, ties in
-// frequency broken by bundle, so each layer's hot bundles are its first hot_k)
-static void pi2_hot_split(const struct pi2_sidecar * sc, const struct pi2_freq_item * items, size_t n_hot,
-                          uint32_t * hot_k) {
-    memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
-    for (size_t k = 0; k < n_hot; ++k) {
-        hot_k[items[k].layer]++;
-    }
-}
-
-// cold entries the layer with the most non-hot bundles needs (oracle and dense modes read all of them)
-static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * hot_k) {
-    uint32_t need = 0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const uint32_t rest = sc->layer[il].n_bundles - hot_k[il];
-        need = rest > need ? rest : need;
-    }
-    return need;
-}
-
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, struct pi2_cache_plan * out) {
-    memset(out, 0, sizeof(*out));
-    if (bytes < pi2_cache_min_bytes(sc)) {
-        return false;
-    }
-    uint32_t max_n_bundles = 0;
-    const uint32_t entry = pi2_max_bundle(sc, &max_n_bundles);
-    // prefetch entries from at most a quarter of what the cache has beyond one whole layer, so a small
-    // cache still pins its hottest neurons
-    const uint64_t spare = (bytes / entry - max_n_bundles) / 4;
-    const uint64_t n_pf  = prefetch_bytes / entry < spare ? prefetch_bytes / entry : spare;
-    size_t n_items = 0;
-    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
-    uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
-    if (items == NULL || hot_k == NULL) {
-        free(items);
-        free(hot_k);
-        return false;
-    }
-    // the longest prefix of the hottest bundles (up to 1 - the cold share of the cache) that leaves the
-    // cold segment room for every non-hot bundle of any one layer. That room is not monotone in the
-    // prefix (a layer still without hot neurons needs a whole layer of cold entries), so every prefix is
-    // tried; no bisection.
-    const uint64_t hot_cap = (uint64_t) ((1.0 - pi2_cold_share()) * (double) bytes);
-    uint64_t used = 0, best_used = 0;
-    size_t best = 0;
-    for (size_t k = 0; k < n_items; ++k) {
-        used += sc->layer[items[k].layer].bundle_size;
-        if (used > hot_cap) { // at most bytes: the cold share is 0 to 0.9
-            break;
-        }
-        hot_k[items[k].layer]++;
-        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k) + n_pf) {
-            best      = k + 1;
-            best_used = used;
-        }
-    }
-    out->hot_bytes   = best_used;
-    out->hot_bundles = best;
-    out->hot_neurons = 0;
-    for (size_t k = 0; k < best; ++k) {
-        const struct pi2_sidecar_layer * L = &sc->layer[items[k].layer];
-        const uint64_t first = (uint64_t) items[k].bundle * L->bundle_neurons;
-        out->hot_neurons += L->n_ff - first < L->bundle_neurons ? L->n_ff - first : L->bundle_neurons;
-    }
-    out->freq_cutoff = best > 0 ? items[best - 1].f : 1.0f;
-    const uint64_t cold_entries = (bytes - best_used) / entry;
-    out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
-    out->n_prefetch = (uint32_t) n_pf;
-    out->cold_bytes = (uint64_t) out->n_cold * entry;
-    free(items);
-    free(hot_k);
-    return true;
+size_t pi2_cache_entry_overhead(void) {
+    return sizeof(struct pi2_cold_entry);
 }
 
 static void pi2_cache_done(void * ctx, const struct pi2_io_req * r, int err, const char * why) {
@@ -319,8 +185,8 @@ void pi2_cache_free(struct pi2_neuron_cache * c) {
     free(c);
 }
 
-struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan, int io_threads,
-                                           char * err, size_t errlen) {
+struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan,
+                                           const struct pi2_io_params * io, char * err, size_t errlen) {
     struct pi2_neuron_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
@@ -330,17 +196,11 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     c->plan    = *plan;
     c->n_layer = sc->n_layer;
     uint32_t max_n_bundles = 0;
-    c->entry_size = pi2_max_bundle(sc, &max_n_bundles);
+    c->entry_size = pi2_cache_entry_size(sc, &max_n_bundles);
     c->n_cold     = plan->n_cold;
-    // bridging up to 32 KiB costs ~12 us at this disk's bandwidth, well under a request's (PI2_IO_GAP: bytes)
-    const char * gap = getenv("PI2_IO_GAP");
-    const long gap_bytes = gap != NULL ? atol(gap) : 32768;
-    c->gap = c->entry_size > 0 && gap_bytes > 0 ? (uint32_t) (gap_bytes / (long) c->entry_size) : 0;
-    // requests up to 1 MiB (PI2_IO_MAX_BYTES): each one costs a trip through the (virtual) disk queue, which
-    // dominated at 128 KiB when nearly every bundle of a layer is read
-    const char * run = getenv("PI2_IO_MAX_BYTES");
-    const long run_bytes = run != NULL && atol(run) > 0 ? atol(run) : 1l << 20;
-    c->max_run = c->entry_size > 0 ? (uint32_t) (run_bytes / (long) c->entry_size) : 1;
+    // a miss within io->gap bytes of the run before it extends that run; requests up to io->max_bytes
+    c->gap     = c->entry_size > 0 ? (uint32_t) (io->gap / c->entry_size) : 0;
+    c->max_run = c->entry_size > 0 ? (uint32_t) (io->max_bytes / c->entry_size) : 1;
     c->max_run = c->max_run < 1 ? 1 : (c->max_run > PI2_IO_MAX_RUN ? PI2_IO_MAX_RUN : c->max_run);
     if (c->gap > c->max_run - 1) {
         c->gap = c->max_run - 1;
@@ -375,23 +235,10 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         c->ent[e].layer = -1;
         atomic_init(&c->ent[e].state, PI2_ENTRY_EMPTY);
     }
-    if (pi2_bundle_file_open(&c->file, sc->path, io_threads, pi2_cache_done, c, err, errlen) != 0) {
+    if (pi2_bundle_file_open(&c->file, sc->path, io->threads, io->inflight_max, pi2_cache_done, c, err, errlen) != 0) {
         pi2_cache_free(c);
         return NULL;
     }
-    // hot_k per layer: the plan's prefix of the same items in the same order
-    size_t n_items = 0;
-    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
-    uint32_t * hot_k = malloc(sc->n_layer * sizeof(*hot_k));
-    if (items == NULL || hot_k == NULL) {
-        free(items);
-        free(hot_k);
-        snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
-        pi2_cache_free(c);
-        return NULL;
-    }
-    pi2_hot_split(sc, items, (size_t) (plan->hot_bundles < n_items ? plan->hot_bundles : n_items), hot_k);
-    free(items);
     uint8_t * hot = c->hot_mem;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
@@ -405,25 +252,25 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         C->where     = malloc(L->n_bundles * sizeof(int32_t));
         if (C->where == NULL) {
             snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
-            free(hot_k);
             pi2_cache_free(c);
             return NULL;
         }
         memset(C->where, 0xff, L->n_bundles * sizeof(int32_t));
-        const uint32_t k = hot_k[il];
+        const uint32_t k = plan->hot_k[il];
         C->hot_k     = k;
         C->hot_slots = (uint64_t) k * L->bundle_neurons < L->n_ff ? k * L->bundle_neurons : L->n_ff;
         C->hot       = hot;
         // one sequential read per layer
         if (k > 0 && pi2_bundle_file_read(c->file, hot, (size_t) k * L->bundle_size, L->bundles_offset, err, errlen) != 0) {
-            free(hot_k);
             pi2_cache_free(c);
             return NULL;
         }
         hot += (size_t) k * L->bundle_size;
     }
-    const uint32_t need = pi2_cold_need(sc, hot_k);
-    free(hot_k);
+    uint32_t need = 0; // cold entries the layer with the most non-hot bundles needs
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        need = c->layer[il].n_bundles - c->layer[il].hot_k > need ? c->layer[il].n_bundles - c->layer[il].hot_k : need;
+    }
     if (need + plan->n_prefetch > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);
@@ -672,7 +519,7 @@ const uint8_t * pi2_cache_get(struct pi2_neuron_cache * c, int layer, int64_t sl
     const uint64_t t0 = pi2_now_ns();
     for (int spin = 0; s == PI2_ENTRY_PENDING; ++spin) {
         if (spin < 100) {
-            __builtin_ia32_pause();
+            pi2_cpu_relax();
         } else {
             atomic_fetch_add(&c->waiters, 1);
             const unsigned g = atomic_load(&c->completions);

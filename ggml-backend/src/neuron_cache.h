@@ -20,26 +20,33 @@
 
 struct pi2_neuron_cache;
 
+// How the memory budget splits the cache (memory_budget.c makes it).
 struct pi2_cache_plan {
-    uint64_t hot_bytes, cold_bytes;
-    uint32_t n_cold;       // cold entries
-    uint32_t n_prefetch;   // of them, kept free of any one layer's need for the next layer's first bundles
-    uint64_t hot_bundles;  // summed over layers
-    uint64_t hot_neurons;  // in them
-    float    freq_cutoff;  // neurons at least this frequently active are hot
+    uint64_t   hot_bytes, cold_bytes;
+    uint32_t   n_cold;       // cold entries
+    uint32_t   n_prefetch;   // of them, kept free of any one layer's need for the next layer's first bundles
+    uint64_t   hot_bundles;  // summed over layers
+    uint64_t   hot_neurons;  // in them
+    float      freq_cutoff;  // neurons at least this frequently active are hot
+    uint32_t * hot_k;        // [n_layer] hot bundles of each layer (its first ones); malloc'd, owned by the plan
 };
 
-// Cache bytes below which some layer could not hold every neuron one token may need.
-uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
-// Bytes the cache spends outside its segments (bundle maps, entry table, request buffers).
-uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc);
-// How `bytes` splits into hot and cold segments, with cold room for up to prefetch_bytes of prefetched
-// bundles beyond one layer's need (less if the cache cannot spare it); false if bytes < pi2_cache_min_bytes.
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, struct pi2_cache_plan * out);
+// How the cache reads (the flash PI2_IO_* settings).
+struct pi2_io_params {
+    int      threads;      // I/O threads: the queue depth
+    uint64_t inflight_max; // bytes being read at once (SIZE_MAX: no limit)
+    uint64_t max_bytes;    // largest request
+    uint64_t gap;          // bytes a request may bridge between two misses
+};
+
+// A cold entry's size (the largest bundle) and the most bundles of any layer
+uint32_t pi2_cache_entry_size(const struct pi2_sidecar * sc, uint32_t * max_n_bundles);
+// Bytes of bookkeeping per cold entry (for the budget's overhead)
+size_t pi2_cache_entry_overhead(void);
 
 // Makes the cache and reads the hot segments; NULL with err on failure.
-struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan, int io_threads,
-                                           char * err, size_t errlen);
+struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const struct pi2_cache_plan * plan,
+                                           const struct pi2_io_params * io, char * err, size_t errlen);
 void pi2_cache_free(struct pi2_neuron_cache * c);
 
 struct pi2_cache_token_stats {

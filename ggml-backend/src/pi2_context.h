@@ -9,6 +9,7 @@
 
 #include "ggml-backend-impl.h"
 #include "ggml-pi2.h"
+#include "config.h"
 #include "glu.h"
 
 struct pi2_binding;
@@ -20,21 +21,21 @@ struct pi2_device_ctx {
     struct ggml_backend_buffer_type flash_buft; // weights of models with a memory budget (not host memory)
     struct pi2_glu_tables           glu;
     struct pi2_counters             counters; // updated with atomic adds: several contexts may compute at once
+    struct pi2_config               config;   // the environment at registration; config.error refuses every load
 
-    // model loads: PI2 weight buffers allocated while `pending` is set bind to it (guarded by lock)
+    // model loads (binding_registry.c): PI2 weight buffers allocated while `pending` is set bind to it
+    // (guarded by lock)
     pthread_mutex_t      lock;
     struct pi2_binding * pending;
     int                  next_binding_id;
-    char                 config_error[512]; // a bad PI2_SIDECAR/PI2_MODE: every weight buffer allocation fails with it
     struct pi2_binding * bindings[PI2_MAX_BINDINGS]; // addressable by id; each holds a reference until released
     struct pi2_binding * env_binding;                // PI2_SIDECAR: bound by every load outside pi2_load_begin/end
-
-    int   sparse_batch_max; // decode batches of at most this many tokens run sparse
-    float down_sparse_max;  // down by columns when at most this fraction of neurons is active
-    bool  predictor_always; // run predictors even in layers where they cost more than they save
-    bool  prompt_on_cpu;    // batches above sparse_batch_max run in ggml-cpu (PI2_PROMPT=cpu, the default)
-    bool  model_rows;       // predictor-less layers in RAM read gate/up from the model (PI2_ROWS=model, default)
 };
+
+// The one device context of the process (ggml-pi2.c).
+struct pi2_device_ctx * pi2_device_ctx(void);
+// Registry setup at registration: the binding PI2_SIDECAR names, if any (binding_registry.c).
+void pi2_registry_init(struct pi2_device_ctx * d);
 
 struct pi2_backend_ctx {
     struct pi2_device_ctx * dev;

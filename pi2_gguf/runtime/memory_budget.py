@@ -51,7 +51,7 @@ def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path) -> Non
     its rows per token), so it does not count."""
     from ..sidecar import reader as sidecar_mod
 
-    gc.collect()  # unmaps what earlier GGUF readers (sidecar checks) mapped: mapped pages count as resident
+    gc.collect()  # unmaps what GGUF readers the caller dropped still map: mapped pages count as resident
     held = resident_bytes()  # before the reader below maps (and counts) file pages
     non_ffn = model.file_size - model.ffn_bytes - model.embedding_bytes
     kv = sidecar_mod.read(sidecar).kv

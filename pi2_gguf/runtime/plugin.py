@@ -254,6 +254,8 @@ def register() -> Path:
         plugin.pi2_set_model_rows.restype = None
         plugin.pi2_set_predictor_always.argtypes = [ctypes.c_int]
         plugin.pi2_set_predictor_always.restype = None
+        plugin.pi2_config_set.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        plugin.pi2_config_set.restype = ctypes.c_int
         _plugin = plugin
         return path
 
@@ -370,6 +372,15 @@ def inject_read_fault(binding: int, after: int, errno_value: int) -> None:
 
 def release_binding(binding: int) -> None:
     _require().pi2_binding_release(binding)
+
+
+def configure(name: str, value: str | int | float, binding: int = 0) -> None:
+    """Sets a per-model PI2_* setting (docs/SETTINGS.md) for a loaded model's binding, or with binding 0 the
+    default every model without its own value follows. Raises ValueError naming the variable and value."""
+    full = name if name.startswith("PI2_") else "PI2_" + name.upper()
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    if _require().pi2_config_set(int(binding), full.encode(), str(value).encode(), err, _ERR_LEN) != 0:
+        raise ValueError(err.value.decode("utf-8", "replace"))
 
 
 def set_sparse_limits(batch_max: int = -1, down_sparse_max: float = -1.0) -> None:

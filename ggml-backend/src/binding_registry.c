@@ -1,0 +1,307 @@
+// The binding registry: the pi2_load_* / pi2_binding_* API (ggml-pi2.h). A frontend opens a binding
+// before llama loads a model (the sidecar checked, its mode set), every PI2 weight buffer of that load
+// takes a reference, and the id addresses the model afterwards (mode, settings, budget, errors, cache).
+// Other frontends get one binding from PI2_SIDECAR, bound by every load.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "memory_budget.h"
+#include "model_binding.h"
+#include "pi2_context.h"
+
+void pi2_registry_init(struct pi2_device_ctx * d) {
+    struct pi2_config * c = &d->config;
+    if (c->error[0] != '\0' || c->sidecar[0] == '\0') {
+        return;
+    }
+    const char * path = c->sidecar;
+    char err[sizeof(c->error) - 16];
+    // the model is not named to the plugin: its embedding stays in the model file only when the sidecar is
+    // MODEL.pi2.gguf beside MODEL.gguf (llama's upload is compared with that file, so a wrong guess fails)
+    char model[4096] = "";
+    const size_t n = strlen(path);
+    const char * suffix = ".pi2.gguf";
+    if (n > strlen(suffix) && n < sizeof(model) && strcmp(path + n - strlen(suffix), suffix) == 0) {
+        snprintf(model, sizeof(model), "%.*s.gguf", (int) (n - strlen(suffix)), path);
+    }
+    const bool beside = model[0] != '\0' && access(model, R_OK) == 0;
+    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) c->mode, c->memory_budget > 0, beside ? model : NULL, &c->defaults,
+                                        err, sizeof(err));
+    if (d->env_binding == NULL) {
+        snprintf(c->error, sizeof(c->error), "PI2_SIDECAR: %s", err);
+        return;
+    }
+    d->env_binding->env_budget = c->memory_budget;
+    d->pending = d->env_binding;
+}
+
+static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, const char * model_path, char * err, size_t errlen) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
+        snprintf(err, errlen, "mode %d is not dense (0), oracle (1) or predicted (2)", mode);
+        return -1;
+    }
+    if (sidecar_path == NULL) {
+        if (flash) {
+            snprintf(err, errlen, "a memory budget needs a sidecar (pi2-gguf convert MODEL.gguf writes MODEL.pi2.gguf)");
+            return -1;
+        }
+        if (mode != PI2_MODE_DENSE) {
+            snprintf(err, errlen, "mode %s needs a sidecar", mode == PI2_MODE_ORACLE ? "oracle" : "predicted");
+            return -1;
+        }
+        pthread_mutex_lock(&d->lock);
+        d->pending = NULL;
+        pthread_mutex_unlock(&d->lock);
+        return 0;
+    }
+    pthread_mutex_lock(&d->lock);
+    const int id = d->next_binding_id;
+    int slot = -1;
+    for (int k = 0; k < PI2_MAX_BINDINGS && slot < 0; ++k) {
+        if (d->bindings[k] == NULL) {
+            slot = k;
+        }
+    }
+    if (slot >= 0) {
+        d->next_binding_id++;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (slot < 0) {
+        snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
+        return -1;
+    }
+    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, model_path, &d->config.defaults,
+                                                err, errlen);
+    if (b == NULL) {
+        return -1;
+    }
+    pthread_mutex_lock(&d->lock);
+    if (d->bindings[slot] != NULL) { // taken meanwhile by a concurrent load
+        pthread_mutex_unlock(&d->lock);
+        pi2_binding_unref(b);
+        snprintf(err, errlen, "concurrent model loads with sidecars; load one at a time");
+        return -1;
+    }
+    d->bindings[slot] = b; // the registry's reference
+    pi2_binding_ref(b);
+    d->pending = b;         // the pending reference, dropped by pi2_load_end
+    pthread_mutex_unlock(&d->lock);
+    return id;
+}
+
+int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, false, NULL, err, errlen);
+}
+
+int pi2_load_begin_flash(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, true, model_path, err, errlen);
+}
+
+int pi2_config_error(char * err, size_t errlen) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    snprintf(err, errlen, "%s", d->config.error);
+    pthread_mutex_unlock(&d->lock);
+    return d->config.error[0] != '\0' ? -1 : 0;
+}
+
+void pi2_load_end(void) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    struct pi2_binding * old = d->pending;
+    d->pending = d->env_binding;
+    pthread_mutex_unlock(&d->lock);
+    if (old != NULL && old != d->env_binding) {
+        pi2_binding_unref(old);
+    }
+}
+
+// the registry slot of the binding with this id, or -1 (d->lock held)
+static int pi2_binding_slot(const struct pi2_device_ctx * d, int id) {
+    for (int k = 0; k < PI2_MAX_BINDINGS; ++k) {
+        if (d->bindings[k] != NULL && d->bindings[k]->id == id) {
+            return k;
+        }
+    }
+    return -1;
+}
+
+// the registered binding with this id, referenced (caller unrefs), or NULL
+static struct pi2_binding * pi2_binding_find(int id) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    const int k = pi2_binding_slot(d, id);
+    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
+    if (found != NULL) {
+        pi2_binding_ref(found);
+    }
+    pthread_mutex_unlock(&d->lock);
+    return found;
+}
+
+int pi2_binding_set_mode(int id, int mode) {
+    if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
+        return -1;
+    }
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    atomic_store(&b->mode, mode);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_set_check_recall(int id, int on) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    atomic_store(&b->check_recall, on != 0);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_error(int id, char * err, size_t errlen) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    snprintf(err, errlen, "%s", b->error);
+    pi2_binding_unref(b);
+    return 0;
+}
+
+int pi2_binding_set_budget(int id, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        snprintf(err, errlen, "no model binding %d", id);
+        return -1;
+    }
+    char msg[1024];
+    const int r = pi2_binding_size_cache(b, budget, reserved, msg, sizeof(msg));
+    if (r != 0) {
+        snprintf(err, errlen, "%s", msg);
+    }
+    pi2_binding_unref(b);
+    return r;
+}
+
+int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    int r = -1;
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&b->cache_lock);
+    if (b->cache != NULL) {
+        const struct pi2_cache_plan * plan = pi2_cache_get_plan(b->cache);
+        out->fixed_bytes = b->fixed_bytes;
+        out->hot_bytes   = plan->hot_bytes;
+        out->cold_bytes  = plan->cold_bytes;
+        out->hot_neurons = plan->hot_neurons;
+        out->n_cold      = plan->n_cold;
+        out->n_prefetch  = plan->n_prefetch;
+        out->freq_cutoff = plan->freq_cutoff;
+        out->direct_io   = pi2_cache_direct_io(b->cache);
+        out->ffn_ns      = b->ffn_ns;
+        out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
+        r = 0;
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    pi2_binding_unref(b);
+    return r;
+}
+
+int pi2_binding_inject_read_fault(int id, int64_t after, int err) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    pthread_mutex_lock(&b->cache_lock);
+    const int r = b->cache != NULL ? 0 : -1;
+    if (b->cache != NULL) {
+        pi2_cache_inject_fault(b->cache, after, err);
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    pi2_binding_unref(b);
+    return r;
+}
+
+int pi2_binding_release(int id) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    pthread_mutex_lock(&d->lock);
+    const int k = pi2_binding_slot(d, id);
+    struct pi2_binding * found = k >= 0 ? d->bindings[k] : NULL;
+    if (k >= 0) {
+        d->bindings[k] = NULL;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (found == NULL) {
+        return -1;
+    }
+    pi2_binding_unref(found); // the weight buffers keep theirs until llama frees the model
+    return 0;
+}
+
+// the settings a config_set with this id changes: a binding's own, or the defaults (id 0); NULL, referenced
+// binding in *held (caller unrefs), for an unknown id
+static struct pi2_settings * pi2_settings_of(int id, struct pi2_binding ** held) {
+    *held = NULL;
+    if (id == 0) {
+        return &pi2_device_ctx()->config.defaults;
+    }
+    *held = pi2_binding_find(id);
+    return *held != NULL ? &(*held)->settings : NULL;
+}
+
+int pi2_config_set(int id, const char * name, const char * value, char * err, size_t errlen) {
+    enum pi2_setting k;
+    double v = 0.0;
+    if (pi2_setting_parse(name, value, &k, &v, err, errlen) != 0) {
+        return -1;
+    }
+    struct pi2_binding * held = NULL;
+    struct pi2_settings * s = pi2_settings_of(id, &held);
+    if (s == NULL) {
+        snprintf(err, errlen, "%s=%s: no loaded model has PI2 binding %d", name, value, id);
+        return -1;
+    }
+    atomic_store(&s->v[k], v);
+    pi2_binding_unref(held);
+    return 0;
+}
+
+// the deprecated process-wide setters: they set the defaults (a value out of range is ignored, as before)
+static void pi2_set_default(const char * name, const char * value) {
+    char err[256];
+    (void) pi2_config_set(0, name, value, err, sizeof(err));
+}
+
+static void pi2_set_default_number(const char * name, double v) {
+    char value[64];
+    snprintf(value, sizeof(value), "%.9g", v);
+    pi2_set_default(name, value);
+}
+
+void pi2_set_prompt_on_cpu(int on) {
+    pi2_set_default("PI2_PROMPT", on ? "cpu" : "pi2");
+}
+
+void pi2_set_model_rows(int model) {
+    pi2_set_default("PI2_ROWS", model ? "model" : "bundles");
+}
+
+void pi2_set_predictor_always(int always) {
+    pi2_set_default("PI2_PREDICTOR", always ? "always" : "auto");
+}
+
+void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {
+    pi2_set_default_number("PI2_SPARSE_BATCH", batch_max);
+    pi2_set_default_number("PI2_DOWN_SPARSE_MAX", down_sparse_max);
+}

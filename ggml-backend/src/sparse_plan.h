@@ -1,0 +1,136 @@
+// One FFN layer's sparse decode of one batch, as the mechanisms share it: sparse_ffn.c builds it, the
+// predictor (predictor.c) scores slots, the cluster scheduler (cluster_sched.c) runs the per-token phases
+// across threads, the sparse kernels (sparse_kernels.c) compute a cluster's rows and the down columns
+// through the bundle accessor, and on flash the pipeline (pipeline.c) fills that accessor from the neuron
+// cache. Neurons are addressed by bundle slot (hottest first); PI2_CLUSTER slots make a cluster.
+#pragma once
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "model_binding.h"
+#include "neuron_cache.h"
+
+#define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
+
+// Which neurons fire, from the gate (and up) values.
+enum pi2_rule {
+    PI2_RULE_ALL,       // dense mode on flash: every neuron, no threshold
+    PI2_RULE_RELU,      // gate > 0
+    PI2_RULE_THRESHOLD, // |act(gate)| > the layer threshold (CATS)
+    PI2_RULE_PRODUCT,   // past the threshold, and |act(gate) * up| > the product threshold
+};
+
+// Which slots get their gate row computed.
+enum pi2_select {
+    PI2_SELECT_ALL,       // every slot (oracle and dense modes, layers whose predictor does not pay)
+    PI2_SELECT_PREDICTED, // the slots the predictor selects
+    PI2_SELECT_CHECKED,   // those, plus every other gate to count what the predictor missed (recall check)
+};
+
+// Where gate/up rows come from.
+enum pi2_source {
+    PI2_SOURCE_MAPPED,     // the sidecar's bundles, mapped in RAM
+    PI2_SOURCE_MODEL_ROWS, // the model's own contiguous matrices, in row order (RAM, every gate computed)
+    PI2_SOURCE_CACHE,      // bundles through the neuron cache (flash)
+};
+
+// How clusters go to threads.
+enum pi2_assign {
+    PI2_ASSIGN_INTERLEAVED, // every nth cluster in slot order: hot (pinned) ones first on each thread
+    PI2_ASSIGN_BALANCED,    // contiguous runs of equal predicted work (RAM, ReLU models with a predictor)
+};
+
+// an active neuron in the down list: its bundle and act(gate) * up
+struct pi2_active {
+    const uint8_t * bundle;
+    float           a;
+};
+
+struct pi2_thread_stats {
+    int64_t  predicted; // candidates whose gate row was computed
+    int64_t  admitted;  // of those, past the threshold: their up rows were computed
+    int64_t  active;    // of those, active (rule product: past the product threshold too)
+    int64_t  missed;    // past the threshold but not predicted (recall check only)
+    uint64_t wait_ns;   // flash: time spent waiting for bundles
+    char     pad[24];   // one cache line per thread
+};
+
+struct pi2_sparse_plan;
+
+// The bundle bytes of slot s: get waits until they are in memory (NULL if their read failed), peek
+// returns NULL instead of waiting (for prefetching).
+typedef const uint8_t * (*pi2_bundle_get_fn)(struct pi2_sparse_plan * p, int64_t s, uint64_t * wait_ns);
+typedef const uint8_t * (*pi2_bundle_peek_fn)(const struct pi2_sparse_plan * p, int64_t s);
+// flash: run by every thread before a token's clusters, to request their bundles
+typedef void (*pi2_request_fn)(struct pi2_sparse_plan * p, int ith, int nth, int64_t t);
+
+struct pi2_sparse_plan {
+    // the graph: FFN input, f32 [n_embd, n_tokens]; outputs [n_ff, n_tokens] and down's [n_embd, n_tokens]
+    const struct ggml_tensor * x;
+    struct ggml_tensor *       gate, * up, * glu, * down;
+    const struct ggml_tensor * w_down;
+    enum ggml_glu_op           op;
+    int64_t                    n_embd, n_ff, rank, n_tokens, n_clusters;
+
+    // the sidecar's layer and its prepared predictor
+    const struct pi2_sidecar_layer * L;
+    const struct pi2_binding_layer * B;
+    int                              layer;
+
+    // the choices (sparse_ffn.c makes them once per layer)
+    enum pi2_rule   rule;
+    enum pi2_select select;
+    enum pi2_source source;
+    enum pi2_assign assign;
+    bool            recall_check;    // counted as checked tokens (the check was asked for in predicted mode)
+    float           down_sparse_max; // down by columns when at most this fraction is active
+
+    // the bundle accessor and (flash) the request hook; cache state for the pipeline
+    pi2_bundle_get_fn            bundle_get;
+    pi2_bundle_peek_fn           bundle_peek;
+    pi2_request_fn               request;
+    struct pi2_neuron_cache *    cache;
+    int                          prefetch_layer; // flash: the next layer, if it reads every bundle; else -1
+    uint8_t *                    want;           // [n_ff] flash: 1 = predicted, 2 = recall check only
+    struct pi2_cache_token_stats io;
+    atomic_int                   failed;
+    char                         error[512];
+
+    // kernels: ggml-cpu's dot products and activation converters per type
+    ggml_vec_dot_t    gate_dot, up_dot, pred_dot, down_dot;
+    ggml_from_float_t to_gate_vdt, to_up_vdt, to_down_vdt, to_pred_vdt;
+
+    // workspace (one arena, sparse_ffn.c)
+    char *                    xq, * xq_up; // [n_tokens] rows in gate's / up's vec_dot type (the same when they agree)
+    size_t                    xq_stride, xq_up_stride;
+    char *                    xp;          // x in the predictor's vec_dot type
+    float *                   h;           // [rank] predictor hidden layer
+    float *                   z;           // [n_ff] predictor scores, slot order
+    float *                   y;           // [nth][n_embd] partial down sums
+    float *                   tmp;         // [nth][tmp_stride] dequantization scratch
+    int64_t                   tmp_stride;
+    // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons are
+    // list[c * PI2_CLUSTER ..] (n_act[c] of them). The down pass splits it evenly between threads, so its
+    // sums depend only on the list and the thread count, not on who computed what.
+    struct pi2_active *       list;        // [n_ff]
+    int32_t *                 n_act;       // [n_clusters]
+    int32_t *                 weight;      // [n_clusters] balanced assignment: 1 + neurons predicted in cluster c
+    int32_t *                 cand;        // [nth][n_ff] each thread's candidate slots
+    struct pi2_thread_stats * stats;       // [nth]
+    char *                    gluq;        // glu row in down's vec_dot type (dense down)
+    int                       nth;
+    int64_t                   n_down_sparse; // tokens whose down ran by columns
+};
+
+// the bundle of slot s through the accessor; marks the plan failed if its read failed
+static inline const uint8_t * pi2_plan_bundle(struct pi2_sparse_plan * p, int64_t s, struct pi2_thread_stats * st) {
+    const uint8_t * b = p->bundle_get(p, s, &st->wait_ns);
+    if (b == NULL) {
+        atomic_store(&p->failed, 1);
+    }
+    return b;
+}

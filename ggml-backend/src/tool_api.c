@@ -1,0 +1,68 @@
+// Entry points for tools and tests (ggml-pi2.h): the device's counters, build information, struct sizes
+// for FFI checks, and the down-column kernels on their own.
+#include <stdlib.h>
+#include <string.h>
+
+#include "column_axpy.h"
+#include "ggml-pi2.h"
+#include "pi2_context.h"
+
+#ifndef PI2_VERSION
+#define PI2_VERSION "dev"
+#endif
+#ifndef PI2_LLAMA_CPP_PYTHON_VERSION
+#define PI2_LLAMA_CPP_PYTHON_VERSION "unknown"
+#endif
+#define PI2_STR_(x) #x
+#define PI2_STR(x)  PI2_STR_(x)
+
+void pi2_counters_read(struct pi2_counters * out) {
+    // counters are atomically incremented; a snapshot may straddle one node, which readers tolerate
+    memcpy(out, &pi2_device_ctx()->counters, sizeof(*out));
+}
+
+void pi2_counters_reset(void) {
+    memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
+}
+
+int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a, const void * const * cols) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || !pi2_column_type_usable((enum ggml_type) type) || n <= 0 ||
+        n % ggml_blck_size((enum ggml_type) type) != 0) {
+        return -1;
+    }
+    float * tmp = malloc((size_t) pi2_column_scratch(n) * sizeof(float));
+    if (tmp == NULL) {
+        return -1;
+    }
+    struct pi2_column_sum sum = { .type = (enum ggml_type) type, .n = n, .y = y, .tmp = tmp };
+    for (int64_t c = 0; c < n_cols; ++c) {
+        pi2_column_sum_add(&sum, a[c], cols[c]);
+    }
+    pi2_column_sum_finish(&sum);
+    free(tmp);
+    return 0;
+}
+
+size_t pi2_counters_size(void) {
+    return sizeof(struct pi2_counters);
+}
+
+const char * pi2_build_info(void) {
+    return "pi2 " PI2_VERSION "; ggml api " PI2_STR(GGML_BACKEND_API_VERSION) "; llama-cpp-python " PI2_LLAMA_CPP_PYTHON_VERSION;
+}
+
+size_t pi2_struct_size(const char * name) {
+    if (name == NULL) {
+        return 0;
+    }
+    if (strcmp(name, "pi2_counters") == 0) {
+        return sizeof(struct pi2_counters);
+    }
+    if (strcmp(name, "pi2_cache_info") == 0) {
+        return sizeof(struct pi2_cache_info);
+    }
+    if (strcmp(name, "pi2_model_summary") == 0) {
+        return sizeof(struct pi2_model_summary);
+    }
+    return 0;
+}
