@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
+from .errors import ConfigError, ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
-from .runtime.plugin import Counters, is_registered, read_counters, register, reset_counters
+from .runtime.counters import Counters, read_counters, reset_counters
+from .runtime.plugin import configure, is_registered, register
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLAMA_CPP_PYTHON_VERSION",
+    "ConfigError",
     "Counters",
     "Llama",
     "ModelFetchError",
@@ -19,6 +21,7 @@ __all__ = [
     "Pi2Error",
     "PluginError",
     "VersionMismatchError",
+    "configure",
     "is_registered",
     "read_counters",
     "register",

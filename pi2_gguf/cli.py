@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         llm = Llama(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                     seed=args.seed, verbose=args.verbose, sidecar=args.sidecar, mode=args.mode,
                     memory_budget=args.memory_budget)  # validates the file itself
-        from .runtime.plugin import reset_counters
+        from .runtime.counters import reset_counters
 
         reset_counters()
     g = greedy(llm, args.prompt, args.n_predict)
@@ -102,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _print_pi2_run(llm: object) -> None:
     """The neuron cache (with a memory budget) and what the PI2 device executed."""
-    from .runtime.plugin import read_counters
+    from .runtime.counters import read_counters
 
     info = llm.cache_info()  # type: ignore[attr-defined]
     if info is not None:
@@ -192,8 +192,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from .bench.perplexity import perplexity
+    from .runtime.counters import read_counters
     from .runtime.llama import prepare_sidecar
-    from .runtime.plugin import read_counters
 
     if args.text is not None:
         text = "\n\n".join(corpus_mod.text_file(args.text).documents)
@@ -227,8 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
     if args.rounds < 1:
         raise Pi2Error(f"pi2-gguf bench: --rounds must be at least 1, got {args.rounds}")
-    limit = parse_size(args.memory_limit)
-    read_bps = parse_size(args.read_bps) if args.read_bps else None
+    limit = parse_size(args.memory_limit, "--memory-limit")
+    read_bps = parse_size(args.read_bps, "--read-bps") if args.read_bps else None
     why = cgroup.available()
     if why:
         raise Pi2Error(f"pi2-gguf bench: {why}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
-from .runtime.plugin import ModelSummary, model_summary_c
+from .runtime.native import ModelSummary, model_summary_c
 
 GGUF_MAGIC = b"GGUF"
 

@@ -22,7 +22,7 @@ from pi2_gguf.converter.model_ffn import ModelFfn, activation_values
 from pi2_gguf.converter.predictor import Predictor, score_fn
 from pi2_gguf.converter.profile import Profile
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime import native
 from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.sidecar import reader as sidecar
 
@@ -212,8 +212,8 @@ def test_ranking_and_hot_counts(smol_sidecar: Path) -> None:
 
 
 def test_sidecar_loads_with_ggml_gguf_reader(smol_sidecar: Path, smollm2: Path) -> None:
-    plugin.validate_sidecar_c(smol_sidecar)
-    n_layer, fp = plugin.sidecar_summary_c(smol_sidecar)
+    native.validate_sidecar_c(smol_sidecar)
+    n_layer, fp = native.sidecar_summary_c(smol_sidecar)
     assert n_layer == 30
     assert fp == ModelFfn(smollm2).fingerprint() == sidecar.read(smol_sidecar).kv["pi2.source.fingerprint"]
 
@@ -221,7 +221,7 @@ def test_sidecar_loads_with_ggml_gguf_reader(smol_sidecar: Path, smollm2: Path) 
 def test_sidecar_for_another_model_is_refused(smol_sidecar: Path, gemma3: Path) -> None:
     gate = ModelFfn(gemma3).layers[0]["gate"]
     with pytest.raises(SidecarError, match="another model"):
-        plugin.check_sidecar_weight_c(smol_sidecar, 0, 0, int(gate.qtype), gate.ne0, gate.ne1, gate.data)
+        native.check_sidecar_weight_c(smol_sidecar, 0, 0, int(gate.qtype), gate.ne0, gate.ne1, gate.data)
 
 
 def test_truncated_sidecar_is_refused(smol_sidecar: Path, tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_truncated_sidecar_is_refused(smol_sidecar: Path, tmp_path: Path) -> Non
         with pytest.raises(SidecarError, match="truncated|corrupt"):
             sidecar.read(bad)
         with pytest.raises(SidecarError):
-            plugin.validate_sidecar_c(bad)
+            native.validate_sidecar_c(bad)
 
 
 def test_wrong_format_version_is_refused(smol_sidecar: Path, tmp_path: Path) -> None:
@@ -250,7 +250,7 @@ def test_wrong_format_version_is_refused(smol_sidecar: Path, tmp_path: Path) -> 
     with pytest.raises(SidecarError, match=f"format version {other}"):
         sidecar.read(bad)
     with pytest.raises(SidecarError, match="version"):
-        plugin.validate_sidecar_c(bad)
+        native.validate_sidecar_c(bad)
 
 
 def test_down_columns_of_k_quant_model_fall_back_to_a_type_that_fits(gemma3: Path) -> None:

@@ -15,7 +15,7 @@ from gguf import GGUFWriter
 from pi2_gguf.converter.model_ffn import ModelFfn
 from pi2_gguf.errors import ModelFileError
 from pi2_gguf.gguf_file import read_model_file
-from pi2_gguf.runtime.plugin import model_summary_c
+from pi2_gguf.runtime.native import model_summary_c
 
 
 def _same_as_gguf_py(path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.runtime.plugin import (
+from pi2_gguf.runtime.native import (
     check_sidecar_weight_c,
     fingerprint_model_c,
     fingerprint_tensor_c,
@@ -41,7 +41,7 @@ def _refused(path: Path) -> str:
 _CHILD = """
 import json, sys
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.runtime.plugin import validate_sidecar_c
+from pi2_gguf.runtime.native import validate_sidecar_c
 out = []
 for p in sys.argv[1:]:
     try:

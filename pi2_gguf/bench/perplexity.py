@@ -10,6 +10,7 @@ estimate is printed per chunk as [i]ppl, then "Final estimate: PPL = x +/- err".
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,22 +42,24 @@ SPARSE_UBATCH = 4  # the plugin's default sparse batch limit (PI2_SPARSE_BATCH)
 
 def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: int | None = None,
                plugin: bool = True, threads: int | None = None, progress: bool = True,
-               sidecar: str | Path | None = None, mode: str = "dense") -> Perplexity:
+               sidecar: str | Path | None = None, mode: str = "dense",
+               settings: Mapping[str, str | int | float | bool] | None = None) -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
-    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees."""
+    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees.
+    settings: PI2_* settings for the model (pi2_gguf.Llama's settings=)."""
     from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
         raise Pi2Error(f"--ctx must be at least 16, got {n_ctx}")
-    if (mode != "dense" or sidecar is not None) and not plugin:
-        raise Pi2Error("a sidecar and the sparse modes need the plugin")
+    if (mode != "dense" or sidecar is not None or settings) and not plugin:
+        raise Pi2Error("a sidecar, settings and the sparse modes need the plugin")
     if plugin:
         from ..runtime.plugin import register
 
         register()
     ubatch = SPARSE_UBATCH if mode != "dense" else None
     with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True, sidecar=sidecar, mode=mode,
-                     n_ubatch=ubatch) as r:
+                     n_ubatch=ubatch, settings=settings) as r:
         tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
         n_chunk = len(tokens) // n_ctx
         if max_chunks is not None:

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", help="PI2 decode mode (with --pi2)")
     ap.add_argument("--memory-budget", help="whole-process memory budget (with --pi2 and a sidecar)")
     args = ap.parse_args(argv)
-    from .plugin import read_counters, register, reset_counters
+    from .counters import read_counters, reset_counters
+    from .plugin import register
 
     if args.pi2:
         register()
