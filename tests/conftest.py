@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pi2_gguf import corpus, models, synthetic
-from pi2_gguf.convert import convert
-from pi2_gguf.profile import Profile, run_profile
+from pi2_gguf.assets import corpus, models
+from pi2_gguf.converter import synthetic
+from pi2_gguf.converter.convert import convert
+from pi2_gguf.converter.profile import Profile, run_profile
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE, SMOL_HELDOUT_TOKENS, SMOL_TARGET, SMOL_TRAIN_TOKENS  # noqa: E402

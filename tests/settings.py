@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pi2_gguf import synthetic
+from pi2_gguf.converter import synthetic
 
 SMOL_TARGET = 0.5
 SMOL_TRAIN_TOKENS = 2048

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from pi2_gguf import sidecar_format as sf
+from pi2_gguf.sidecar import format as sf
 
 F16 = int(GGMLQuantizationType.F16)
 

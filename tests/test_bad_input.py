@@ -12,7 +12,8 @@ import pytest
 
 import pi2_gguf
 from pi2_gguf.errors import ModelFileError, PluginError, VersionMismatchError
-from pi2_gguf.plugin import check_llama_cpp_version, plugin_path
+from pi2_gguf.runtime.capi import plugin_path
+from pi2_gguf.runtime.plugin import check_llama_cpp_version
 
 
 def test_missing_model_file(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pi2_gguf import bundles, plugin
+from pi2_gguf.converter import bundles
+from pi2_gguf.runtime import native
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.Q4_0])
@@ -22,7 +23,7 @@ def test_column_sums_match_numpy(qtype: QT, n_cols: int) -> None:
     y0 = rng.standard_normal(n).astype(np.float32)
     want = y0.astype(np.float64) + a.astype(np.float64) @ deq
     y = y0.copy()
-    plugin.columns_add(int(qtype), y, a, q)
+    native.columns_add(int(qtype), y, a, q)
     scale = np.abs(a).sum() * np.abs(deq).max() + np.abs(y0).max()
     assert np.abs(y - want).max() <= 1e-5 * scale, np.abs(y - want).max() / scale
 
@@ -30,4 +31,4 @@ def test_column_sums_match_numpy(qtype: QT, n_cols: int) -> None:
 def test_column_sum_refuses_a_length_off_the_block_size() -> None:
     q = bundles.quantize_rows(QT.Q4_K, np.ones((1, 256), dtype=np.float32))
     with pytest.raises(ValueError, match="no column kernel"):
-        plugin.columns_add(int(QT.Q4_K), np.zeros(255, dtype=np.float32), np.ones(1), q)
+        native.columns_add(int(QT.Q4_K), np.zeros(255, dtype=np.float32), np.ones(1), q)

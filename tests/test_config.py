@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pi2_gguf import plugin
+import pi2_gguf
+from pi2_gguf.errors import ConfigError, MemoryBudgetError
+from pi2_gguf.runtime import capi, memory_budget, native, plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON_ONLY = {"PI2_PLUGIN", "PI2_CACHE_DIR"}
@@ -38,19 +40,11 @@ MALFORMED = {
 
 
 def _lib() -> ctypes.CDLL:
-    import llama_cpp  # noqa: F401  loads the libggml-base.so.0 the plugin links to
-
-    lib = ctypes.CDLL(str(plugin.plugin_path()))
-    lib.pi2_config_names.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    lib.pi2_config_set.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
-    lib.pi2_parse_size.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]
-    return lib
+    return capi.lib()
 
 
 def _c_names() -> list[str]:
-    buf = ctypes.create_string_buffer(4096)
-    assert _lib().pi2_config_names(buf, len(buf)) == 0
-    return buf.value.decode().split(",")
+    return native.config_names()
 
 
 def _doc_names() -> list[str]:
@@ -71,9 +65,15 @@ def test_sizes_parse_alike_everywhere() -> None:
     for text, value in (("600MB", 600_000_000), ("1GiB", 1 << 30), ("1.5GB", 1_500_000_000), ("512KiB", 524288),
                         ("1500000000", 1_500_000_000), ("2 gib", 2 << 30), ("0", 0)):
         assert lib.pi2_parse_size(text.encode(), ctypes.byref(out)) == 0, text
-        assert out.value == value, text
+        assert out.value == value == native.parse_size(text), text
+        if value:  # Python's budgets go through the same parser
+            assert memory_budget.parse_size(text) == value
     for text in ("", "MB", "600MBs", "-1", "1e30", "nan", "inf", "6 00MB"):
         assert lib.pi2_parse_size(text.encode(), ctypes.byref(out)) == -1, text
+        with pytest.raises(ValueError, match="is not a size"):
+            native.parse_size(text)
+        with pytest.raises(MemoryBudgetError, match="not a"):
+            memory_budget.parse_size(text)
 
 
 def _register_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -113,3 +113,36 @@ def test_api_values_are_checked_like_the_environment() -> None:
     assert lib.pi2_config_set(0, b"PI2_CACHE_MAX", b"0", err, len(err)) == 0
     assert lib.pi2_config_set(12345, b"PI2_SPARSE_BATCH", b"4", err, len(err)) == -1
     assert "no loaded model has PI2 binding 12345" in err.value.decode()
+
+
+def test_configure_takes_either_name_and_python_values() -> None:
+    pi2_gguf.register()
+    assert plugin.setting_name("down_sparse_max") == plugin.setting_name("PI2_DOWN_SPARSE_MAX") == "PI2_DOWN_SPARSE_MAX"
+    assert [plugin.setting_value(v) for v in (True, False, 0.25, 64, "6MiB")] == ["1", "0", "0.25", "64", "6MiB"]
+    pi2_gguf.configure("down_sparse_max", 0.25)
+    pi2_gguf.configure("PI2_CACHE_MAX", 6 << 20)
+    with pytest.raises(ConfigError, match=r"^PI2_DOWN_SPARSE_MAX=2 is not") as e:
+        pi2_gguf.configure("down_sparse_max", 2)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ConfigError, match="PI2_NO_SUCH"):
+        pi2_gguf.configure("no_such", 1)
+    with pytest.raises(ConfigError, match="no loaded model has PI2 binding 12345"):
+        pi2_gguf.configure("sparse_batch", 4, binding=12345)
+    pi2_gguf.configure("down_sparse_max", 0.2)  # the defaults again (docs/SETTINGS.md)
+    pi2_gguf.configure("cache_max", 0)
+
+
+def test_llama_settings_are_checked_before_the_weights_load(relu_model: tuple[Path, Path, list]) -> None:
+    """A refused setting fails the construction with the plugin's message and leaves no binding behind; a
+    model's own settings are its binding's, not the defaults'."""
+    model, sidecar, _ = relu_model
+    with pytest.raises(ConfigError, match=r"PI2_SPARSE_BATCH=65 is not"):
+        pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=128, verbose=False, settings={"sparse_batch": 65})
+    llm = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=128, verbose=False, settings={"down_sparse_max": 1.0})
+    llm.configure(prompt="pi2", predictor="always")
+    with pytest.raises(ConfigError, match="PI2_PROMPT=gpu"):
+        llm.configure(prompt="gpu")
+    binding = llm.pi2_binding
+    llm.close()
+    with pytest.raises(ConfigError, match=f"no loaded model has PI2 binding {binding}"):
+        pi2_gguf.configure("prompt", "cpu", binding=binding)

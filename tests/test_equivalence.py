@@ -18,8 +18,8 @@ import llama_cpp
 import numpy as np
 
 import pi2_gguf
-from pi2_gguf import plugin
-from pi2_gguf.generate import greedy, greedy_in_subprocess
+from pi2_gguf.runtime.generate import greedy
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 PROMPTS = [
     "The capital of France is",
@@ -54,9 +54,9 @@ def _check_model(path: Path) -> None:
 
     stock = greedy_in_subprocess(path, PROMPTS, N_TOKENS, pi2=False)
     stock_norepack = greedy_in_subprocess(path, PROMPTS, 1, pi2=False, repack=False)
-    pi2_gguf.register()
-    plugin.set_prompt_on_cpu(False)  # PI2's own dense kernel for the prompt batch too
-    llm = pi2_gguf.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
+    # PI2's own dense kernel for the prompt batch too (a model without a sidecar: this sets the default)
+    llm = pi2_gguf.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False,
+                         settings={"prompt": "pi2"})
     n_layer = llama_cpp.llama_model_n_layer(llm.model)
     for prompt, ref, alt in zip(PROMPTS, stock, stock_norepack):
         pi2_gguf.reset_counters()
@@ -86,7 +86,7 @@ def _check_model(path: Path) -> None:
         assert (c.glu_calls == evals).all()
         assert (c.glu_tokens[:-1] == tokens).all() and c.glu_tokens[-1] == evals
     # the default: prompt batches run in ggml-cpu on the weights in PI2's buffer, decode steps in PI2
-    plugin.set_prompt_on_cpu(True)
+    llm.configure(prompt="cpu")
     pi2_gguf.reset_counters()
     got = greedy(llm, PROMPTS[0], 8, stop_at_eog=False, keep_logits=True)
     c = pi2_gguf.read_counters()

@@ -1,5 +1,5 @@
 """docs/FORMAT.md is the one specification of the sidecar: the Python declarations
-(pi2_gguf/sidecar_format.py) and the C ones (ggml-backend/src/sidecar_format.h) must name exactly its
+(pi2_gguf/sidecar/format.py) and the C ones (ggml-backend/src/sidecar_format.h) must name exactly its
 keys and tensors, with its types and shapes, and the same version, alignment and fingerprint constants."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pi2_gguf import sidecar_format as sf
+from pi2_gguf.sidecar import format as sf
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT_MD = ROOT / "docs" / "FORMAT.md"
@@ -79,7 +79,7 @@ def header() -> dict[str, tuple[str, str]]:
 
 
 def _kt_of(doc_type: str) -> str:
-    # sidecar_format.KT writes per-layer arrays as "u32[]": drop the length expression
+    # sidecar.format.KT writes per-layer arrays as "u32[]": drop the length expression
     return re.sub(r"\[.*\]$", "[]", doc_type)
 
 
@@ -165,7 +165,7 @@ def test_activation_and_method_values(spec_text: str, header: dict[str, tuple[st
 
 
 def test_method_only_keys_match_doc(spec_text: str, doc_keys: dict[str, str]) -> None:
-    """Keys FORMAT.md marks "only in `M` sidecars" are sidecar_format.METHOD_KEYS (the C reader's `only`
+    """Keys FORMAT.md marks "only in `M` sidecars" are sidecar.format.METHOD_KEYS (the C reader's `only`
     field is tested by test_sidecar_reader.test_missing_key)."""
     only = dict(re.findall(r"^\| `([\w.]+)` \| [^|]+ \| only in `(\w+)` sidecars", spec_text, re.M))
     assert only == sf.METHOD_KEYS == {"pi2.sparsity.product_thresholds": "product"}

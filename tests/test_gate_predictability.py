@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pi2_gguf.profile import Profile
+from pi2_gguf.converter.profile import Profile
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "gate_predictability.py"
 

@@ -19,13 +19,16 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import pi2_gguf
-from pi2_gguf import cgroup, plugin
-from pi2_gguf import sidecar_format as fmt
-from pi2_gguf.convert import convert
+from pi2_gguf.bench import cgroup
+from pi2_gguf.converter.convert import convert
 from pi2_gguf.errors import MemoryBudgetError, SidecarError
-from pi2_gguf.generate import greedy_command, last_logits, parse_results
-from pi2_gguf.memory_budget import parse_size
-from pi2_gguf.sidecar import read as read_sidecar
+from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime.counters import CacheInfo
+from pi2_gguf.runtime.generate import last_logits
+from pi2_gguf.runtime.isolated import greedy_command, parse_results
+from pi2_gguf.runtime.memory_budget import parse_size
+from pi2_gguf.sidecar import format as fmt
+from pi2_gguf.sidecar.reader import read as read_sidecar
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
@@ -53,14 +56,9 @@ def _steps(llm: pi2_gguf.Llama, n: int = N_STEPS) -> np.ndarray:
     return np.stack(rows)
 
 
-@pytest.fixture(scope="module")
-def same_engine_settings():
-    """In RAM, prompts and many-active tokens take other kernels (ggml-cpu, the model's down rows); on
-    flash every token runs the sparse engine. Comparing the engine with itself needs those off in RAM."""
-    plugin.register()
-    plugin.set_sparse_limits(64, 1.0)
-    yield
-    plugin.set_sparse_limits(4, 0.2)
+# In RAM, prompts and many-active tokens take other kernels (ggml-cpu, the model's down rows); on flash every
+# token runs the sparse engine. Comparing the engine with itself needs those off for the model in RAM.
+SAME_ENGINE = {"sparse_batch": 64, "down_sparse_max": 1.0}
 
 
 def _minimum(model: Path, sidecar: Path) -> int:
@@ -72,36 +70,26 @@ def _minimum(model: Path, sidecar: Path) -> int:
     return int(m.group(1)) * 1_000_000
 
 
-DEFAULTS = {"PI2_CACHE_MAX": "0", "PI2_PREFETCH_BYTES": "8MiB", "PI2_IO_INFLIGHT_BYTES": "2MiB"}  # docs/SETTINGS.md
-
-
 def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted",
-                      env: dict[str, str] | None = None) -> pi2_gguf.Llama:
+                      settings: dict[str, str] | None = None) -> pi2_gguf.Llama:
     """A budget of 1 GB, its neuron cache capped at 6 MB (PI2_CACHE_MAX): the test model's 16 MB of bundles
-    then mostly stay on flash, whatever this test process holds. env: more plugin settings for the load."""
-    settings = {"PI2_CACHE_MAX": str(6 << 20), **(env or {})}
-    plugin.register()
-    for name, value in settings.items():  # the defaults while this model loads (its cache is made then)
-        plugin.configure(name, value)
-    try:
-        return pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, memory_budget="1GB", n_ctx=256, n_threads=2,
-                              verbose=False)
-    finally:
-        for name in settings:
-            plugin.configure(name, DEFAULTS[name])
+    then mostly stay on flash, whatever this test process holds. settings: more of this model's settings."""
+    return pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, memory_budget="1GB", n_ctx=256, n_threads=2,
+                          verbose=False, settings={"cache_max": 6 << 20, **(settings or {})})
 
 
 def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: str = "predicted",
-                    n: int = N_STEPS) -> tuple[np.ndarray, np.ndarray, plugin.Counters, plugin.CacheInfo]:
+                    n: int = N_STEPS) -> tuple[np.ndarray, np.ndarray, pi2_gguf.Counters, CacheInfo]:
     """Logits of n greedy steps all in RAM, then on flash behind the small cache (_load_small_cache); with
     the flash run's counters and its cache."""
-    ram = pi2_gguf.Llama(str(model), sidecar=ram_sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False)
+    ram = pi2_gguf.Llama(str(model), sidecar=ram_sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False,
+                         settings=SAME_ENGINE)
     want = _steps(ram, n)
     ram.close()
     flash = _load_small_cache(model, flash_sidecar, mode)
-    plugin.reset_counters()
+    pi2_gguf.reset_counters()
     got = _steps(flash, n)
-    c = plugin.read_counters()
+    c = pi2_gguf.read_counters()
     info = flash.cache_info()
     flash.close()
     assert info is not None
@@ -109,8 +97,7 @@ def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: s
 
 
 @pytest.mark.parametrize("mode", ["predicted", "oracle"])
-def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path, list], same_engine_settings,
-                                                   mode: str) -> None:
+def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path, list], mode: str) -> None:
     model, sidecar, _ = relu_model
     want, got, c, info = _ram_then_flash(model, sidecar, sidecar, mode)
     assert info.n_cold > 0 and info.hot_bytes + info.cold_bytes <= 6 << 20
@@ -124,8 +111,7 @@ def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path,
     assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * 4096
 
 
-def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_sidecar: Path,
-                                                         same_engine_settings) -> None:
+def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_sidecar: Path) -> None:
     """SmolLM2 with the default product criterion (up rows for the admitted neurons, down columns for the
     active ones): on flash as in RAM, bit for bit."""
     assert max(int(n) for n in read_sidecar(smol_sidecar).kv["pi2.bundle.neurons"]) > 1  # packed bundles
@@ -135,17 +121,16 @@ def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_si
     assert 0.4 < c.active.sum() / c.neurons.sum() < 0.6 < 0.85 < c.rows[:, 1].sum() / c.neurons.sum() < 0.95
 
 
-def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path,
-                                                       same_engine_settings) -> None:
+def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path) -> None:
     """SmolLM2's product layers run without predictors (every bundle read each token), so while a layer
     finishes the cache reads the next layer's first bundles into entries kept for that. The same logits,
     and the same misses and bytes counted as without the prefetch."""
     runs = []
     for env in ({"PI2_PREFETCH_BYTES": "0"}, None):
-        flash = _load_small_cache(smollm2, smol_sidecar, env=env)
-        plugin.reset_counters()
+        flash = _load_small_cache(smollm2, smol_sidecar, settings=env)
+        pi2_gguf.reset_counters()
         logits = _steps(flash, 4)
-        c, info = plugin.read_counters(), flash.cache_info()
+        c, info = pi2_gguf.read_counters(), flash.cache_info()
         flash.close()
         runs.append((logits, c, info))
     (off, c_off, info_off), (on, c_on, info_on) = runs
@@ -173,16 +158,15 @@ def test_failed_prefetch_read_ends_generation_with_a_message(smollm2: Path, smol
     llm.close()
 
 
-def test_reads_in_flight_cap_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path,
-                                                       same_engine_settings) -> None:
+def test_reads_in_flight_cap_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path) -> None:
     """I/O threads take queued requests in order while less than PI2_IO_INFLIGHT_BYTES is being read: one
     request at a time (4 KiB), the default (2 MiB) and no cap (0) give the same logits and read the same."""
     runs = []
     for env in ({"PI2_IO_INFLIGHT_BYTES": "4096"}, None, {"PI2_IO_INFLIGHT_BYTES": "0"}):
-        flash = _load_small_cache(smollm2, smol_sidecar, env=env)
-        plugin.reset_counters()
+        flash = _load_small_cache(smollm2, smol_sidecar, settings=env)
+        pi2_gguf.reset_counters()
         logits = _steps(flash, 3)
-        c = plugin.read_counters()
+        c = pi2_gguf.read_counters()
         flash.close()
         runs.append((logits, int(c.misses.sum()), int(c.bytes_read.sum())))
     assert runs[0][1] > 0
@@ -217,8 +201,7 @@ def relu512(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPa
                    heldout_tokens=512, progress=False, bundle_align=512).path
 
 
-def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, list], relu512: Path,
-                                              same_engine_settings) -> None:
+def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, list], relu512: Path) -> None:
     """Bundles padded to 512 bytes instead of 4 KiB read fewer bytes per miss, with O_DIRECT where the
     filesystem takes 512-byte offsets, and decode still equals the in-RAM decode."""
     model, sidecar = relu_model[0], relu512
@@ -241,8 +224,8 @@ def relu_packed(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.Te
                    heldout_tokens=512, progress=False, bundle_align=512, bundle_neurons=4).path
 
 
-def test_bundles_of_several_neurons_decode_alike(relu_model: tuple[Path, Path, list], relu512: Path, relu_packed: Path,
-                                                same_engine_settings) -> None:
+def test_bundles_of_several_neurons_decode_alike(relu_model: tuple[Path, Path, list], relu512: Path,
+                                                relu_packed: Path) -> None:
     """4 neurons to a bundle: the same neuron bytes at other offsets, so in RAM and on flash the decode is
     the one-neuron sidecar's, bit for bit; flash reads whole bundles, so fewer, larger reads."""
     model = relu_model[0]
@@ -285,7 +268,7 @@ def block_device_4k(tmp_path: Path):
 
 
 def test_512_byte_bundles_on_a_4k_block_device_read_buffered(relu_model: tuple[Path, Path, list], relu512: Path,
-                                                             same_engine_settings, block_device_4k: Path) -> None:
+                                                             block_device_4k: Path) -> None:
     """Where O_DIRECT refuses the sidecar's 512-byte offsets, reads fall back to the page cache: the same
     tokens, nothing fails."""
     model = relu_model[0]
@@ -316,13 +299,13 @@ def _untied_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], same_engine_settings,
-                                           tmp_path: Path) -> None:
+def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], tmp_path: Path) -> None:
     """A token embedding apart from the output matrix is not loaded: PI2 reads its rows from the model
     file per token, and decoding stays bit-identical to the in-RAM run. A tied one stays in RAM."""
     model, sidecar, _ = relu_model
     untied = _untied_copy(model, tmp_path / "untied.gguf")
-    ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False)
+    ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False,
+                         settings=SAME_ENGINE)
     want = _steps(ram)
     ram.close()
     flash = _load_small_cache(untied, sidecar)
@@ -391,23 +374,23 @@ def test_sidecar_changed_while_running_ends_generation(relu_model: tuple[Path, P
     assert sidecar.stat().st_size > copy.stat().st_size or change == "rewritten"
 
 
-def test_env_budget_for_other_frontends(relu_model: tuple[Path, Path, list], same_engine_settings) -> None:
+def test_env_budget_for_other_frontends(relu_model: tuple[Path, Path, list]) -> None:
     """PI2_SIDECAR + PI2_MEMORY_BUDGET with plain llama_cpp.Llama (use_mmap off): the plugin sizes the
     cache itself at the first compute, and decodes as in RAM."""
     model, sidecar, _ = relu_model
-    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False)
+    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False,
+                         settings=SAME_ENGINE)
     want = [int(np.argmax(r)) for r in _steps(ram, 8)]
     ram.close()
     code = (
         "import sys, json, numpy as np, llama_cpp, pi2_gguf\n"
-        "from pi2_gguf import plugin\n"
-        "from pi2_gguf.generate import last_logits\n"
-        "pi2_gguf.register(); plugin.set_sparse_limits(64, 1.0)\n"
+        "from pi2_gguf.runtime.generate import last_logits\n"
+        "pi2_gguf.register(); pi2_gguf.configure('sparse_batch', 64); pi2_gguf.configure('down_sparse_max', 1.0)\n"
         f"llm = llama_cpp.Llama({str(model)!r}, use_mmap=False, n_ctx=256, n_threads=2, n_batch=32, verbose=False)\n"
         f"llm.eval(llm.tokenize({PROMPT!r}.encode(), add_bos=True)); out = []\n"
         "for _ in range(8):\n"
         "    out.append(int(np.argmax(last_logits(llm)))); llm.eval([out[-1]])\n"
-        "c = plugin.read_counters(); print(json.dumps([out, int(c.misses.sum() + c.hot_hits.sum())]))\n")
+        "c = pi2_gguf.read_counters(); print(json.dumps([out, int(c.misses.sum() + c.hot_hits.sum())]))\n")
     env = dict(os.environ, PI2_SIDECAR=str(sidecar), PI2_MEMORY_BUDGET="4GB")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -442,7 +425,7 @@ def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar:
     logits llama-cpp-python never asks for) and budget - half the margin (the plan holds)."""
     code = (
         "import json, re, sys, pi2_gguf\n"
-        "from pi2_gguf.generate import last_logits\n"
+        "from pi2_gguf.runtime.generate import last_logits\n"
         "def status(k):\n"
         "    return int(re.search(k + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "budget = status('VmRSS') + 150_000_000\n"
@@ -467,7 +450,8 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
                                              tmp_path: Path) -> None:
     """`pi2-gguf bench --rounds 2 --json`: every configuration twice in turn under the limit, medians of the
     rounds, pi2 reading bundles from flash within the limit, and the table's per-round ratio ranges."""
-    from pi2_gguf.bench import format_table, main
+    from pi2_gguf.bench.memory_limit import Row, format_table
+    from pi2_gguf.cli import main
 
     model, sidecar, _ = relu_model
     limit = _minimum(model, sidecar) + 40_000_000
@@ -475,8 +459,8 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     out = tmp_path / "bench.json"
     with out.open("w") as f:
         monkeypatch.setattr(sys, "stdout", f)
-        assert main([str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "4", "--rounds", "2",
-                     "--json"]) == 0
+        assert main(["bench", str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "4",
+                     "--rounds", "2", "--json"]) == 0
     monkeypatch.undo()
     rows = json.loads(out.read_text())["rows"]
     by_name = {r["name"].split(",")[0] if r["name"].startswith("pi2") else r["name"]: r for r in rows}
@@ -492,7 +476,6 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
         if r["limited"]:
             assert r["peak_mb"] * 1e6 <= limit and all(x["peak_mb"] * 1e6 <= limit for x in r["rounds"])
     assert pi2["read_per_token_mb"] > 0 and 0 < pi2["cache_hit_rate"] < 1
-    from pi2_gguf.bench import Row
 
     def row(d: dict) -> Row:
         return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from pi2_gguf.converter.model_ffn import ModelFfn
 from pi2_gguf.errors import ModelFileError
-from pi2_gguf.gguf_check import read_model_file
-from pi2_gguf.model_ffn import ModelFfn
-from pi2_gguf.plugin import model_summary_c
+from pi2_gguf.gguf_file import read_model_file
+from pi2_gguf.runtime.native import model_summary_c
 
 
 def _same_as_gguf_py(path: Path) -> None:
@@ -103,8 +103,8 @@ def test_reading_a_model_costs_little_memory(smollm2: Path) -> None:
     code = (
         "import gc, json, re, sys\n"
         "from pathlib import Path\n"
-        "from pi2_gguf.gguf_check import read_model_file\n"
-        "from pi2_gguf.model_ffn import ModelFfn\n"
+        "from pi2_gguf.gguf_file import read_model_file\n"
+        "from pi2_gguf.converter.model_ffn import ModelFfn\n"
         "def peak_and_now():\n"
         "    s = open('/proc/self/status').read()\n"
         "    return [int(re.search(k + r':\\s+(\\d+)', s).group(1)) * 1024 for k in ('VmHWM', 'VmRSS')]\n"
@@ -127,7 +127,7 @@ def test_reading_a_model_costs_little_memory(smollm2: Path) -> None:
 
 def test_sidecar_for_a_model_without_ffn_layers_is_refused(tmp_path: Path, smol_sidecar: Path) -> None:
     from pi2_gguf.errors import SidecarError
-    from pi2_gguf.llama import prepare_sidecar
+    from pi2_gguf.runtime.llama import prepare_sidecar
 
     no_ffn = _write_model(tmp_path / "no_ffn.gguf", [], {"token_embd.weight": np.ones((100, 32), np.float32)})
     with pytest.raises(SidecarError, match=f"sidecar {smol_sidecar}: no_ffn.gguf has no gated FFN layers"):

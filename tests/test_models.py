@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pi2_gguf import models
+from pi2_gguf.assets import models
+from pi2_gguf.converter.model_ffn import ModelFfn
 from pi2_gguf.errors import ModelFetchError
-from pi2_gguf.gguf_check import check_model_file, read_architecture
+from pi2_gguf.gguf_file import check_model_file
 
 
 def test_unknown_model() -> None:
@@ -20,13 +21,13 @@ def test_unknown_model() -> None:
 def test_default_model_is_verified_gguf(smollm2: Path) -> None:
     assert smollm2 == models.model_path(models.DEFAULT_MODEL)
     assert check_model_file(smollm2) == smollm2.resolve()
-    assert read_architecture(smollm2) == "llama"
+    assert ModelFfn(smollm2).architecture == "llama"
 
 
 def test_gemma_is_assembled_from_four_parts(gemma3: Path) -> None:
     spec = models.MODELS["gemma3-270m"]
     assert len(spec.parts) == 4 and gemma3.stat().st_size == spec.size
-    assert read_architecture(gemma3) == "gemma3"
+    assert ModelFfn(gemma3).architecture == "gemma3"
 
 
 def test_corrupted_cache_entry_is_not_trusted(smollm2: Path, tmp_path: Path) -> None:

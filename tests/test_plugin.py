@@ -8,7 +8,8 @@ from pathlib import Path
 import llama_cpp
 
 import pi2_gguf
-from pi2_gguf.plugin import DEVICE_NAME, plugin_path
+from pi2_gguf.runtime.capi import plugin_path
+from pi2_gguf.runtime.plugin import DEVICE_NAME
 
 GGML_BACKEND_DEVICE_TYPE_ACCEL = 3  # enum ggml_backend_dev_type in ggml-backend.h
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pi2_gguf.generate import greedy_in_subprocess
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 FTYPES = {
     "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,

@@ -15,11 +15,16 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from pi2_gguf import sidecar_format as sf
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.sidecar import read as read_sidecar
-from pi2_gguf.plugin import (check_sidecar_weight_c, fingerprint_model_c, fingerprint_tensor_c, sidecar_summary_c,
-                             validate_sidecar_c)
+from pi2_gguf.runtime.native import (
+    check_sidecar_weight_c,
+    fingerprint_model_c,
+    fingerprint_tensor_c,
+    sidecar_summary_c,
+    validate_sidecar_c,
+)
+from pi2_gguf.sidecar import format as sf
+from pi2_gguf.sidecar.reader import read as read_sidecar
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 import sidecar_factory as factory  # noqa: E402
@@ -36,7 +41,7 @@ def _refused(path: Path) -> str:
 _CHILD = """
 import json, sys
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.plugin import validate_sidecar_c
+from pi2_gguf.runtime.native import validate_sidecar_c
 out = []
 for p in sys.argv[1:]:
     try:
@@ -285,7 +290,7 @@ def test_missing_key(tmp_path: Path, key: str) -> None:
 def test_product_sidecar_and_its_thresholds(tmp_path: Path) -> None:
     """A product sidecar carries pi2.sparsity.product_thresholds; both readers take it, and refuse a
     product sidecar without it, naming the key and the method (a cats sidecar has none: `valid`)."""
-    from pi2_gguf import sidecar as sidecar_py
+    from pi2_gguf.sidecar import reader as sidecar_py
 
     sc = factory.build(method="product")
     path = factory.write(sc, tmp_path / "p.pi2.gguf")

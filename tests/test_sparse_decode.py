@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import pi2_gguf
-from pi2_gguf import plugin
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.generate import greedy_in_subprocess, last_logits
+from pi2_gguf.runtime.generate import last_logits
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402
@@ -57,7 +57,7 @@ def test_deep_synthetic_model_keeps_its_density_in_the_last_layers(tmp_path: Pat
     drifted from 0.10 to 0.17-0.20 active in its last layers. Rounds now go on until the depth holds."""
     from gguf import GGMLQuantizationType as QT
 
-    from pi2_gguf import synthetic
+    from pi2_gguf.converter import synthetic
 
     shape = synthetic.Shape(n_embd=128, n_ff=512, n_layer=16, n_head=4, n_head_kv=2, n_ctx=512)
     report = synthetic.make(tmp_path / "deep.gguf", shape, synthetic.Sparsity(density=0.10), "relu", QT.F32,
@@ -83,9 +83,9 @@ def test_oracle_equals_dense_on_relu(relu_llm: pi2_gguf.Llama) -> None:
         relu_llm.set_mode("dense")
         dense_toks, dense_logits = _decode(relu_llm, prompt, N_TOKENS)
         relu_llm.set_mode("oracle")
-        plugin.reset_counters()
+        pi2_gguf.reset_counters()
         oracle_toks, oracle_logits = _decode(relu_llm, prompt, N_TOKENS)
-        c = plugin.read_counters()
+        c = pi2_gguf.read_counters()
         assert oracle_toks == dense_toks
         scale = np.abs(dense_logits).max()
         assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * scale
@@ -104,12 +104,12 @@ def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.
         dense_toks, _ = _decode(relu_llm, prompt, N_TOKENS)
         relu_llm.set_mode("predicted")
         relu_llm.set_check_recall(True)
-        plugin.reset_counters()
+        pi2_gguf.reset_counters()
         pred_toks, _ = _decode(relu_llm, prompt, N_TOKENS, forced=dense_toks)
         relu_llm.set_check_recall(False)
         agree += sum(a == b for a, b in zip(pred_toks, dense_toks))
         total += len(dense_toks)
-        c = plugin.read_counters()
+        c = pi2_gguf.read_counters()
         assert (c.checked_tokens[:-1] == N_TOKENS).all()
         # recall on generated text (the converter measured 0.99 on held-out Wikipedia)
         assert (c.recall() > 0.95).all(), c.recall()
@@ -119,11 +119,11 @@ def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.
 
 def test_down_by_columns_or_rows_gives_the_same_tokens(relu_llm: pi2_gguf.Llama) -> None:
     relu_llm.set_mode("oracle")
-    plugin.set_sparse_limits(down_sparse_max=1.0)  # always columns
+    relu_llm.configure(down_sparse_max=1.0)  # always columns
     cols, cols_logits = _decode(relu_llm, PROMPTS[0], 16)
-    plugin.set_sparse_limits(down_sparse_max=0.0)  # always the model's down rows
+    relu_llm.configure(down_sparse_max=0.0)  # always the model's down rows
     rows, rows_logits = _decode(relu_llm, PROMPTS[0], 16)
-    plugin.set_sparse_limits(down_sparse_max=0.2)
+    relu_llm.configure(down_sparse_max=0.2)  # the default
     assert cols == rows
     assert np.abs(cols_logits - rows_logits).max() <= 1e-4 * np.abs(rows_logits).max()
 
@@ -132,19 +132,18 @@ def test_gate_and_up_rows_from_the_model_equal_the_bundles(smollm2: Path, smol_s
     """SmolLM2 at 50% CATS runs no predictor, so predicted mode computes every gate; in RAM it reads the
     gate/up rows from the model's matrices in row order. The rows are the same bytes as the bundles', so
     the active neurons and, with down by the model's rows (the same glu vector), the logits are identical."""
-    llm = pi2_gguf.Llama(str(smollm2), sidecar=smol_sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False)
-    plugin.set_sparse_limits(down_sparse_max=0.0)  # by columns, the two orders would sum differently
+    # down by the model's rows: by columns, the two orders would sum differently
+    llm = pi2_gguf.Llama(str(smollm2), sidecar=smol_sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
+                         settings={"down_sparse_max": 0.0})
     try:
         out = {}
         for model_rows in (True, False):
-            plugin.set_model_rows(model_rows)
-            plugin.reset_counters()
+            llm.configure(rows="model" if model_rows else "bundles")
+            pi2_gguf.reset_counters()
             toks, logits = _decode(llm, PROMPTS[0], 16)
-            c = plugin.read_counters()
+            c = pi2_gguf.read_counters()
             out[model_rows] = (toks, logits, c.active.copy(), c.predicted.copy(), c.neurons.copy())
     finally:
-        plugin.set_model_rows(True)
-        plugin.set_sparse_limits(down_sparse_max=0.2)
         llm.close()
     (t1, l1, a1, p1, n1), (t0, l0, a0, p0, n0) = out[True], out[False]
     assert t1 == t0 and np.array_equal(l1, l0)
@@ -155,21 +154,21 @@ def test_gate_and_up_rows_from_the_model_equal_the_bundles(smollm2: Path, smol_s
 def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
     relu_llm.set_mode("predicted")
     relu_llm.reset()
-    plugin.reset_counters()
+    pi2_gguf.reset_counters()
     relu_llm.eval(list(range(10, 40)))  # 30 tokens > the sparse batch limit of 4
-    c = plugin.read_counters()
+    c = pi2_gguf.read_counters()
     # prompt batches run in ggml-cpu (the default) or PI2's dense kernel, never sparse; the last layer
     # runs only the token whose logits llama returns: a decode-sized batch, so sparse
     assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 0).all()
     assert c.sparse_tokens[-1] == 1
-    plugin.set_prompt_on_cpu(False)
+    relu_llm.configure(prompt="pi2")
     try:
         relu_llm.reset()
-        plugin.reset_counters()
+        pi2_gguf.reset_counters()
         relu_llm.eval(list(range(10, 39)))  # another shape: llama reuses a scheduled graph of the same shape
-        c = plugin.read_counters()
+        c = pi2_gguf.read_counters()
     finally:
-        plugin.set_prompt_on_cpu(True)
+        relu_llm.configure(prompt="cpu")
     assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 29).all()
 
 

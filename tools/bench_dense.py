@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Dense-path benchmark: stock llama.cpp vs pi2 (FFN in the PI2 plugin, dense), same run.
 
-Each configuration decodes in its own fresh process; rounds alternate the configurations so that
-load on this shared machine hits them alike. Prints medians and the ratio to stock.
+Each configuration decodes in its own fresh process; rounds run the configurations in turn so that load
+on this shared machine hits them alike (pi2_gguf.bench.rounds). Prints medians and the ratio to stock
+(of the medians, with the range of the per-round ratios).
 
     .venv/bin/python tools/bench_dense.py [MODEL] [--rounds 3] [-n 64] [--threads 2]
 """
@@ -10,17 +11,21 @@ load on this shared machine hits them alike. Prints medians and the ratio to sto
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
-from tqdm import tqdm
+from pi2_gguf.assets import models
+from pi2_gguf.bench import PROMPT
+from pi2_gguf.bench.rounds import markdown_table, run_in_turn
+from pi2_gguf.runtime.generate import Greedy
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
-from pi2_gguf import models
-from pi2_gguf.generate import greedy_in_subprocess
+STOCK = "stock llama.cpp (repack on, default)"
 
-PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
-          "revenue per region, then explain how it handles malformed lines.")
+
+def decode_once(model: Path, n: int, threads: int, **config: object) -> Greedy:
+    return greedy_in_subprocess(model, [PROMPT], n, threads=threads, ctx=1024, logits=False, **config)[0]
 
 
 def main() -> int:
@@ -33,27 +38,16 @@ def main() -> int:
 
     path = models.fetch(args.model) if args.model in models.MODELS else Path(args.model)
     configs = {
-        "stock llama.cpp (repack on, default)": dict(pi2=False, repack=True),
+        STOCK: dict(pi2=False, repack=True),
         "stock llama.cpp (repack off)": dict(pi2=False, repack=False),
         "pi2 dense": dict(pi2=True, repack=True),
     }
-    results: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
-    with tqdm(total=args.rounds * len(configs), desc="runs") as bar:
-        for _ in range(args.rounds):
-            for name, cfg in configs.items():
-                g = greedy_in_subprocess(path, [PROMPT], args.n, threads=args.threads, ctx=1024, logits=False, **cfg)[0]
-                results[name].append((g.prompt_tps, g.decode_tps))
-                bar.update()
-
-    base_p = statistics.median(r[0] for r in results["stock llama.cpp (repack on, default)"])
-    base_d = statistics.median(r[1] for r in results["stock llama.cpp (repack on, default)"])
+    series = run_in_turn([(name, partial(decode_once, path, args.n, args.threads, **cfg))
+                          for name, cfg in configs.items()], args.rounds, desc="runs")
     print(f"\n{path.name}, {args.threads} threads, {args.n} decoded tokens, median of {args.rounds} rounds")
-    print(f"| {'configuration':38s} | prompt tok/s | decode tok/s | prompt vs stock | decode vs stock |")
-    print(f"|{'-' * 40}|--------------|--------------|-----------------|-----------------|")
-    for name, rs in results.items():
-        p = statistics.median(r[0] for r in rs)
-        d = statistics.median(r[1] for r in rs)
-        print(f"| {name:38s} | {p:12.1f} | {d:12.2f} | {p / base_p:14.2f}x | {d / base_d:14.2f}x |")
+    print(markdown_table(series, series[0],
+                         {"prompt tok/s": ("prompt_tps", ".1f"), "decode tok/s": ("decode_tps", ".2f")},
+                         {"prompt vs stock": "prompt_tps", "decode vs stock": "decode_tps"}))
     return 0
 
 

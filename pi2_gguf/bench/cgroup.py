@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import Pi2Error
-from .memory_budget import drop_page_cache
+from ..errors import Pi2Error
+from ..runtime.memory_budget import drop_page_cache
 
 ROOT = Path("/sys/fs/cgroup")
 

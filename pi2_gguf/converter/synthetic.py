@@ -17,14 +17,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
+from ..errors import Pi2Error
 from . import bundles
-from .errors import Pi2Error
 
 ACTIVATIONS = ("relu", "drelu", "silu")
 TOKENIZER_KEYS_SKIP = ("tokenizer.chat_template",)
@@ -65,28 +66,14 @@ class Sparsity:
         return rng.permutation(freq).astype(np.float32)
 
 
-def _tokenizer_fields(reader: GGUFReader) -> list[tuple[str, GGUFValueType, object, GGUFValueType | None]]:
-    out = []
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer.") or name in TOKENIZER_KEYS_SKIP:
-            continue
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            sub = field.types[1]
-            if sub == GGUFValueType.STRING:
-                val = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-            else:
-                val = [field.parts[i][0].item() for i in field.data]
-            out.append((name, vtype, val, sub))
-        elif vtype == GGUFValueType.STRING:
-            out.append((name, vtype, bytes(field.parts[field.data[0]]).decode("utf-8"), None))
-        else:
-            out.append((name, vtype, field.parts[field.data[0]][0].item(), None))
-    return out
+def _tokenizer_fields(reader: GGUFReader) -> list[tuple[str, GGUFValueType, Any]]:
+    """(key, value type, value) of the tokenizer.* keys to copy into a synthetic model."""
+    return [(name, field.types[0], field.contents()) for name, field in reader.fields.items()
+            if name.startswith("tokenizer.") and name not in TOKENIZER_KEYS_SKIP]
 
 
 def _n_vocab(fields: list) -> int:
-    for name, _, val, _ in fields:
+    for name, _, val in fields:
         if name == "tokenizer.ggml.tokens":
             return len(val)  # type: ignore[arg-type]
     raise Pi2Error("the tokenizer source has no tokenizer.ggml.tokens")
@@ -158,7 +145,7 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
         gw.add_layer_norm_rms_eps(1e-5)
         gw.add_string("llama.ffn_activation", activation)
         gw.add_string("pi2.synthetic.note", "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless")
-        for key, vtype, val, sub in tok_fields:
+        for key, vtype, val in tok_fields:
             if vtype == GGUFValueType.ARRAY:
                 gw.add_array(key, val)  # type: ignore[arg-type]
             else:
@@ -173,7 +160,7 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
         gw.write_kv_data_to_file()
         gw.write_tensors_to_file(progress=False)
         gw.close()
-        os.replace(tmp, path)
+        tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -229,8 +216,8 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
          density_tolerance: float = 0.05, threads: int | None = None,
          progress: bool = True) -> list[LayerReport]:
     """Writes a synthetic model to path; returns per-layer densities measured on held-out text."""
-    from . import corpus as corpus_mod
-    from . import models
+    from ..assets import corpus as corpus_mod
+    from ..assets import models
     from .profile import run_profile
 
     if activation not in ACTIVATIONS:

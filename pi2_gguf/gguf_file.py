@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
-from .plugin import ModelSummary, model_summary_c
+from .runtime.native import ModelSummary, model_summary_c
 
 GGUF_MAGIC = b"GGUF"
 
@@ -61,11 +60,3 @@ def read_model_file(path: str | Path) -> tuple[Path, ModelSummary]:
 def check_model_file(path: str | Path) -> Path:
     """Returns the resolved path of a readable, complete GGUF file, or raises ModelFileError."""
     return read_model_file(path)[0]
-
-
-def read_architecture(path: str | Path) -> str:
-    reader = GGUFReader(Path(path), "r")
-    field = reader.get_field("general.architecture")
-    if field is None:
-        raise ModelFileError(f"{path} has no general.architecture")
-    return bytes(np.asarray(field.parts[field.data[0]])).decode()

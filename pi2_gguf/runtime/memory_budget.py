@@ -15,32 +15,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import MemoryBudgetError
-from .plugin import ModelSummary
+from ..errors import MemoryBudgetError
+from . import native
+from .native import ModelSummary
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
 
 
-def parse_size(value: str | int | float) -> int:
-    """Bytes from 600MB / 0.6GB (powers of 10), 512MiB (powers of 2) or a plain number of bytes; the same
-    units as PI2_MEMORY_BUDGET in the plugin."""
+def parse_size(value: str | int | float, what: str = "memory budget") -> int:
+    """Bytes from "600MB" / "0.6GB" (powers of 10), "512MiB" (powers of 2), a plain number of bytes, or a
+    number: the plugin's parser (native.parse_size), so every size reads alike. MemoryBudgetError naming
+    `what` unless the size is positive."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise MemoryBudgetError(f"memory budget {value} is not a positive size")
-        return int(value)
-    m = _SIZE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise MemoryBudgetError(f"memory budget '{value}' is not a size (e.g. 600MB, 2GiB, 1500000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        size = int(value)
+    else:
+        try:
+            size = native.parse_size(str(value))
+        except ValueError as e:
+            raise MemoryBudgetError(f"{what} {e}") from e
+    if size <= 0:
+        raise MemoryBudgetError(f"{what} '{value}' is not a positive size")
+    return size
 
 
 def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path) -> None:
@@ -49,10 +44,10 @@ def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path) -> Non
     plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
     the load). A token embedding apart from the output matrix stays in the model file (the plugin reads
     its rows per token), so it does not count."""
-    from . import sidecar as sidecar_mod
+    from ..sidecar import reader as sidecar_mod
 
     gc.collect()  # unmaps what GGUF readers the caller dropped still map: mapped pages count as resident
-    held = resident_bytes()  # before the reader below maps (and counts) file pages
+    held = native.resident_bytes()  # before the reader below maps (and counts) file pages
     non_ffn = model.file_size - model.ffn_bytes - model.embedding_bytes
     kv = sidecar_mod.read(sidecar).kv
     one_layer = max(-(-int(f) // int(g)) * int(b)

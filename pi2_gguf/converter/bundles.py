@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from . import ggml_base
-from . import sidecar_format as fmt
+from ..runtime import ggml_base
+from ..sidecar import format as fmt
 from .model_ffn import FfnTensor
 
 TOLERANCE_SLACK = 1.05

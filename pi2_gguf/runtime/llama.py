@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import llama_cpp
 
+from ..errors import MemoryBudgetError, SidecarError
+from ..gguf_file import read_model_file
+from ..sidecar.format import sidecar_path_for
 from . import memory_budget as budgets
 from . import plugin
-from .errors import MemoryBudgetError, SidecarError
-from .gguf_check import read_model_file
-from .sidecar_format import sidecar_path_for
+from .counters import CacheInfo, cache_info
+from .native import ModelSummary, model_summary_c, sidecar_summary_c, validate_sidecar_c
 
 SidecarArg = str | os.PathLike[str] | bool | None
+Settings = Mapping[str, str | int | float | bool]
 
 
 def resolve_sidecar(model: Path, sidecar: SidecarArg) -> Path | None:
@@ -45,11 +49,11 @@ def resolve_mode(mode: str | None, sidecar: Path | None) -> str:
     return chosen
 
 
-def check_sidecar_matches(model: Path, sidecar: Path, summary: plugin.ModelSummary | None = None) -> None:
+def check_sidecar_matches(model: Path, sidecar: Path, summary: ModelSummary | None = None) -> None:
     """Refuses a sidecar made for another model before llama loads anything (the plugin checks again
     on the weights it receives)."""
-    _, fp = plugin.sidecar_summary_c(sidecar)
-    summary = summary or plugin.model_summary_c(model)
+    _, fp = sidecar_summary_c(sidecar)
+    summary = summary or model_summary_c(model)
     if summary.n_layer == 0:
         raise SidecarError(f"sidecar {sidecar}: {model.name} has no gated FFN layers (blk.N.ffn_gate/up/down.weight), "
                            "so no sidecar applies to it")
@@ -59,13 +63,13 @@ def check_sidecar_matches(model: Path, sidecar: Path, summary: plugin.ModelSumma
 
 
 def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
-                    summary: plugin.ModelSummary | None = None) -> tuple[Path | None, str]:
+                    summary: ModelSummary | None = None) -> tuple[Path | None, str]:
     """(sidecar, mode) a model loads with, the sidecar validated by the plugin's reader and checked
     against the model's weights; raises SidecarError naming the problem."""
     path = resolve_sidecar(model, sidecar)
     chosen = resolve_mode(mode, path)
     if path is not None:
-        plugin.validate_sidecar_c(path)
+        validate_sidecar_c(path)
         check_sidecar_matches(model, path, summary)
     return path, chosen
 
@@ -82,10 +86,14 @@ class Llama(llama_cpp.Llama):
     The FFN then stays on flash: llama loads without mmap and PI2 keeps none of the FFN weights it is
     handed (it checks them against the sidecar); what the budget leaves after llama's weights, KV cache
     and compute buffers becomes the neuron cache. n_batch defaults to 32 then (llama sizes its compute
-    buffers by it). Raises MemoryBudgetError stating the minimum if the budget is too small."""
+    buffers by it). Raises MemoryBudgetError stating the minimum if the budget is too small.
+
+    settings: per-model PI2_* settings (docs/SETTINGS.md), e.g. {"down_sparse_max": 1.0, "cache_max": "6MiB"},
+    applied to this model's binding before its weights load (see configure())."""
 
     def __init__(self, model_path: str | Path, *args: Any, sidecar: SidecarArg = None, mode: str | None = None,
-                 check_recall: bool = False, memory_budget: str | int | None = None, **kwargs: Any) -> None:
+                 check_recall: bool = False, memory_budget: str | int | None = None, settings: Settings | None = None,
+                 **kwargs: Any) -> None:
         path, summary = read_model_file(model_path)
         plugin.register()
         self.pi2_sidecar, self.pi2_mode = prepare_sidecar(path, sidecar, mode, summary)
@@ -102,6 +110,8 @@ class Llama(llama_cpp.Llama):
         self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None,
                                              model=path)
         try:
+            for name, value in (settings or {}).items():
+                plugin.configure(name, value, self.pi2_binding)
             with budgets.compute_buffer_log() as compute:
                 super().__init__(str(path), *args, **kwargs)
         except BaseException:
@@ -125,9 +135,17 @@ class Llama(llama_cpp.Llama):
         if check_recall:
             self.set_check_recall(True)
 
-    def cache_info(self) -> plugin.CacheInfo | None:
+    def cache_info(self) -> CacheInfo | None:
         """The neuron cache's segments, with a memory budget; None without."""
-        return plugin.cache_info(self.pi2_binding) if self.pi2_binding else None
+        return cache_info(self.pi2_binding) if self.pi2_binding else None
+
+    def configure(self, **settings: str | int | float | bool) -> None:
+        """Per-model PI2_* settings (docs/SETTINGS.md) for this model, e.g. configure(down_sparse_max=1.0,
+        prompt="pi2"). A model without a sidecar has no binding of its own: then this sets the defaults that
+        every model without its own value follows. PI2_PREDICTOR and the flash settings act when a model's
+        neuron cache is made (pass those as Llama(settings=...)). Raises ConfigError naming a refused value."""
+        for name, value in settings.items():
+            plugin.configure(name, value, self.pi2_binding)
 
     def set_mode(self, mode: str) -> None:
         """Switches between dense, oracle and predicted decode without reloading."""

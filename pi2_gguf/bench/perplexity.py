@@ -9,18 +9,15 @@ estimate is printed per chunk as [i]ppl, then "Final estimate: PPL = x +/- err".
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from . import corpus as corpus_mod
-from .errors import Pi2Error
+from ..errors import Pi2Error
 
 
 @dataclass(frozen=True)
@@ -45,22 +42,24 @@ SPARSE_UBATCH = 4  # the plugin's default sparse batch limit (PI2_SPARSE_BATCH)
 
 def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: int | None = None,
                plugin: bool = True, threads: int | None = None, progress: bool = True,
-               sidecar: str | Path | None = None, mode: str = "dense") -> Perplexity:
+               sidecar: str | Path | None = None, mode: str = "dense",
+               settings: Mapping[str, str | int | float | bool] | None = None) -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
-    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees."""
-    from .llama_runner import LlamaRunner
+    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees.
+    settings: PI2_* settings for the model (pi2_gguf.Llama's settings=)."""
+    from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
         raise Pi2Error(f"--ctx must be at least 16, got {n_ctx}")
-    if (mode != "dense" or sidecar is not None) and not plugin:
-        raise Pi2Error("a sidecar and the sparse modes need the plugin")
+    if (mode != "dense" or sidecar is not None or settings) and not plugin:
+        raise Pi2Error("a sidecar, settings and the sparse modes need the plugin")
     if plugin:
-        from .plugin import register
+        from ..runtime.plugin import register
 
         register()
     ubatch = SPARSE_UBATCH if mode != "dense" else None
     with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True, sidecar=sidecar, mode=mode,
-                     n_ubatch=ubatch) as r:
+                     n_ubatch=ubatch, settings=settings) as r:
         tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
         n_chunk = len(tokens) // n_ctx
         if max_chunks is not None:
@@ -86,43 +85,3 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
     ppl = math.exp(mean)
     err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
     return Perplexity(ppl, err, n_chunk, count, tuple(running))
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf perplexity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
-    ap.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
-                    "articles the converter never trains on)")
-    ap.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default %(default)s)")
-    ap.add_argument("--chunks", type=int, help="score at most this many chunks")
-    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
-    ap.add_argument("--mode", choices=("dense", "oracle", "predicted"),
-                    help="PI2 decode mode (default: predicted with a sidecar, dense without)")
-    ap.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
-    args = ap.parse_args(argv)
-    from .cli import resolve_model
-    from .llama import prepare_sidecar
-    from .plugin import read_counters
-
-    if args.text is not None:
-        text = "\n\n".join(corpus_mod.text_file(args.text).documents)
-    else:
-        text = "\n\n".join(corpus_mod.wiki().split()[1])
-    model = resolve_model(args.model)
-    sidecar, mode = (None, "dense") if args.no_plugin else prepare_sidecar(model, args.sidecar, args.mode)
-    res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
-                     sidecar=sidecar, mode=mode)
-    print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
-    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}"
-    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
-          f"{res.scored_tokens} tokens scored, {how})")
-    if mode != "dense":
-        c = read_counters()
-        print(f"active neurons per token: {float(c.active.sum()) / max(float(c.sparse_tokens.sum()), 1):.0f} of "
-              f"each layer's FFN on average (per layer: {', '.join(f'{v:.0f}' for v in c.active_per_token())})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

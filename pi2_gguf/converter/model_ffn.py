@@ -10,9 +10,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from . import sidecar_format as fmt
-from .errors import ModelFileError
-from .gguf_check import check_model_file
+from ..errors import ModelFileError
+from ..gguf_file import check_model_file
+from ..sidecar import format as fmt
 
 MATRICES = ("gate", "up", "down")
 
@@ -43,11 +43,12 @@ class FfnTensor:
         return fmt.tensor_fingerprint(int(self.qtype), self.ne0, self.ne1, self.data)
 
 
-def _string(reader: GGUFReader, key: str) -> str | None:
+def _string(reader: GGUFReader, key: str, path: Path) -> str | None:
     f = reader.get_field(key)
-    if f is None:
-        return None
-    return bytes(np.asarray(f.parts[f.data[0]])).decode("utf-8", errors="replace")
+    try:
+        return None if f is None else str(f.contents())
+    except UnicodeDecodeError as e:
+        raise ModelFileError(f"{path}: key {key} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
 class ModelFfn:
@@ -55,11 +56,11 @@ class ModelFfn:
         self.path = check_model_file(path)
         self.file_size = self.path.stat().st_size
         self.reader = GGUFReader(self.path, "r")
-        arch = _string(self.reader, "general.architecture")
+        arch = _string(self.reader, "general.architecture", self.path)
         if arch is None:
             raise ModelFileError(f"{self.path} has no general.architecture")
         self.architecture = arch
-        self.name = _string(self.reader, "general.name") or ""
+        self.name = _string(self.reader, "general.name", self.path) or ""
         tensors = {t.name: t for t in self.reader.tensors}
         self.layers: list[dict[str, FfnTensor]] = []
         while f"blk.{len(self.layers)}.ffn_gate.weight" in tensors:
@@ -94,7 +95,7 @@ class ModelFfn:
         return self.layers[layer]["gate"].ne1
 
     def _activation(self) -> str:
-        stated = _string(self.reader, _ACTIVATION_KEY.format(arch=self.architecture))
+        stated = _string(self.reader, _ACTIVATION_KEY.format(arch=self.architecture), self.path)
         if stated is not None:
             if stated not in fmt.ACTIVATIONS:
                 raise ModelFileError(f"{self.path} states FFN activation '{stated}'; pi2 knows {', '.join(fmt.ACTIVATIONS)}")

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import llama_cpp as lc
 import numpy as np
 
+from ..errors import ModelFileError, Pi2Error
+from ..gguf_file import check_model_file
 from . import ggml_base
-from .errors import ModelFileError, Pi2Error
-from .gguf_check import check_model_file
 
 
 class _TensorHead(ctypes.Structure):
@@ -35,9 +35,11 @@ class LlamaRunner:
     def __init__(self, model_path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
                  watch: Iterable[str] = (), sink: TensorSink | None = None, all_logits: bool = False,
                  use_mmap: bool = True, verbose: bool = False, sidecar: str | Path | None = None,
-                 mode: str = "dense", n_ubatch: int | None = None) -> None:
+                 mode: str = "dense", n_ubatch: int | None = None,
+                 settings: Mapping[str, str | int | float | bool] | None = None) -> None:
         """sidecar/mode: bind the model to a pi2 sidecar in the PI2 plugin (registered by the caller).
-        n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch."""
+        n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch.
+        settings: PI2_* settings for the binding (without a sidecar: the defaults), as pi2_gguf.Llama's."""
         path = check_model_file(model_path)
         self._binding = 0
         self.n_ctx = n_ctx
@@ -52,12 +54,17 @@ class LlamaRunner:
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.use_mmap = use_mmap
-        if sidecar is not None or mode != "dense":
+        if sidecar is not None or mode != "dense" or settings:
             from . import plugin
 
             self._binding = plugin.load_begin(sidecar, mode)
             try:
+                for name, value in (settings or {}).items():
+                    plugin.configure(name, value, self._binding)
                 self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+            except BaseException:
+                self._release_binding()
+                raise
             finally:
                 plugin.load_end()
         else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import sidecar_format as fmt
+from ..sidecar import format as fmt
 from .model_ffn import activation_values
 
 DEFAULT_SPARSITY = 0.5

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import time
 from dataclasses import dataclass
@@ -11,18 +10,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..assets import corpus as corpus_mod
+from ..errors import Pi2Error
+from ..sidecar import format as fmt
+from ..sidecar.writer import LayerData, SidecarMeta, write
 from . import bundles as bundles_mod
-from . import corpus as corpus_mod
-from . import inspect_sidecar
 from . import predictor as pred_mod
-from . import sidecar_format as fmt
 from . import sparsity as sp
-from .errors import Pi2Error
 from .model_ffn import ModelFfn, activation_values
-from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, add_profile_args, run_profile
-from .sidecar import LayerData, SidecarMeta, write
-from .sidecar import read as read_sidecar
-
+from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, run_profile
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
 # engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99), so its bundles hold several neurons
@@ -160,46 +156,3 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
     return ConvertResult(out, time.time() - t0, t_prof, out.stat().st_size, meta)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pi2-gguf convert",
-                                 description="Profile a model on real text and write its pi2 sidecar GGUF "
-                                             "(thresholds, predictors, neuron ranking, neuron bundles for reads from flash).")
-    ap.add_argument("model", help="GGUF model (never modified), or a known model name (pi2-gguf models)")
-    ap.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--sparsity", type=float, help=f"target fraction of inactive neurons for SiLU/GELU models "
-                   f"(default {sp.DEFAULT_SPARSITY})")
-    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead "
-                   "(criterion act)")
-    ap.add_argument("--criterion", choices=sp.CRITERIA,
-                    help="SiLU/GELU models: which neurons are dropped: the smallest |act(gate) * up| among those whose "
-                         "|act(gate)| passes a looser threshold (product, the default: far less perplexity lost) "
-                         "or the smallest |act(gate)| (act, CATS: up rows of dropped neurons are never computed)")
-    ap.add_argument("--recall", type=float, default=pred_mod.DEFAULT_RECALL,
-                    help="share of active neurons the predictors must catch (default %(default)s)")
-    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
-                    help="candidate predictor widths, comma-separated (default n_embd/16,/8,/4,/2)")
-    ap.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
-    ap.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
-    ap.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
-                    help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
-                         "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
-                         "block is 512 bytes; elsewhere reads fall back to buffered I/O")
-    ap.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
-                    help="neurons per bundle, 1-%d (default: 1 where the predictor leaves most neurons out, else "
-                         "as many as fill the one bundle size of such layers that pads least: every bundle is read each token there)" % fmt.MAX_BUNDLE_NEURONS)
-    add_profile_args(ap)
-    args = ap.parse_args(argv)
-    from .cli import resolve_model
-
-    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
-                  args.recall, args.ranks,
-                  args.train_tokens, args.heldout_tokens, args.window, args.threads, args.profile, args.epochs,
-                  bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons)
-    # the table of `pi2-gguf inspect`, from the file as written
-    print(inspect_sidecar.summary(read_sidecar(res.path)))
-    print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
-          f"(profiling {res.profile_seconds:.0f} s)")
-    return 0

@@ -1,0 +1,127 @@
+"""`pi2-gguf bench`: stock llama.cpp and pi2 under the same memory limit (cgroup v1, cold page cache), each
+configuration in a fresh process, the configurations in turn for --rounds rounds (rounds.py). The rows
+and the columns are described in cli.BENCH_HELP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+from ..runtime.isolated import greedy_command, parse_results
+from . import PROMPT, cgroup
+from .rounds import Series, ratio, run_in_turn
+
+
+@dataclass
+class Row:
+    name: str
+    limited: bool
+    status: str = "ok"               # ok | OOM-killed | timed out | failed: ...
+    prompt_tps: float = 0.0
+    decode_tps: float = 0.0
+    decoded: int = 0
+    peak_mb: float = 0.0
+    disk_read_mb: float = 0.0        # the whole run, load included (blkio)
+    read_per_token_mb: float = 0.0   # during decode (/proc/self/io of the process)
+    io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
+    cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
+    major_faults: int = 0
+    rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
+
+
+def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
+             skip_unlimited: bool) -> list[tuple[Row, list[str], int | None]]:
+    common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False)
+    rows = [
+        (Row("stock llama.cpp, defaults (mmap, repack)", True), greedy_command(model, pi2=False, **common), limit),
+        (Row("stock llama.cpp, mmap, repack off", True), greedy_command(model, pi2=False, repack=False, **common), limit),
+    ]
+    for sc in sidecars:
+        name = f" ({sc.name})" if len(sidecars) > 1 else ""
+        rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB", True),
+                     greedy_command(model, pi2=True, sidecar=sc, mode=mode, memory_budget=limit, **common), limit))
+    if not skip_unlimited:
+        rows.append((Row("pi2, all in RAM (no limit)", False),
+                     greedy_command(model, pi2=True, sidecar=sidecars[0], mode=mode, **common), None))
+    return rows
+
+
+def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_bps: int | None, timeout: float) -> Row:
+    row = replace(row, rounds=[])
+    r = cgroup.run(cmd, mem, files, read_bps=read_bps, timeout=timeout)
+    row.peak_mb = r.peak_bytes / 1e6
+    row.disk_read_mb = r.disk_read_bytes / 1e6
+    row.major_faults = r.major_faults
+    if r.timed_out:
+        row.status = f"timed out ({timeout:.0f} s)"
+    elif r.oom_kills > 0:
+        row.status = "OOM-killed"
+    elif r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        row.status = f"failed: {last[:120]}"
+    else:
+        g = parse_results(r.stdout)[0]
+        row.prompt_tps, row.decode_tps, row.decoded = g.prompt_tps, g.decode_tps, len(g.tokens)
+        steps = max(len(g.tokens) - 1, 1)  # the last sampled token is not evaluated
+        row.read_per_token_mb = g.io.get("process_read_bytes", 0) / steps / 1e6
+        if g.decode_seconds > 0:
+            row.io_wait_share = g.io.get("io_wait_s", 0.0) / g.decode_seconds
+        needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
+        if needed:
+            row.cache_hit_rate = 1.0 - g.io["misses"] / needed
+    return row
+
+
+def _summary_row(template: Row, series: Series[Row]) -> Row:
+    """One row for a configuration's rounds: medians of the rates, the highest peak; a failure if a round failed."""
+    rows = series.results
+    if not rows:
+        return replace(template, status=f"failed: {series.failure[:120]}")
+    failed = rows[-1] if series.failure else None
+    out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
+    if failed is None:
+        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate"):
+            setattr(out, name, series.median(name))
+    out.peak_mb = max(r.peak_mb for r in rows)
+    return out
+
+
+def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
+              threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
+              skip_unlimited: bool = False, progress: bool = True, rounds: int = 1) -> list[Row]:
+    """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each."""
+    sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
+    files = [model] + sidecars  # the page cache is dropped for each before every configuration
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited)
+    runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
+    series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
+    return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]
+
+
+def _ratio(r: Row, base: Row | None) -> str:
+    """decode vs the base row: the ratio of medians, and with rounds the range of the per-round ratios."""
+    if r.status != "ok" or base is None or base.status != "ok":
+        return "-"
+    got = ratio([x.decode_tps for x in r.rounds or [r]], [x.decode_tps for x in base.rounds or [base]])
+    return "-" if got is None else str(got)
+
+
+def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row]) -> str:
+    base = next((r for r in rows if r.name.startswith("stock llama.cpp, mmap, repack off") and r.status == "ok"), None)
+    pi2_ram = next((r for r in rows if not r.limited and r.status == "ok"), None)
+    n_rounds = max((len(r.rounds) for r in rows), default=0)
+    lines = [f"{model.name} ({model.stat().st_size / 1e9:.2f} GB), memory limit {limit / 1e6:.0f} MB, "
+             f"read cap {f'{read_bps / 1e6:.0f} MB/s' if read_bps else 'none'}, cold page cache"
+             + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else ""),
+             "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
+             "| cache hits | decode vs stock (repack off) | decode vs pi2 in RAM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r.status == "ok"
+        wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
+        hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
+        lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
+                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {hits} | {_ratio(r, base)} | "
+                     f"{_ratio(r, pi2_ram)} |")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""The plugin's C functions that need no registration into llama: the model-file and sidecar readers,
+fingerprints, sizes ("600MB"), this process's resident memory, and the down-column kernels (tests)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelFileError, SidecarError
+from . import capi
+
+Pathish = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A model file as pi2 sees it before llama loads it (ggml-pi2.h, pi2_model_summary)."""
+
+    fingerprint: int      # of the gated FFN weights (docs/FORMAT.md); 0 without FFN layers
+    ffn_bytes: int        # blk.N.ffn_{gate,up,down}.weight, all layers
+    embedding_bytes: int  # token_embd.weight when output.weight is a tensor of its own, else 0
+    file_size: int
+    n_tensors: int
+    n_layer: int          # gated FFN layers
+
+
+def model_summary_c(path: Pathish) -> ModelSummary:
+    """The plugin's reading of a model file: ggml's GGUF reader, so a large vocabulary costs little (gguf-py's
+    reader builds Python objects for every token). Raises ModelFileError with its message."""
+    out = capi.Pi2ModelSummary()
+    err = capi.err_buffer()
+    if capi.lib().pi2_model_summary(os.fsencode(path), ctypes.byref(out), err, capi.ERR_LEN) != 0:
+        raise ModelFileError(capi.err_text(err))
+    return ModelSummary(*(int(getattr(out, name)) for name, _ in capi.Pi2ModelSummary._fields_))
+
+
+def validate_sidecar_c(path: Pathish) -> None:
+    """Checks a sidecar with the plugin's C reader; raises SidecarError with its message if it refuses."""
+    err = capi.err_buffer()
+    if capi.lib().pi2_sidecar_validate(os.fsencode(path), err, capi.ERR_LEN) != 0:
+        raise SidecarError(capi.err_text(err))
+
+
+def sidecar_summary_c(path: Pathish) -> tuple[int, int]:
+    """(pi2.n_layer, pi2.source.fingerprint) of a sidecar the C reader accepts."""
+    err = capi.err_buffer()
+    n_layer = ctypes.c_uint32()
+    fp = ctypes.c_uint64()
+    if capi.lib().pi2_sidecar_summary(os.fsencode(path), ctypes.byref(n_layer), ctypes.byref(fp), err,
+                                      capi.ERR_LEN) != 0:
+        raise SidecarError(capi.err_text(err))
+    return int(n_layer.value), int(fp.value)
+
+
+def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def check_sidecar_weight_c(path: Pathish, layer: int, matrix: int, qtype: int, ne0: int, ne1: int,
+                           data: np.ndarray | bytes) -> None:
+    """Raises SidecarError unless blk.<layer>.ffn_{gate,up,down}.weight (matrix 0, 1, 2) with these bytes is
+    the weight the sidecar was made from."""
+    raw = _raw_bytes(data)
+    err = capi.err_buffer()
+    if capi.lib().pi2_sidecar_check_weight(os.fsencode(path), layer, matrix, int(qtype), ne0, ne1, raw.ctypes.data,
+                                           raw.nbytes, err, capi.ERR_LEN) != 0:
+        raise SidecarError(capi.err_text(err))
+
+
+def fingerprint_tensor_c(qtype: int, ne0: int, ne1: int, data: np.ndarray | bytes) -> int:
+    """The C fingerprint of one FFN weight tensor from its raw bytes (docs/FORMAT.md, "Fingerprint")."""
+    raw = _raw_bytes(data)
+    return int(capi.lib().pi2_fingerprint_tensor(int(qtype), ne0, ne1, raw.ctypes.data, raw.nbytes))
+
+
+def fingerprint_model_c(tensor_fps: list[int]) -> int:
+    """The C model fingerprint over 3 * n_layer tensor fingerprints."""
+    arr = (ctypes.c_uint64 * len(tensor_fps))(*tensor_fps)
+    return int(capi.lib().pi2_fingerprint_model(arr, len(tensor_fps)))
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "600MB" / "0.6GB" (powers of 10), "512MiB" (powers of 2) or a plain number, any case:
+    the plugin's parser, the one every PI2_* size goes through. ValueError if text is not a size."""
+    out = ctypes.c_uint64()
+    if capi.lib().pi2_parse_size(text.encode(), ctypes.byref(out)) != 0:
+        raise ValueError(f"'{text}' is not a size (e.g. 600MB, 2GiB, 1500000000)")
+    return int(out.value)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (after the plugin returns freed heap to the system); 0 if unreadable."""
+    return int(capi.lib().pi2_resident_bytes())
+
+
+def config_names() -> list[str]:
+    """Every PI2_* variable the plugin reads."""
+    buf = ctypes.create_string_buffer(8192)
+    if capi.lib().pi2_config_names(buf, len(buf)) != 0:
+        raise RuntimeError("pi2_config_names: the buffer is too small")
+    return buf.value.decode().split(",")
+
+
+def columns_add(qtype: int, y: np.ndarray, a: np.ndarray, columns: np.ndarray) -> None:
+    """y += sum of a[c] * column c, in place, by the plugin's down-column kernels, grouped as sparse decode
+    groups its active neurons. columns: [n_cols] rows of quantized bytes of y's length each (for tests)."""
+    y = np.asarray(y)
+    if y.dtype != np.float32 or not y.flags.c_contiguous:
+        raise ValueError("y must be a contiguous float32 array")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    columns = np.ascontiguousarray(columns, dtype=np.uint8)
+    ptrs = (ctypes.c_void_p * len(a))(*[columns[c].ctypes.data for c in range(len(a))])
+    if capi.lib().pi2_columns_add(int(qtype), y.size, y.ctypes.data, len(a), a.ctypes.data, ptrs) != 0:
+        raise ValueError(f"no column kernel for type {qtype} and length {y.size}")

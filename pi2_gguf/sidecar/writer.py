@@ -1,0 +1,176 @@
+"""Writing the pi2 sidecar GGUF (docs/FORMAT.md) with gguf-py."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+
+from . import format as fmt
+
+
+@dataclass
+class LayerData:
+    """Everything the sidecar holds for one layer; bundles come from a callback at write time so a
+    large model's bundles never sit in memory together."""
+
+    n_ff: int
+    threshold: float
+    density: float
+    rank: int
+    cutoff: float
+    recall: float
+    precision: float
+    predicted_density: float
+    hot_count: int
+    bundle_size: int
+    gate_type: int
+    up_type: int
+    down_type: int
+    down_tolerance: float
+    down_error: float
+    w1: np.ndarray     # [r, n_embd] float16
+    b1: np.ndarray     # [r] float32
+    w2: np.ndarray     # [n_ff, r] float16
+    b2: np.ndarray     # [n_ff] float32
+    freq: np.ndarray   # [n_ff] float32
+    order: np.ndarray  # [n_ff] int32
+    product_threshold: float = 0.0  # method "product" only
+    bundle_neurons: int = 1
+
+    @property
+    def n_bundles(self) -> int:
+        return -(-self.n_ff // self.bundle_neurons)
+
+
+@dataclass
+class SidecarMeta:
+    source_architecture: str
+    source_name: str
+    source_file_size: int
+    tensor_fingerprints: list[int]
+    n_embd: int
+    activation: str
+    method: str
+    target: float
+    recall_target: float
+    corpus: str
+    corpus_sha256: str
+    tokens: int
+    heldout_tokens: int
+    date: str
+    layers: list[LayerData] = field(default_factory=list)
+    bundle_align: int = fmt.BUNDLE_ALIGN
+
+
+_ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
+    fmt.KT.U32: lambda w, k, v: w.add_uint32(k, int(v)),
+    fmt.KT.U64: lambda w, k, v: w.add_uint64(k, int(v)),
+    fmt.KT.F32: lambda w, k, v: w.add_float32(k, float(v)),
+    fmt.KT.STR: lambda w, k, v: w.add_string(k, str(v)),
+    fmt.KT.U32_ARR: lambda w, k, v: w.add_key_value(k, [int(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.UINT32),
+    fmt.KT.U64_ARR: lambda w, k, v: w.add_key_value(k, [int(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.UINT64),
+    fmt.KT.F32_ARR: lambda w, k, v: w.add_key_value(k, [float(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+}
+
+
+# per-layer keys and the LayerData field each comes from
+_PER_LAYER = {
+    "pi2.n_ff": "n_ff", "pi2.sparsity.thresholds": "threshold", "pi2.sparsity.density": "density",
+    "pi2.predictor.rank": "rank", "pi2.predictor.cutoff": "cutoff", "pi2.predictor.recall": "recall",
+    "pi2.predictor.precision": "precision", "pi2.predictor.density": "predicted_density",
+    "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.neurons": "bundle_neurons",
+    "pi2.bundle.gate_type": "gate_type",
+    "pi2.bundle.up_type": "up_type", "pi2.bundle.down_type": "down_type",
+    "pi2.bundle.down_tolerance": "down_tolerance", "pi2.bundle.down_error": "down_error",
+    "pi2.sparsity.product_thresholds": "product_threshold",
+}
+
+
+def _key_values(m: SidecarMeta) -> dict[str, Any]:
+    kv: dict[str, Any] = {
+        "pi2.format_version": fmt.FORMAT_VERSION,
+        "pi2.source.architecture": m.source_architecture,
+        "pi2.source.name": m.source_name,
+        "pi2.source.file_size": m.source_file_size,
+        "pi2.source.fingerprint": fmt.model_fingerprint(m.tensor_fingerprints),
+        "pi2.source.tensor_fingerprints": m.tensor_fingerprints,
+        "pi2.n_layer": len(m.layers),
+        "pi2.n_embd": m.n_embd,
+        "pi2.activation": m.activation,
+        "pi2.sparsity.method": m.method,
+        "pi2.sparsity.target": m.target,
+        "pi2.predictor.recall_target": m.recall_target,
+        "pi2.calib.corpus": m.corpus,
+        "pi2.calib.corpus_sha256": m.corpus_sha256,
+        "pi2.calib.tokens": m.tokens,
+        "pi2.calib.heldout_tokens": m.heldout_tokens,
+        "pi2.calib.date": m.date,
+        "pi2.bundle.align": m.bundle_align,
+    }
+    for key, attr in _PER_LAYER.items():
+        if key in fmt.keys_of(m.method):
+            kv[key] = [getattr(ld, attr) for ld in m.layers]
+    return kv
+
+
+def _small_tensors(il: int, ld: LayerData) -> list[tuple[str, np.ndarray]]:
+    return [
+        (fmt.tensor_name(il, "pi2_pred_w1"), np.ascontiguousarray(ld.w1, dtype=np.float16)),
+        (fmt.tensor_name(il, "pi2_pred_b1"), np.ascontiguousarray(ld.b1, dtype=np.float32)),
+        (fmt.tensor_name(il, "pi2_pred_w2"), np.ascontiguousarray(ld.w2, dtype=np.float16)),
+        (fmt.tensor_name(il, "pi2_pred_b2"), np.ascontiguousarray(ld.b2, dtype=np.float32)),
+        (fmt.tensor_name(il, "pi2_freq"), np.ascontiguousarray(ld.freq, dtype=np.float32)),
+        (fmt.tensor_name(il, "pi2_order"), np.ascontiguousarray(ld.order, dtype=np.int32)),
+    ]
+
+
+def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarray],
+          progress: Callable[[int], None] | None = None) -> Path:
+    """Writes the sidecar atomically (temp file beside it, then rename). bundles(layer) returns that
+    layer's [n_bundles, bundle size] uint8 array."""
+    out = Path(path)
+    kv = _key_values(meta)
+    if set(kv) != set(fmt.keys_of(meta.method)):
+        raise AssertionError(f"writer keys differ from the format: {sorted(set(kv) ^ set(fmt.keys_of(meta.method)))}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    w = GGUFWriter(tmp, fmt.ARCHITECTURE)
+    try:
+        w.add_custom_alignment(fmt.BUNDLE_ALIGN)
+        for k, v in kv.items():
+            _ADD[fmt.KEYS[k]](w, k, v)
+        order: list[tuple[int, str, np.ndarray | None]] = []
+        for il, ld in enumerate(meta.layers):
+            for name, arr in _small_tensors(il, ld):
+                w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes)
+                order.append((il, name, arr))
+            name = fmt.tensor_name(il, "pi2_bundles")
+            shape = (ld.n_bundles, ld.bundle_size)
+            w.add_tensor_info(name, shape, np.dtype(np.int8), ld.n_bundles * ld.bundle_size)
+            order.append((il, name, None))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for il, name, arr in order:
+            if arr is None:
+                b = bundles(il)
+                ld = meta.layers[il]
+                if b.shape != (ld.n_bundles, ld.bundle_size) or b.dtype != np.uint8:
+                    raise AssertionError(f"bundles of layer {il}: {b.shape} {b.dtype}")
+                w.write_tensor_data(b.view(np.int8))
+                if progress:
+                    progress(il)
+            else:
+                w.write_tensor_data(arr)
+        w.close()
+        tmp.replace(out)
+    finally:
+        if w.fout is not None:
+            w.close()
+        tmp.unlink(missing_ok=True)
+    return out
