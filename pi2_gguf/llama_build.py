@@ -37,6 +37,8 @@ class BuildError(RuntimeError):
 
 def cache_dir() -> Path:
     root = os.environ.get("PI2_CACHE_DIR")
+    if root and Path(root).exists() and not Path(root).is_dir():
+        raise BuildError(f"PI2_CACHE_DIR={root} is not a directory")
     return Path(root) if root else Path.home() / ".cache" / "pi2-gguf"
 
 

@@ -13,9 +13,8 @@ from pi2_gguf.errors import PluginError
 from pi2_gguf.runtime import capi
 
 HEADER = Path(__file__).resolve().parents[1] / "ggml-backend" / "include" / "ggml-pi2.h"
-# exported but not called from Python: ggml finds the registration itself; the rest are deprecated
-NOT_CALLED = {"ggml_backend_pi2_reg", "pi2_counters_size", "pi2_set_sparse_limits", "pi2_set_predictor_always",
-              "pi2_set_model_rows", "pi2_set_prompt_on_cpu"}
+# exported but not called from Python: ggml finds the registration itself
+NOT_CALLED = {"ggml_backend_pi2_reg"}
 
 
 def test_the_table_covers_the_header() -> None:

@@ -146,3 +146,18 @@ def test_llama_settings_are_checked_before_the_weights_load(relu_model: tuple[Pa
     llm.close()
     with pytest.raises(ConfigError, match=f"no loaded model has PI2 binding {binding}"):
         pi2_gguf.configure("prompt", "cpu", binding=binding)
+
+
+def test_python_variables_are_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PI2_PLUGIN and PI2_CACHE_DIR, read by pi2_gguf itself, say their name too."""
+    from pi2_gguf import llama_build
+    from pi2_gguf.errors import PluginError
+
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    monkeypatch.setenv("PI2_CACHE_DIR", str(a_file))
+    with pytest.raises(llama_build.BuildError, match=f"PI2_CACHE_DIR={a_file} is not a directory"):
+        llama_build.cache_dir()
+    monkeypatch.setenv("PI2_PLUGIN", str(tmp_path / "missing.so"))
+    with pytest.raises(PluginError, match="PI2_PLUGIN=.*missing.so"):
+        capi.plugin_path()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 
 import pi2_gguf
 from pi2_gguf.bench import cgroup
@@ -29,6 +29,9 @@ from pi2_gguf.runtime.isolated import greedy_command, parse_results
 from pi2_gguf.runtime.memory_budget import parse_size
 from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.sidecar.reader import read as read_sidecar
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from gguf_copy import copy_gguf  # noqa: E402
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
@@ -281,22 +284,7 @@ def test_512_byte_bundles_on_a_4k_block_device_read_buffered(relu_model: tuple[P
 
 def _untied_copy(src: Path, dst: Path) -> Path:
     """src with its output matrix as a tensor of its own (a copy of token_embd), as most models have it."""
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:  # the test model is F32 with an F16 embedding: numpy dtypes carry the types
-        w.add_tensor(t.name, np.array(t.data))
-        if t.name == "token_embd.weight":
-            w.add_tensor("output.weight", np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return copy_gguf(src, dst, lambda name, data: [("output.weight", data)] if name == "token_embd.weight" else [])
 
 
 def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], tmp_path: Path) -> None:

@@ -4,15 +4,20 @@ error, never a read of the reserved address range."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 
 import pi2_gguf
+from pi2_gguf.errors import SidecarError
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from gguf_copy import copy_gguf  # noqa: E402
 
 UNFIT = "its gate and up products do not feed one GLU directly"
 
@@ -20,22 +25,8 @@ UNFIT = "its gate and up products do not feed one GLU directly"
 def _with_ffn_biases(src: Path, dst: Path) -> Path:
     """src with zero blk.N.ffn_gate.bias tensors: the same function, a graph with an ADD between the gate
     matmul and the GLU (the sidecar still matches: it fingerprints the weights)."""
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:  # the test model is F32 with an F16 embedding: numpy dtypes carry the types
-        w.add_tensor(t.name, np.array(t.data))
-        if t.name.endswith("ffn_gate.weight"):
-            w.add_tensor(t.name.replace(".weight", ".bias"), np.zeros(int(t.shape[1]), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return copy_gguf(src, dst, lambda name, data: [(name.replace(".weight", ".bias"), np.zeros(data.shape[0], np.float32))]
+                     if name.endswith("ffn_gate.weight") else [])
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +67,20 @@ def test_unfit_ffn_is_said_once_per_layer(biased: tuple[Path, Path]) -> None:
         assert r.stderr.count(f"pi2: layer {il} runs dense, not sparse: {UNFIT}") == 1, r.stderr[-3000:]
 
 
-def test_unfit_ffn_under_a_budget_is_refused(biased: tuple[Path, Path]) -> None:
+def test_unfit_ffn_under_a_budget_is_refused_at_load(biased: tuple[Path, Path]) -> None:
+    """llama reserves its graphs while the context is made; the plugin sees the layer there."""
     model, sidecar = biased
-    with pytest.raises(Exception, match=f"layer 0 cannot run from flash: {UNFIT}") as e:
-        llm = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="4GB", n_ctx=128, n_threads=2, verbose=False)
-        _greedy(llm, 2)
-    assert "Segmentation" not in str(e.value)
+    with pytest.raises(SidecarError, match=f"layer 0 cannot run from flash: {UNFIT}"):
+        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="4GB", n_ctx=128, n_threads=2, verbose=False)
+
+
+def test_unfit_ffn_under_an_env_budget_fails_the_decode_not_the_process(biased: tuple[Path, Path]) -> None:
+    """Other frontends (PI2_SIDECAR + PI2_MEMORY_BUDGET): the decode fails with the message; no crash."""
+    model, sidecar = biased
+    code = ("import llama_cpp, pi2_gguf\npi2_gguf.register()\n"
+            f"llm = llama_cpp.Llama({str(model)!r}, n_ctx=128, use_mmap=False, verbose=False)\n"
+            "try:\n    llm.eval(llm.tokenize(b'The history of'))\nexcept RuntimeError:\n    print('REFUSED')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PI2_SIDECAR=str(sidecar), PI2_MEMORY_BUDGET="4GB"))
+    assert r.returncode == 0 and "REFUSED" in r.stdout, r.stderr[-2000:]
+    assert f"layer 0 cannot run from flash: {UNFIT}" in r.stderr

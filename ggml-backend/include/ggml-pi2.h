@@ -68,7 +68,6 @@ GGML_BACKEND_API ggml_backend_reg_t ggml_backend_pi2_reg(void);
 // Process-wide counters of the PI2 device (all contexts add to them).
 GGML_BACKEND_API void pi2_counters_read(struct pi2_counters * out);
 GGML_BACKEND_API void pi2_counters_reset(void);
-GGML_BACKEND_API size_t pi2_counters_size(void); // sizeof(struct pi2_counters), for FFI checks
 
 // "pi2 <version>; ggml api <GGML_BACKEND_API_VERSION>; llama-cpp-python <pinned version>"
 GGML_BACKEND_API const char * pi2_build_info(void);
@@ -130,11 +129,6 @@ GGML_BACKEND_API int pi2_parse_size(const char * s, uint64_t * out);
 GGML_BACKEND_API uint64_t pi2_resident_bytes(void);
 // sizeof a public struct by name: "pi2_counters", "pi2_cache_info", "pi2_model_summary"; 0 for other names
 GGML_BACKEND_API size_t pi2_struct_size(const char * name);
-// Deprecated process-wide forms of pi2_config_set(0, ...), kept until the Python side moves over.
-GGML_BACKEND_API void pi2_set_sparse_limits(int batch_max, float down_sparse_max);
-GGML_BACKEND_API void pi2_set_predictor_always(int always);
-GGML_BACKEND_API void pi2_set_model_rows(int model);
-GGML_BACKEND_API void pi2_set_prompt_on_cpu(int on);
 
 // Testing the down-column kernels: y[0..n) += sum of a[c] * column c, columns in a ggml type (blocks
 // along n), summed the way sparse decode sums its active neurons' columns. 0, or -1 for a type without

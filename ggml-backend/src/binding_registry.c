@@ -277,32 +277,3 @@ int pi2_config_set(int id, const char * name, const char * value, char * err, si
     pi2_binding_unref(held);
     return 0;
 }
-
-// the deprecated process-wide setters: they set the defaults (a value out of range is ignored, as before)
-static void pi2_set_default(const char * name, const char * value) {
-    char err[256];
-    (void) pi2_config_set(0, name, value, err, sizeof(err));
-}
-
-static void pi2_set_default_number(const char * name, double v) {
-    char value[64];
-    snprintf(value, sizeof(value), "%.9g", v);
-    pi2_set_default(name, value);
-}
-
-void pi2_set_prompt_on_cpu(int on) {
-    pi2_set_default("PI2_PROMPT", on ? "cpu" : "pi2");
-}
-
-void pi2_set_model_rows(int model) {
-    pi2_set_default("PI2_ROWS", model ? "model" : "bundles");
-}
-
-void pi2_set_predictor_always(int always) {
-    pi2_set_default("PI2_PREDICTOR", always ? "always" : "auto");
-}
-
-void pi2_set_sparse_limits(int batch_max, float down_sparse_max) {
-    pi2_set_default_number("PI2_SPARSE_BATCH", batch_max);
-    pi2_set_default_number("PI2_DOWN_SPARSE_MAX", down_sparse_max);
-}

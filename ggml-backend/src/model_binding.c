@@ -240,10 +240,14 @@ bool pi2_binding_unfit_layer(struct pi2_binding * b, int layer, const char * why
     }
     const bool first = !atomic_exchange(&b->layer[layer].dense_logged, true);
     if (b->flash) {
-        snprintf(b->error, sizeof(b->error), "sidecar %s: layer %d cannot run from flash: %s; without a memory budget "
-                 "it would run dense in RAM", b->sc->path, layer, why);
+        char msg[sizeof(b->error)];
+        snprintf(msg, sizeof(msg), "sidecar %s: layer %d cannot run from flash: %s; without a memory budget it would "
+                 "run dense in RAM", b->sc->path, layer, why);
         if (first) {
-            PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+            PI2_LOG_REFUSAL("pi2: %s\n", msg);
+        }
+        if (b->error[0] == '\0') { // the first layer found is the one the frontend reports
+            memcpy(b->error, msg, sizeof(msg));
         }
         return true;
     }

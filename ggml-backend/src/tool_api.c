@@ -43,10 +43,6 @@ int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float 
     return 0;
 }
 
-size_t pi2_counters_size(void) {
-    return sizeof(struct pi2_counters);
-}
-
 const char * pi2_build_info(void) {
     return "pi2 " PI2_VERSION "; ggml api " PI2_STR(GGML_BACKEND_API_VERSION) "; llama-cpp-python " PI2_LLAMA_CPP_PYTHON_VERSION;
 }

@@ -1,6 +1,7 @@
 """Runs a command like a device with little memory: a cgroup v1 memory limit (RSS and page cache of the
-whole process tree), optional blkio read caps (phone flash), and a cold page cache. The method of
-../shared/emu_device.sh (DESIGN.md section 5), carried by the project. Needs root and cgroup v1."""
+whole process tree), optional blkio read caps (phone flash), and a cold page cache (the files' pages
+dropped with drop_caches before the run), so the page cache cannot hold the model for it. Needs root and
+cgroup v1."""
 
 from __future__ import annotations
 

@@ -122,6 +122,12 @@ class Llama(llama_cpp.Llama):
             plugin.load_end()
         self._pi2_constructed = True
         if self.pi2_memory_budget is not None:
+            # what the plugin refused while llama loaded and reserved its graphs (a weight that is not the
+            # sidecar's, an FFN graph that cannot run from flash): the model could not decode
+            why = plugin.binding_error(self.pi2_binding)
+            if why:
+                self.close()
+                raise SidecarError(why)
             reserved = budgets.compute_reserve(compute, self._n_vocab, self.context_params.n_ubatch,
                                                self._logits_all or bool(self.context_params.embeddings),
                                                self.scores.nbytes if self._logits_all else 0)

@@ -1,0 +1,31 @@
+"""A GGUF copied with changes, for tests that need a variant of a model (gguf-py reader and writer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+
+def copy_gguf(src: Path, dst: Path, extra: Callable[[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]) -> Path:
+    """src's fields and tensors into dst, each tensor followed by the (name, array) tensors extra(name, data)
+    gives. Numpy dtypes carry the types: for models with F32/F16 tensors, as the synthetic test models."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        data = np.array(t.data)
+        w.add_tensor(t.name, data)
+        for name, more in extra(t.name, data):
+            w.add_tensor(name, more)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
