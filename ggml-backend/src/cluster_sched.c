@@ -7,17 +7,12 @@
 #include "predictor.h"
 #include "sparse_kernels.h"
 
-// the predictor selects slot s (p->z holds the token's scores)
-static inline bool pi2_selected(const struct pi2_sparse_plan * p, int64_t s) {
-    return pi2_predictor_selects(p->z[s], p->L->cutoff, p->rule == PI2_RULE_RELU, p->op);
-}
-
 // balanced assignment's weights for the clusters of slots [z0, z1) (whole clusters: W2's blocks are clusters)
 static void pi2_cluster_weights(struct pi2_sparse_plan * p, int64_t z0, int64_t z1) {
     for (int64_t c = z0 / PI2_CLUSTER; c < z1 / PI2_CLUSTER; ++c) {
         int32_t w = 1;
         for (int64_t s = c * PI2_CLUSTER; s < (c + 1) * PI2_CLUSTER; ++s) {
-            w += pi2_selected(p, s);
+            w += pi2_plan_selects(p, s);
         }
         p->weight[c] = w;
     }
@@ -57,7 +52,7 @@ static int64_t pi2_thread_candidates(const struct pi2_sparse_plan * p, int64_t c
                 }
                 pred = p->want[s] == 1;
             } else if (p->select != PI2_SELECT_ALL) {
-                pred = pi2_selected(p, s);
+                pred = pi2_plan_selects(p, s);
                 if (!pred && p->select != PI2_SELECT_CHECKED) {
                     continue;
                 }

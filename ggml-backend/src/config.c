@@ -40,6 +40,12 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
     [PI2_SET_COLD_SHARE]        = { "PI2_COLD_SHARE", PI2_KIND_FRACTION, 0, 0.9, 0, "a fraction", NULL },
 };
 
+// The process settings, read by pi2_config_from_env (the per-model ones are the table above).
+enum { PI2_VAR_MODE, PI2_VAR_MEMORY_BUDGET, PI2_VAR_SIDECAR, PI2_N_PROCESS_VARS };
+static const char * const pi2_process_vars[PI2_N_PROCESS_VARS] = {
+    [PI2_VAR_MODE] = "PI2_MODE", [PI2_VAR_MEMORY_BUDGET] = "PI2_MEMORY_BUDGET", [PI2_VAR_SIDECAR] = "PI2_SIDECAR",
+};
+
 int pi2_parse_size(const char * s, uint64_t * out) {
     if (s == NULL) {
         return -1;
@@ -194,7 +200,7 @@ void pi2_config_from_env(struct pi2_config * out) {
             atomic_store(&out->defaults.v[which], x);
         }
     }
-    const char * mode = pi2_env("PI2_MODE");
+    const char * mode = pi2_env(pi2_process_vars[PI2_VAR_MODE]);
     if (mode != NULL) {
         out->mode = pi2_mode_parse(mode);
         out->mode_set = true;
@@ -203,12 +209,12 @@ void pi2_config_from_env(struct pi2_config * out) {
             return;
         }
     }
-    const char * budget = pi2_env("PI2_MEMORY_BUDGET");
+    const char * budget = pi2_env(pi2_process_vars[PI2_VAR_MEMORY_BUDGET]);
     if (budget != NULL && (pi2_parse_size(budget, &out->memory_budget) != 0 || out->memory_budget == 0)) {
         snprintf(err, errlen, "PI2_MEMORY_BUDGET=%s is not a size (e.g. 600MB, 2GiB, 1500000000)", budget);
         return;
     }
-    const char * sidecar = pi2_env("PI2_SIDECAR");
+    const char * sidecar = pi2_env(pi2_process_vars[PI2_VAR_SIDECAR]);
     if (sidecar != NULL && strlen(sidecar) >= sizeof(out->sidecar)) {
         snprintf(err, errlen, "PI2_SIDECAR=%.64s... is longer than %d bytes", sidecar, PI2_PATH_MAX - 1);
         return;
@@ -226,10 +232,9 @@ void pi2_config_from_env(struct pi2_config * out) {
 
 int pi2_config_names(char * buf, size_t size) {
     // the per-model table, then the process settings pi2_config_from_env reads
-    static const char * const process[] = { "PI2_MODE", "PI2_MEMORY_BUDGET", "PI2_SIDECAR" };
     size_t used = 0;
-    for (int k = 0; k < PI2_N_SETTINGS + 3; ++k) {
-        const char * name = k < PI2_N_SETTINGS ? pi2_defs[k].name : process[k - PI2_N_SETTINGS];
+    for (int k = 0; k < PI2_N_SETTINGS + PI2_N_PROCESS_VARS; ++k) {
+        const char * name = k < PI2_N_SETTINGS ? pi2_defs[k].name : pi2_process_vars[k - PI2_N_SETTINGS];
         const int n = snprintf(used < size ? buf + used : NULL, used < size ? size - used : 0, "%s%s", k > 0 ? "," : "", name);
         used += (size_t) n;
     }

@@ -346,7 +346,7 @@ static void pi2_pipeline_request(struct pi2_sparse_plan * p, int ith, int nth, i
         const int64_t s0 = c * PI2_CLUSTER;
         const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
         for (int64_t s = s0; s < s1; ++s) {
-            const bool selected = !predicted || pi2_predictor_selects(p->z[s], p->L->cutoff, p->rule == PI2_RULE_RELU, p->op);
+            const bool selected = !predicted || pi2_plan_selects(p, s);
             p->want[s] = selected ? 1 : (p->select == PI2_SELECT_CHECKED ? 2 : 0);
         }
     }

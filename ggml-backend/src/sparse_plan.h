@@ -13,6 +13,7 @@
 #include "ggml.h"
 #include "model_binding.h"
 #include "neuron_cache.h"
+#include "predictor.h"
 
 #define PI2_CLUSTER 32 // neurons per cluster: one thread's unit of work
 
@@ -127,6 +128,11 @@ struct pi2_sparse_plan {
     int                       nth;
     int64_t                   n_down_sparse; // tokens whose down ran by columns
 };
+
+// the predictor selects slot s (p->z holds the token's scores)
+static inline bool pi2_plan_selects(const struct pi2_sparse_plan * p, int64_t s) {
+    return pi2_predictor_selects(p->z[s], p->L->cutoff, p->rule == PI2_RULE_RELU, p->op);
+}
 
 // the bundle of slot s through the accessor; marks the plan failed if its read failed
 static inline const uint8_t * pi2_plan_bundle(struct pi2_sparse_plan * p, int64_t s, struct pi2_thread_stats * st) {
