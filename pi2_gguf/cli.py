@@ -168,7 +168,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
-                  args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons)
+                  args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
+                  predictor=args.predictor)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
           f"(profiling {res.profile_seconds:.0f} s)")
@@ -301,7 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of active neurons the predictors must catch (default %(default)s)")
     p.add_argument("--ranks", type=_ints, help="candidate predictor widths, comma-separated (default n_embd/16,/8,/4,/2)")
     p.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
-    p.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs")
+    p.add_argument("--predictor", choices=pred_mod.KINDS, default=pred_mod.DEFAULT_KIND,
+                   help="svd (default): reduced-rank regression of the gate on the profiled inputs, no training; "
+                        "trained: then Adam epochs (slower; docs/CONVERT.md compares them)")
+    p.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs (--predictor trained)")
     p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
                    help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
                         "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "

@@ -163,3 +163,31 @@ def ensure_wheel(patches_dir: Path, python: str = sys.executable, log: Callable[
             staged.replace(wheel_dir)
         wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
     return Dependency(key=key, wheel=wheels[0], ggml_dir=source / "vendor" / "llama.cpp" / "ggml")
+
+
+def ensure_stock_site(python: str = sys.executable, log: Callable[[str], None] = print) -> Path:
+    """llama-cpp-python as a user builds it, without patches/ (its own cached wheel), unpacked into a
+    directory that, first on PYTHONPATH, makes `import llama_cpp` load it: the build the plugin must be
+    right on by itself. Its ggml is the pinned sdist's, as the patched wheel's, so the plugin loads into it."""
+    with tempfile.TemporaryDirectory() as empty:
+        dep = ensure_wheel(Path(empty), python, log)
+    site = cache_dir() / "stock-site" / dep.key
+    if (site / ".complete").is_file():
+        return site
+    site.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dep.key}-", dir=site.parent))
+    try:
+        import zipfile
+
+        with zipfile.ZipFile(dep.wheel) as z:
+            z.extractall(tmp)
+        for lib in (tmp / "llama_cpp" / "lib").glob("*.so*"):
+            lib.chmod(0o755)  # zip members lose their mode
+        (tmp / ".complete").write_text(dep.key + "\n")
+        if site.exists():
+            shutil.rmtree(site)
+        tmp.replace(site)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return site

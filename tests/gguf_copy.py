@@ -9,20 +9,25 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 
-def copy_gguf(src: Path, dst: Path, extra: Callable[[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]) -> Path:
+def copy_gguf(src: Path, dst: Path, extra: Callable[[str, np.ndarray], Iterable[tuple[str, np.ndarray]]] | None = None,
+              set_kv: dict[str, str | np.float32] | None = None) -> Path:
     """src's fields and tensors into dst, each tensor followed by the (name, array) tensors extra(name, data)
-    gives. Numpy dtypes carry the types: for models with F32/F16 tensors, as the synthetic test models."""
+    gives, and the keys of set_kv set (str: a string, np.float32: a float32). Numpy dtypes carry the tensor
+    types: for models with F32/F16 tensors, as the synthetic test models."""
     r = GGUFReader(src)
     w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    set_kv = set_kv or {}
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or name in set_kv:
             continue
         sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
         w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for name, value in set_kv.items():
+        w.add_key_value(name, value, GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.FLOAT32)
     for t in r.tensors:
         data = np.array(t.data)
         w.add_tensor(t.name, data)
-        for name, more in extra(t.name, data):
+        for name, more in (extra(t.name, data) if extra is not None else ()):
             w.add_tensor(name, more)
     w.write_header_to_file()
     w.write_kv_data_to_file()

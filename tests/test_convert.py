@@ -320,3 +320,29 @@ def test_convert_cli_writes_beside_the_model_and_leaves_it_untouched(smollm2: Pa
     assert res.returncode == 2 and "not a pi2 sidecar" in res.stderr
     res = subprocess.run([*cli, "convert", str(model), "--sparsity", "1.2"], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 2 and "sparsity must be in [0, 1)" in res.stderr
+
+
+def test_training_free_predictor_is_the_best_rank_k_fit_and_reaches_its_recall(smollm2: Path,
+                                                                            smol_profile: Profile) -> None:
+    """--predictor svd: z = the least-squares rank-k fit of g on the profiled x (checked against an SVD of
+    the fitted g itself), and its calibrated cutoff catches the recall target on held-out tokens."""
+    from pi2_gguf.converter import predictor as pm
+
+    model = ModelFfn(smollm2)
+    il = 5
+    gate = model.layers[il]["gate"].dequantized()
+    x, xh = smol_profile.train[il].astype(np.float32), smol_profile.heldout[il].astype(np.float32)
+    g = x @ gate.T
+    k = 16
+    z = pm.rrr_init(x, gate, 2 * k).outputs(x)
+    # the best rank-k approximation of g in the column space of x: g's own truncated SVD (g = x W^T already
+    # lies in it)
+    u, s, vt = np.linalg.svd(g.astype(np.float64), full_matrices=False)
+    best = (u[:, :k] * s[:k]) @ vt[:k]
+    assert np.linalg.norm(z - best) <= 1e-3 * np.linalg.norm(g)
+    act = lambda v: activation_values(model.activation, v)  # noqa: E731
+    score = pm.score_fn("cats", act)
+    th = float(np.quantile(np.abs(act(g)), 0.5))
+    costs = pm.Costs(100.0, 200.0)
+    fitted = pm.fit_layer(score, th, gate, x, g, xh, xh @ gate.T, [64], 0.99, costs, kind="svd")
+    assert fitted.heldout.recall >= 0.97 and fitted.predictor.rank == 64

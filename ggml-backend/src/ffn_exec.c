@@ -27,9 +27,8 @@ static void pi2_count_matmul(struct pi2_counters * c, const struct ggml_tensor *
     pi2_count(&c->layer[layer].weight_bytes[matrix], (uint64_t) w->ne[1] * w->nb[1]);
 }
 
-// glu: the GLU node; its first input is the product of the layer's ffn_gate weight
-static void pi2_count_glu(struct pi2_counters * c, const struct ggml_tensor * glu) {
-    const struct ggml_tensor * gate_w = glu->src[0]->src[0];
+// out: act(gate) * up of the layer whose ffn_gate weight is gate_w
+static void pi2_count_glu(struct pi2_counters * c, const struct ggml_tensor * gate_w, const struct ggml_tensor * glu) {
     int layer = 0;
     enum pi2_matrix matrix = PI2_MATRIX_GATE;
     if (gate_w == NULL || !pi2_ffn_weight_parse(gate_w->name, &layer, &matrix)) {
@@ -39,14 +38,13 @@ static void pi2_count_glu(struct pi2_counters * c, const struct ggml_tensor * gl
     pi2_count(&c->layer[layer].glu_tokens, (uint64_t) ggml_nrows(glu));
 }
 
-// GLU of one token's columns [c0, c1): out = act(gate) * up, the inputs being the GLU node's sources
-static bool pi2_glu_columns(const struct pi2_glu_tables * tables, struct ggml_tensor * glu, int64_t t, int64_t c0, int64_t c1) {
-    const struct ggml_tensor * gate = glu->src[0];
-    const struct ggml_tensor * up   = glu->src[1];
-    float *       y  = (float *) ((char *) glu->data + t * glu->nb[1]) + c0;
+// act(gate) * up of one token's columns [c0, c1) into out (activation.h)
+static bool pi2_glu_columns(const struct pi2_glu_tables * tables, const struct pi2_ffn_act * act, struct ggml_tensor * out,
+                            const struct ggml_tensor * gate, const struct ggml_tensor * up, int64_t t, int64_t c0, int64_t c1) {
+    float *       y  = (float *) ((char *) out->data + t * out->nb[1]) + c0;
     const float * xg = (const float *) ((const char *) gate->data + t * gate->nb[1]) + c0;
     const float * xu = (const float *) ((const char *) up->data + t * up->nb[1]) + c0;
-    return pi2_glu_span(tables, ggml_get_glu_op(glu), (int) (c1 - c0), y, xg, xu);
+    return pi2_glu_span(tables, act, (int) (c1 - c0), y, xg, xu);
 }
 
 // Work shared by every matmul pass: activations converted to vec_dot_type once (in parallel, in the
@@ -133,8 +131,9 @@ enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tens
     return st;
 }
 
-enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
-    const enum ggml_glu_op op = ggml_get_glu_op(node);
+// act(gate) * up over all of out's rows, the threads splitting rows or (decode) spans of a row
+static enum ggml_status pi2_exec_act(struct pi2_backend_ctx * ctx, const struct pi2_ffn_act * act, struct ggml_tensor * node,
+                                     const struct ggml_tensor * gate, const struct ggml_tensor * up) {
 
     const int64_t nc = node->ne[0];
     const int64_t nr = ggml_nrows(node);
@@ -155,38 +154,29 @@ enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor *
         const int64_t row = u / units_per_row;
         const int64_t c0  = (u % units_per_row) * span;
         const int64_t c1  = c0 + span < nc ? c0 + span : nc;
-        if (!pi2_glu_columns(&ctx->dev->glu, node, row, c0, c1)) {
+        if (!pi2_glu_columns(&ctx->dev->glu, act, node, gate, up, row, c0, c1)) {
             atomic_store(&failed, 1);
         }
     }
     if (atomic_load(&failed)) {
-        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(op));
+        PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[act->kind]);
         return GGML_STATUS_FAILED;
     }
-    pi2_count_glu(&ctx->dev->counters, node);
     return GGML_STATUS_SUCCESS;
 }
 
-bool pi2_ffn_fusable(const struct ggml_tensor * a, const struct ggml_tensor * b, const struct ggml_tensor * glu) {
-    if (a->op != GGML_OP_MUL_MAT || b->op != GGML_OP_MUL_MAT || glu->op != GGML_OP_GLU) {
-        return false;
+enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node, const struct pi2_ffn_act * act) {
+    const enum ggml_status st = pi2_exec_act(ctx, act, node, node->src[0], node->src[1]);
+    if (st == GGML_STATUS_SUCCESS) {
+        pi2_count_glu(&ctx->dev->counters, node->src[0]->src[0], node);
     }
-    const struct ggml_tensor * gate = glu->src[0];
-    const struct ggml_tensor * up   = glu->src[1];
-    if (!((gate == a && up == b) || (gate == b && up == a))) {
-        return false;
-    }
-    const struct ggml_tensor * wg = gate->src[0];
-    const struct ggml_tensor * wu = up->src[0];
-    return gate->src[1] == up->src[1] && wg->ne[0] == wu->ne[0] && wg->ne[1] == wu->ne[1] &&
-           ggml_get_type_traits_cpu(wg->type)->vec_dot_type == ggml_get_type_traits_cpu(wu->type)->vec_dot_type &&
-           (glu->flags & GGML_TENSOR_FLAG_COMPUTE) && (a->flags & GGML_TENSOR_FLAG_COMPUTE) && (b->flags & GGML_TENSOR_FLAG_COMPUTE);
+    return st;
 }
 
 struct pi2_gate_up_glu {
     struct pi2_dense_args         gate, up; // x is set per span from the runner's activations
     const struct pi2_glu_tables * tables;
-    struct ggml_tensor *          glu;
+    const struct pi2_ffn_region * r;
     atomic_int                    failed;
 };
 
@@ -199,19 +189,33 @@ static void pi2_gate_up_glu_span(void * arg, const char * xq, size_t xq_stride, 
     pi2_dense_rows(&gate, r0, r1);
     pi2_dense_rows(&up, r0, r1);
     for (int64_t t = 0; t < up.n_tokens; ++t) {
-        if (!pi2_glu_columns(f->tables, f->glu, t, r0, r1)) {
+        if (!pi2_glu_columns(f->tables, &f->r->act, f->r->out, f->r->gate, f->r->up, t, r0, r1)) {
             atomic_store(&f->failed, 1);
         }
     }
 }
 
-enum ggml_status pi2_exec_gate_up_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * glu) {
-    struct ggml_tensor *       gate = glu->src[0];
-    struct ggml_tensor *       up   = glu->src[1];
+enum ggml_status pi2_exec_gate_up_act(struct pi2_backend_ctx * ctx, const struct pi2_ffn_region * r) {
+    struct ggml_tensor *       gate = r->gate;
+    struct ggml_tensor *       up   = r->up;
     const struct ggml_tensor * x    = gate->src[1];
     const struct ggml_tensor * wg   = gate->src[0];
     const struct ggml_tensor * wu   = up->src[0];
-
+    struct pi2_counters *      c    = &ctx->dev->counters;
+    if (ggml_get_type_traits_cpu(wg->type)->vec_dot_type != ggml_get_type_traits_cpu(wu->type)->vec_dot_type) {
+        // the two products cannot share converted activations: one pass each, then the activation
+        enum ggml_status st = pi2_exec_mul_mat(ctx, gate);
+        if (st == GGML_STATUS_SUCCESS) {
+            st = pi2_exec_mul_mat(ctx, up);
+        }
+        if (st == GGML_STATUS_SUCCESS) {
+            st = pi2_exec_act(ctx, &r->act, r->out, gate, up);
+        }
+        if (st == GGML_STATUS_SUCCESS) {
+            pi2_count_glu(c, wg, r->out);
+        }
+        return st;
+    }
     struct pi2_gate_up_glu f = {
         .gate = { .w = (const char *) wg->data, .w_stride = wg->nb[1], .k = wg->ne[0], .n_tokens = x->ne[1],
                   .dst = (float *) gate->data, .dst_stride = (int64_t) (gate->nb[1] / sizeof(float)),
@@ -220,7 +224,7 @@ enum ggml_status pi2_exec_gate_up_glu(struct pi2_backend_ctx * ctx, struct ggml_
                   .dst = (float *) up->data, .dst_stride = (int64_t) (up->nb[1] / sizeof(float)),
                   .vec_dot = ggml_get_type_traits_cpu(wu->type)->vec_dot },
         .tables = &ctx->dev->glu,
-        .glu    = glu,
+        .r      = r,
     };
     atomic_init(&f.failed, 0);
     const enum ggml_status st = pi2_run_spans(ctx, x, ggml_get_type_traits_cpu(wg->type)->vec_dot_type, wg->ne[1],
@@ -229,12 +233,11 @@ enum ggml_status pi2_exec_gate_up_glu(struct pi2_backend_ctx * ctx, struct ggml_
         return st;
     }
     if (atomic_load(&f.failed)) {
-        PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(glu)));
+        PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[r->act.kind]);
         return GGML_STATUS_FAILED;
     }
-    struct pi2_counters * c = &ctx->dev->counters;
     pi2_count_matmul(c, wg, x->ne[1]);
     pi2_count_matmul(c, wu, x->ne[1]);
-    pi2_count_glu(c, glu);
+    pi2_count_glu(c, wg, r->out);
     return GGML_STATUS_SUCCESS;
 }

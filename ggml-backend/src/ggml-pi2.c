@@ -21,6 +21,7 @@
 #include "model_binding.h"
 #include "pi2_log.h"
 #include "pi2_context.h"
+#include "ffn_region.h"
 #include "sparse_ffn.h"
 
 #define PI2_NAME      "PI2"
@@ -40,6 +41,7 @@ struct pi2_buffer_ctx {
     bool                 flash;
     size_t               reserved; // flash: bytes of address space
     struct pi2_binding * binding;
+    struct pi2_stated_act act;     // the FFN activation the model states (activation.h)
 };
 
 static void pi2_buffer_free(ggml_backend_buffer_t buffer) {
@@ -167,6 +169,7 @@ static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
         bc->data    = data;
         bc->owned   = owned;
         bc->binding = dctx->pending;
+        bc->act     = dctx->pending_act;
         if (bc->binding != NULL) {
             pi2_binding_ref(bc->binding);
         }
@@ -273,10 +276,62 @@ static struct pi2_binding * pi2_weight_binding(const struct ggml_tensor * w) {
     return bc->binding;
 }
 
+// the FFN activation the model of weight w states; llama's placement probe asks with a zero-size buffer,
+// which has no context: the pending load's
+static struct pi2_stated_act pi2_weight_act(const struct ggml_tensor * w) {
+    struct pi2_device_ctx * d = pi2_device_ctx();
+    if (w == NULL || w->buffer == NULL || w->buffer->buft->iface.get_name != pi2_buft_get_name) {
+        return (struct pi2_stated_act) { 0 };
+    }
+    const struct pi2_buffer_ctx * bc = w->buffer->context;
+    if (bc != NULL) {
+        return bc->act;
+    }
+    pthread_mutex_lock(&d->lock);
+    const struct pi2_stated_act a = d->pending_act;
+    pthread_mutex_unlock(&d->lock);
+    return a;
+}
+
 // the model's value of a per-model setting, for a weight of a model with a sidecar (else the default)
 static double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting k) {
     const struct pi2_binding * b = pi2_weight_binding(w);
     return pi2_setting(b != NULL ? &b->settings : NULL, &pi2_device_ctx()->config.defaults, k);
+}
+
+// Node i, a MUL_MAT: if it starts a layer's FFN region (ffn_region.h), the region runs (sparse for a model
+// with a sidecar, else dense) and the nodes consumed are returned; 0 when node i runs alone. A model that
+// states a ReLU-family activation must have every FFN in a region: PI2 alone computes that activation on
+// an unmodified llama.cpp, whose graph holds SwiGLU.
+static int pi2_compute_ffn_region(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgraph, int i, enum ggml_status * st) {
+    const struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
+    int layer = 0;
+    enum pi2_matrix m;
+    if (!pi2_ffn_weight_parse(w->name, &layer, &m)) {
+        return 0;
+    }
+    const struct pi2_stated_act sa = pi2_weight_act(w);
+    struct pi2_binding * b = pi2_weight_binding(w);
+    struct pi2_ffn_region r;
+    const char * why = NULL;
+    if (pi2_ffn_region_find(cgraph, i, &sa, &r, &why)) {
+        if (b != NULL) {
+            return pi2_sparse_ffn_compute(ctx, b, &r, st);
+        }
+        *st = pi2_exec_gate_up_act(ctx, &r);
+        return r.n_nodes - (r.down != NULL); // down runs next, alone
+    }
+    if (b != NULL && m != PI2_MATRIX_DOWN && pi2_binding_unfit_layer(b, layer, why)) {
+        *st = GGML_STATUS_FAILED;
+        return 1;
+    }
+    if (sa.stated && pi2_act_relu_family(sa.act.kind) && m != PI2_MATRIX_DOWN) {
+        PI2_LOG_REFUSAL("pi2: layer %d's FFN graph is not one PI2 computes %s for: %s\n", layer,
+                        pi2_activation_names[sa.act.kind], why);
+        *st = GGML_STATUS_FAILED;
+        return 1;
+    }
+    return 0;
 }
 
 static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph) {
@@ -290,9 +345,8 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             continue;
         }
         enum ggml_status st = GGML_STATUS_SUCCESS;
-        struct pi2_binding * b = node->op == GGML_OP_MUL_MAT ? pi2_weight_binding(node->src[0]) : NULL;
-        if (b != NULL) {
-            const int used = pi2_sparse_ffn_compute(ctx, b, cgraph, i, &st);
+        if (node->op == GGML_OP_MUL_MAT) {
+            const int used = pi2_compute_ffn_region(ctx, cgraph, i, &st);
             if (st != GGML_STATUS_SUCCESS) {
                 return st;
             }
@@ -302,23 +356,20 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
                 continue;
             }
         }
-        if (node->op == GGML_OP_MUL_MAT && i + 2 < n_nodes &&
-            pi2_ffn_fusable(node, ggml_graph_node(cgraph, i + 1), ggml_graph_node(cgraph, i + 2))) {
-            st = pi2_exec_gate_up_glu(ctx, ggml_graph_node(cgraph, i + 2));
-            if (st != GGML_STATUS_SUCCESS) {
-                return st;
-            }
-            pi2_count(&ctx->dev->counters.nodes_computed, 3);
-            i += 2;
-            continue;
-        }
         switch (node->op) {
             case GGML_OP_MUL_MAT:
                 st = pi2_exec_mul_mat(ctx, node);
                 break;
-            case GGML_OP_GLU:
-                st = pi2_exec_glu(ctx, node);
-                break;
+            case GGML_OP_GLU: {
+                // alone (its products ran on the CPU, a prompt batch): the model's activation if it states one
+                const struct pi2_stated_act sa = pi2_weight_act(node->src[0]->src[0]);
+                struct pi2_ffn_act act = sa.act;
+                if (!sa.stated && !pi2_act_from_glu(ggml_get_glu_op(node), &act)) {
+                    PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(node)));
+                    return GGML_STATUS_FAILED;
+                }
+                st = pi2_exec_glu(ctx, node, &act);
+            } break;
             case GGML_OP_GET_ROWS:
                 st = pi2_exec_embedding_rows(ctx, pi2_weight_binding(node->src[0]), node);
                 break;
@@ -355,9 +406,14 @@ static void pi2_backend_graph_optimize(ggml_backend_t backend, struct ggml_cgrap
         if (b == NULL || !pi2_ffn_weight_parse(node->src[0]->name, &layer, &m)) {
             continue;
         }
-        if (pi2_sparse_ffn_match(cgraph, i, &why) == 4) {
-            i += 3;
-        } else {
+        struct pi2_ffn_region r;
+        const struct pi2_stated_act sa = pi2_weight_act(node->src[0]);
+        if (pi2_ffn_region_find(cgraph, i, &sa, &r, &why)) {
+            if (r.down == NULL) {
+                pi2_binding_unfit_layer(b, layer, "its down product does not take act(gate) * up directly");
+            }
+            i += r.n_nodes - 1;
+        } else if (m != PI2_MATRIX_DOWN) { // a down product alone follows a region reported above
             pi2_binding_unfit_layer(b, layer, why);
         }
     }
@@ -502,18 +558,53 @@ static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_t
            w->ne[0] % ggml_blck_size(w->type) == 0;
 }
 
-// the FFN's GLU: both inputs are products of PI2-owned FFN weights
+// the own FFN weight whose product t derives from through at most `depth` elementwise ops, or NULL
+static const struct ggml_tensor * pi2_ffn_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t, int depth) {
+    if (t == NULL) {
+        return NULL;
+    }
+    if (t->op == GGML_OP_MUL_MAT) {
+        int layer = 0;
+        enum pi2_matrix m;
+        return pi2_is_own_buffer(dev, t->src[0]) && pi2_ffn_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
+    }
+    if (depth == 0 || !(t->op == GGML_OP_GLU || pi2_ffn_region_elementwise(t))) {
+        return NULL;
+    }
+    const struct ggml_tensor * w = pi2_ffn_product_weight(dev, t->src[0], depth - 1);
+    return w != NULL ? w : pi2_ffn_product_weight(dev, t->src[1], depth - 1);
+}
+
+// the FFN's GLU: both inputs are products of PI2-owned FFN weights (for a model that states a ReLU-family
+// activation, possibly through the elementwise ops a patched llama.cpp spells it with)
 static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * a = op->src[0];
     const struct ggml_tensor * b = op->src[1];
-    if (b == NULL || !pi2_glu_supported(ggml_get_glu_op(op))) {
+    const struct ggml_tensor * wa = pi2_ffn_product_weight(dev, a, 3);
+    if (b == NULL || wa == NULL || pi2_ffn_product_weight(dev, b, 3) == NULL) {
         return false;
     }
-    if (a->op != GGML_OP_MUL_MAT || b->op != GGML_OP_MUL_MAT || !pi2_is_own_buffer(dev, a->src[0]) || !pi2_is_own_buffer(dev, b->src[0])) {
+    const struct pi2_stated_act sa = pi2_weight_act(wa);
+    const bool relu_family = sa.stated && pi2_act_relu_family(sa.act.kind);
+    if ((a->op != GGML_OP_MUL_MAT || b->op != GGML_OP_MUL_MAT) && !relu_family) {
+        return false;
+    }
+    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !sa.stated) {
         return false;
     }
     return a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
            ggml_are_same_shape(a, b) && ggml_is_contiguous_1(a) && ggml_is_contiguous_1(b) && ggml_is_contiguous_1(op);
+}
+
+// an elementwise op with which a patched llama.cpp spells the ReLU-family activation of a model that states
+// one (ffn_region.h): it runs inside PI2's FFN region
+static bool pi2_supports_ffn_elementwise(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * w = pi2_ffn_product_weight(dev, op, 4);
+    if (w == NULL || !pi2_ffn_region_elementwise(op)) {
+        return false;
+    }
+    const struct pi2_stated_act sa = pi2_weight_act(w);
+    return sa.stated && pi2_act_relu_family(sa.act.kind) && op->type == GGML_TYPE_F32 && ggml_is_contiguous_1(op);
 }
 
 // GET_ROWS of a token embedding left in the model file (a flash binding with an embedding)
@@ -542,7 +633,13 @@ static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggm
 // (Flash weights are not in memory, so their prompts stay in PI2.)
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
-    return w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0 &&
+    if (w->buffer == NULL || w->buffer->buft != &d->buft || ggml_backend_buffer_get_size(w->buffer) == 0) {
+        return false;
+    }
+    // a model that states a ReLU-family activation keeps its prompts in PI2: ggml-cpu would run the GLU an
+    // unmodified llama.cpp's graph holds (SwiGLU)
+    const struct pi2_stated_act sa = pi2_weight_act(w);
+    return !(sa.stated && pi2_act_relu_family(sa.act.kind)) &&
            pi2_weight_setting(w, PI2_SET_PROMPT) != 0.0 && n_tokens > pi2_weight_setting(w, PI2_SET_SPARSE_BATCH);
 }
 
@@ -567,6 +664,10 @@ static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_ten
             return pi2_supports_embedding_rows(dev, op);
         case GGML_OP_GLU:
             return pi2_supports_ffn_glu(dev, op);
+        case GGML_OP_UNARY:
+        case GGML_OP_SCALE:
+        case GGML_OP_MUL:
+            return pi2_supports_ffn_elementwise(dev, op);
         default:
             return false;
     }

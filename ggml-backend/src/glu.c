@@ -123,8 +123,21 @@ bool pi2_glu_supported(enum ggml_glu_op op) {
     }
 }
 
-bool pi2_glu_span(const struct pi2_glu_tables * t, enum ggml_glu_op op, int n, float * y, const float * x, const float * g) {
-    switch (op) {
+bool pi2_glu_span(const struct pi2_glu_tables * t, const struct pi2_ffn_act * a, int n, float * y, const float * x, const float * g) {
+    if (a->kind == PI2_ACT_DRELU) {
+        for (int i = 0; i < n; ++i) {
+            y[i] = (x[i] > 0.f && g[i] > 0.f) ? x[i] * g[i] : 0.f;
+        }
+        return true;
+    }
+    if (a->kind == PI2_ACT_FATRELU) {
+        const float th = a->threshold;
+        for (int i = 0; i < n; ++i) {
+            y[i] = x[i] > th ? x[i] * g[i] : 0.f;
+        }
+        return true;
+    }
+    switch (pi2_act_glu_op(a)) {
         case GGML_GLU_OP_SWIGLU: {
             int i = pi2_swiglu_vec(n, y, x, g);
             for (; i < n; ++i) {

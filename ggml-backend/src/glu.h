@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "activation.h"
 #include "ggml.h"
 
 struct pi2_glu_tables {
@@ -18,8 +19,9 @@ void pi2_glu_tables_init(struct pi2_glu_tables * t);
 // true for the GLU ops these kernels implement
 bool pi2_glu_supported(enum ggml_glu_op op);
 
-// y[i] = act(x[i]) * g[i] for i in [0, n); false (y untouched) for an op it does not implement
-bool pi2_glu_span(const struct pi2_glu_tables * t, enum ggml_glu_op op, int n, float * y, const float * x, const float * g);
+// y[i] = act_gate(x[i]) * act_up(g[i]) for i in [0, n) (activation.h); false (y untouched) for one it does
+// not implement. SiLU, GELU and ReGLU as ggml-cpu computes them; dReLU and FATReLU exactly.
+bool pi2_glu_span(const struct pi2_glu_tables * t, const struct pi2_ffn_act * a, int n, float * y, const float * x, const float * g);
 
 // SIMD width the kernels use: spans that start at a multiple of it give ggml's exact vector/tail split
 #define PI2_GLU_SPAN_ALIGN 16

@@ -5,9 +5,11 @@
 // them stayed resident after it was dropped: memory a budget then took from the neuron cache.)
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "activation.h"
 #include "bundle_io.h"
 #include "ffn_names.h"
 #include "fingerprint.h"
@@ -96,6 +98,52 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
     return 0;
 }
 
+// the FFN activation the model states in "<arch>.ffn_activation" (and, for FATReLU, its threshold in
+// "<arch>.ffn_activation_threshold"); -1 for none. An unknown or malformed statement is an error: llama
+// would run the model with some other activation, silently wrong.
+static int pi2_stated_activation(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out,
+                                 char * err, size_t errlen) {
+    out->activation = -1;
+    const int64_t ia = gguf_find_key(f->gguf, "general.architecture");
+    if (ia < 0 || gguf_get_kv_type(f->gguf, ia) != GGUF_TYPE_STRING) {
+        return 0;
+    }
+    char key[256], tkey[sizeof(key) + 16];
+    snprintf(key, sizeof(key), "%s.ffn_activation", gguf_get_val_str(f->gguf, ia));
+    snprintf(tkey, sizeof(tkey), "%s_threshold", key);
+    const int64_t k = gguf_find_key(f->gguf, key);
+    const int64_t kt = gguf_find_key(f->gguf, tkey);
+    if (k < 0) {
+        if (kt >= 0) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", tkey, key);
+        }
+        return 0;
+    }
+    if (gguf_get_kv_type(f->gguf, k) != GGUF_TYPE_STRING) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a string", key);
+    }
+    const char * name = gguf_get_val_str(f->gguf, k);
+    const enum pi2_activation a = pi2_activation_parse(name);
+    if (a == PI2_ACT_COUNT) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "states FFN activation %s = '%s'; pi2 computes silu, gelu, "
+                             "gelu_erf, relu (reglu), drelu and fatrelu", key, name);
+    }
+    float t = 0.0f;
+    if (kt >= 0) {
+        if (gguf_get_kv_type(f->gguf, kt) != GGUF_TYPE_FLOAT32) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a float32", tkey);
+        }
+        t = gguf_get_val_f32(f->gguf, kt);
+    }
+    if (a == PI2_ACT_FATRELU ? !(isfinite(t) && t >= 0.0f) : t != 0.0f) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is %g: fatrelu needs a finite threshold >= 0, and %s "
+                             "has none", tkey, (double) t, name);
+    }
+    out->activation           = (int32_t) a;
+    out->activation_threshold = t;
+    return 0;
+}
+
 int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen) {
     memset(out, 0, sizeof(*out));
     if (err != NULL && errlen > 0) {
@@ -110,6 +158,9 @@ int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * 
         out->file_size = f.file_size;
         out->n_tensors = gguf_get_n_tensors(f.gguf);
         rc = pi2_summarize(&f, path, out, err, errlen);
+    }
+    if (rc == 0) {
+        rc = pi2_stated_activation(&f, path, out, err, errlen);
     }
     pi2_gguf_file_close(&f);
     return rc;

@@ -10,6 +10,7 @@
 #include "ggml-backend-impl.h"
 #include "ggml-pi2.h"
 #include "config.h"
+#include "activation.h"
 #include "glu.h"
 
 struct pi2_binding;
@@ -27,6 +28,8 @@ struct pi2_device_ctx {
     // (guarded by lock)
     pthread_mutex_t      lock;
     struct pi2_binding * pending;
+    struct pi2_stated_act pending_act; // the activation the model being loaded states (its weight buffers keep it)
+    struct pi2_stated_act env_act;     // PI2_SIDECAR's, for loads outside pi2_load_begin/end
     int                  next_binding_id;
     struct pi2_binding * bindings[PI2_MAX_BINDINGS]; // addressable by id; each holds a reference until released
     struct pi2_binding * env_binding;                // PI2_SIDECAR: bound by every load outside pi2_load_begin/end

@@ -40,10 +40,10 @@ static inline bool pi2_predictor_runs(const struct pi2_predictor * P, bool predi
     return predicted_mode && P->w1 != NULL && (P->pays || always);
 }
 
-// A slot is predicted active: its score z past the cutoff, the score being z itself on ReLU models and
-// |act(z)| on others.
-static inline bool pi2_predictor_selects(float z, float cutoff, bool relu, enum ggml_glu_op op) {
-    const float score = relu ? z : fabsf(pi2_act(op, z));
+// A slot is predicted active: its score z past the cutoff, the score being z itself on ReLU-family models
+// and |act(z)| on others.
+static inline bool pi2_predictor_selects(float z, float cutoff, const struct pi2_ffn_act * a) {
+    const float score = pi2_act_relu_family(a->kind) ? z : fabsf(pi2_act_gate(a, z));
     return score > cutoff;
 }
 

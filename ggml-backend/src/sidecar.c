@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,7 @@ static const struct pi2_key_spec pi2_keys[] = {
     { PI2_KEY_N_EMBD,                     GGUF_TYPE_UINT32,  PI2_LEN_SCALAR,  "u32", NULL },
     { PI2_KEY_N_FF,                       GGUF_TYPE_UINT32,  PI2_LEN_LAYERS,  "u32[n_layer]", NULL },
     { PI2_KEY_ACTIVATION,                 GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
+    { PI2_KEY_ACTIVATION_THRESHOLD,       GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32", NULL },
     { PI2_KEY_SPARSITY_METHOD,            GGUF_TYPE_STRING,  PI2_LEN_SCALAR,  "string", NULL },
     { PI2_KEY_SPARSITY_TARGET,            GGUF_TYPE_FLOAT32, PI2_LEN_SCALAR,  "f32", NULL },
     { PI2_KEY_SPARSITY_THRESHOLDS,        GGUF_TYPE_FLOAT32, PI2_LEN_LAYERS,  "f32[n_layer]", NULL },
@@ -304,18 +306,19 @@ static int pi2_parse_enum(const char * s, const char * const * names, int n) {
 
 // reads and checks the model-wide keys into sc; all keys have passed pi2_check_key
 static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
-    static const char * const act_names[] = {
-        [PI2_ACT_SILU] = PI2_ACTIVATION_SILU, [PI2_ACT_GELU] = PI2_ACTIVATION_GELU, [PI2_ACT_GELU_ERF] = PI2_ACTIVATION_GELU_ERF,
-        [PI2_ACT_RELU] = PI2_ACTIVATION_RELU, [PI2_ACT_DRELU] = PI2_ACTIVATION_DRELU,
-    };
     static const char * const method_names[] = {
         [PI2_SPARSITY_METHOD_CATS] = PI2_SPARSITY_CATS, [PI2_SPARSITY_METHOD_RELU] = PI2_SPARSITY_RELU,
         [PI2_SPARSITY_METHOD_PRODUCT] = PI2_SPARSITY_PRODUCT,
     };
     const char * act = pi2_str(rd, PI2_KEY_ACTIVATION);
-    const int a = pi2_parse_enum(act, act_names, (int) (sizeof(act_names) / sizeof(act_names[0])));
+    const int a = pi2_parse_enum(act, pi2_activation_names, PI2_ACT_COUNT);
     if (a < 0) {
-        return pi2_fail(rd, "%s is '%s', not one of silu, gelu, gelu_erf, relu, drelu", PI2_KEY_ACTIVATION, act);
+        return pi2_fail(rd, "%s is '%s', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu", PI2_KEY_ACTIVATION, act);
+    }
+    const float t = gguf_get_val_f32(rd->file.gguf, pi2_find(rd, PI2_KEY_ACTIVATION_THRESHOLD));
+    if (!(isfinite(t) && t >= 0.0f) || (a != PI2_ACT_FATRELU && t != 0.0f)) {
+        return pi2_fail(rd, "%s is %g: FATReLU's threshold is finite and >= 0, and the other activations have 0",
+                        PI2_KEY_ACTIVATION_THRESHOLD, (double) t);
     }
     const char * method = pi2_str(rd, PI2_KEY_SPARSITY_METHOD);
     const int m = pi2_parse_enum(method, method_names, (int) (sizeof(method_names) / sizeof(method_names[0])));
@@ -328,7 +331,7 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             return pi2_fail(rd, "key %s (%s) is missing: method %s needs it", k->key, k->desc, method);
         }
     }
-    sc->activation      = (enum pi2_activation) a;
+    sc->activation      = (struct pi2_ffn_act) { (enum pi2_activation) a, t };
     sc->sparsity_method = (enum pi2_sparsity_method) m;
 
     const uint32_t align = gguf_get_val_u32(rd->file.gguf, pi2_find(rd, PI2_KEY_BUNDLE_ALIGN));

@@ -8,16 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "activation.h"
 #include "ggml-pi2.h"
 #include "ggml.h"
-
-enum pi2_activation {
-    PI2_ACT_SILU,
-    PI2_ACT_GELU,
-    PI2_ACT_GELU_ERF,
-    PI2_ACT_RELU,
-    PI2_ACT_DRELU,
-};
 
 enum pi2_sparsity_method {
     PI2_SPARSITY_METHOD_CATS, // active iff |act(gate_i . x)| > threshold
@@ -79,7 +72,7 @@ struct pi2_sidecar {
     char *   source_arch;
     char *   source_name;
 
-    enum pi2_activation      activation;
+    struct pi2_ffn_act       activation;
     enum pi2_sparsity_method sparsity_method;
 
     struct pi2_sidecar_layer * layer; // [n_layer]

@@ -3,7 +3,7 @@
 // against FORMAT.md's tables, including the type written in the comment after each key and tensor.
 #pragma once
 
-#define PI2_FORMAT_VERSION 2
+#define PI2_FORMAT_VERSION 3
 #define PI2_ARCHITECTURE   "pi2"
 #define PI2_BUNDLE_ALIGN   4096 // general.alignment, and the largest pi2.bundle.align
 #define PI2_BUNDLE_ALIGN_MIN 512 // the smallest pi2.bundle.align (a power of two in between)
@@ -21,6 +21,7 @@
 #define PI2_KEY_N_EMBD                     "pi2.n_embd"                     // u32
 #define PI2_KEY_N_FF                       "pi2.n_ff"                       // u32[n_layer]
 #define PI2_KEY_ACTIVATION                 "pi2.activation"                 // string
+#define PI2_KEY_ACTIVATION_THRESHOLD       "pi2.activation_threshold"       // f32
 #define PI2_KEY_SPARSITY_METHOD            "pi2.sparsity.method"            // string
 #define PI2_KEY_SPARSITY_TARGET            "pi2.sparsity.target"            // f32
 #define PI2_KEY_SPARSITY_THRESHOLDS        "pi2.sparsity.thresholds"        // f32[n_layer]
@@ -53,6 +54,7 @@
 #define PI2_ACTIVATION_GELU_ERF "gelu_erf"
 #define PI2_ACTIVATION_RELU     "relu"
 #define PI2_ACTIVATION_DRELU    "drelu"
+#define PI2_ACTIVATION_FATRELU  "fatrelu"
 #define PI2_SPARSITY_CATS       "cats"
 #define PI2_SPARSITY_PRODUCT    "product"
 #define PI2_SPARSITY_RELU       "relu"

@@ -14,86 +14,54 @@
 #include "predictor.h"
 #include "sparse_plan.h"
 
+// t's bytes overlap u's (llama's allocator may put an elementwise op's output over its input)
+static bool pi2_overlaps(const struct ggml_tensor * t, const struct ggml_tensor * u) {
+    const char * a = t->data, * b = u->data;
+    return a < b + ggml_nbytes(u) && b < a + ggml_nbytes(t);
+}
+
 static size_t pi2_align64(size_t n) {
     return (n + 63) & ~(size_t) 63;
 }
 
-// why glu and down (a PI2 GLU of gate and up products, and the node after it) are not one layer's FFN
-// that sparse decode can run; NULL when they are
-static const char * pi2_sparse_ffn_unfit(const struct ggml_tensor * glu, const struct ggml_tensor * down) {
-    if (down->op != GGML_OP_MUL_MAT || down->src[1] != glu || (down->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
-        return "its down product does not take the GLU's output directly (a bias or a scale between them?)";
+// why a layer's FFN region is not one sparse decode can run; NULL when it is
+static const char * pi2_sparse_ffn_unfit(const struct pi2_ffn_region * r) {
+    if (r->down == NULL || (r->down->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+        return "its down product does not take act(gate) * up directly (a bias or a scale between them?)";
     }
-    const enum ggml_glu_op op = ggml_get_glu_op(glu);
-    if (op != GGML_GLU_OP_REGLU && op != GGML_GLU_OP_SWIGLU && op != GGML_GLU_OP_GEGLU && op != GGML_GLU_OP_GEGLU_ERF) {
-        return "its GLU is not ReGLU, SwiGLU or GeGLU";
-    }
-    if (((const int32_t *) glu->op_params)[1] != 0) { // swapped: op_params[1] (ggml_glu_impl)
-        return "its GLU takes its operands swapped";
-    }
-    int lg = -1, lu = -1, ld = -1;
-    enum pi2_matrix mg, mu, md;
-    const struct ggml_tensor * gate = glu->src[0];
-    const struct ggml_tensor * up   = glu->src[1];
-    if (!(pi2_ffn_weight_parse(gate->src[0]->name, &lg, &mg) && mg == PI2_MATRIX_GATE &&
-          pi2_ffn_weight_parse(up->src[0]->name, &lu, &mu) && mu == PI2_MATRIX_UP &&
-          pi2_ffn_weight_parse(down->src[0]->name, &ld, &md) && md == PI2_MATRIX_DOWN && lg == lu && lu == ld)) {
-        return "its matmuls are not one layer's ffn_gate, ffn_up and ffn_down";
-    }
-    if (!(ggml_is_contiguous_1(glu) && ggml_is_contiguous_1(gate) && ggml_is_contiguous_1(up))) {
-        return "its gate, up or GLU rows are not contiguous";
+    if (r->act.kind != PI2_ACT_SILU && r->act.kind != PI2_ACT_GELU && r->act.kind != PI2_ACT_GELU_ERF &&
+        !pi2_act_relu_family(r->act.kind)) {
+        return "its activation is not one sparse decode computes";
     }
     return NULL;
 }
 
-int pi2_sparse_ffn_match(struct ggml_cgraph * g, int i, const char ** why) {
-    const int n = ggml_graph_n_nodes(g);
-    if (i + 2 >= n || !pi2_ffn_fusable(ggml_graph_node(g, i), ggml_graph_node(g, i + 1), ggml_graph_node(g, i + 2))) {
-        *why = "its gate and up products do not feed one GLU directly (an FFN with biases, or an activation between a "
-               "matmul and the GLU such as dReLU's relu(up))";
-        return 0;
-    }
-    if (i + 3 >= n) {
-        *why = "its down product does not follow the GLU";
-        return 0;
-    }
-    *why = pi2_sparse_ffn_unfit(ggml_graph_node(g, i + 2), ggml_graph_node(g, i + 3));
-    return *why == NULL ? 4 : 0;
-}
-
-// the layer's FFN at nodes i.., dense (a bigger batch, or dense mode, in RAM) or sparse
-int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_cgraph * cgraph, int i,
+int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
                            enum ggml_status * st) {
-    struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
-    int layer = 0;
-    enum pi2_matrix m;
-    pi2_ffn_weight_parse(w->name, &layer, &m);
-    const char * why = NULL;
-    if (pi2_sparse_ffn_match(cgraph, i, &why) == 0) {
-        if (pi2_binding_unfit_layer(b, layer, why)) {
+    const char * why = pi2_sparse_ffn_unfit(r);
+    if (why != NULL) {
+        if (pi2_binding_unfit_layer(b, r->layer, why)) {
             *st = GGML_STATUS_FAILED;
-            return 1;
+            return r->n_nodes;
         }
-        return 0;
+        *st = pi2_exec_gate_up_act(ctx, r);
+        return r->n_nodes - (r->down != NULL); // down, if it is in the region, runs dense alone
     }
-    struct ggml_tensor * glu  = ggml_graph_node(cgraph, i + 2);
-    struct ggml_tensor * gate = glu->src[0];
-    struct ggml_tensor * down = ggml_graph_node(cgraph, i + 3);
-    if (!pi2_binding_verify_layer(b, layer, gate->src[0], glu->src[1]->src[0], down->src[0])) {
+    if (!pi2_binding_verify_layer(b, r->layer, r->gate->src[0], r->up->src[0], r->down->src[0])) {
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
-        return 4;
+        return r->n_nodes;
     }
     const int mode = atomic_load(&b->mode);
-    if (!b->flash && (mode == PI2_MODE_DENSE || gate->src[1]->ne[1] > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
-        *st = pi2_exec_gate_up_glu(ctx, glu);
+    if (!b->flash && (mode == PI2_MODE_DENSE || r->gate->src[1]->ne[1] > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
+        *st = pi2_exec_gate_up_act(ctx, r);
         if (*st == GGML_STATUS_SUCCESS) {
-            *st = pi2_exec_mul_mat(ctx, down);
+            *st = pi2_exec_mul_mat(ctx, r->down);
         }
-        return 4;
+        return r->n_nodes;
     }
-    *st = pi2_exec_sparse_ffn(ctx, b, layer, glu, down);
-    return 4;
+    *st = pi2_exec_sparse_ffn(ctx, b, r);
+    return r->n_nodes;
 }
 
 // in RAM, bundles are in the sidecar's mapping
@@ -179,27 +147,28 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
     p->down_sparse_max = (float) pi2_setting(&b->settings, b->defaults, PI2_SET_DOWN_SPARSE_MAX);
 }
 
-enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, int layer,
-                                     struct ggml_tensor * glu, struct ggml_tensor * down) {
-    struct ggml_tensor * gate = glu->src[0];
-    struct ggml_tensor * up   = glu->src[1];
+enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r) {
+    struct ggml_tensor * gate = r->gate;
+    const int layer = r->layer;
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
     struct pi2_sparse_plan p = {
-        .x = gate->src[1], .gate = gate, .up = up, .glu = glu, .down = down, .w_down = down->src[0],
-        .op = ggml_get_glu_op(glu), .L = L, .B = &b->layer[layer], .layer = layer, .prefetch_layer = -1,
+        .x = gate->src[1], .gate = gate, .up = r->up, .glu = r->out, .down = r->down, .w_down = r->down->src[0],
+        .act = r->act, .L = L, .B = &b->layer[layer], .layer = layer, .prefetch_layer = -1,
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank,
         .n_clusters = (L->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER, .n_tokens = gate->src[1]->ne[1],
         .bundle_get = pi2_mapped_bundle_get, .bundle_peek = pi2_mapped_bundle_peek,
     };
     atomic_init(&p.failed, 0);
-    if (pi2_glu_for(b->sc->activation) != p.op) {
-        snprintf(b->error, sizeof(b->error), "sidecar %s was made for a model whose FFN activation differs from the "
-                 "%s llama.cpp runs for layer %d (a ReLU-family model needs the patched llama.cpp of patches/)",
-                 b->sc->path, ggml_glu_op_name(p.op), layer);
+    if (!pi2_act_equal(&p.act, &b->sc->activation)) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s was made for FFN activation %s, but layer %d of the model computes "
+                 "%s (a model states a ReLU-family activation in <arch>.ffn_activation; pi2_gguf.Llama reads it)",
+                 b->sc->path, pi2_activation_names[b->sc->activation.kind], layer, pi2_activation_names[p.act.kind]);
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         return GGML_STATUS_FAILED;
     }
     pi2_plan_choose(&p, b, atomic_load(&b->mode));
+    const bool alias_gate = pi2_overlaps(r->gate, r->out), alias_up = pi2_overlaps(r->up, r->out);
+    struct ggml_tensor gate_scratch = *r->gate, up_scratch = *r->up;
     // bundles hold the model's gate/up rows byte for byte, so the gate/up types are the model's
     const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(L->gate_type);
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(L->up_type);
@@ -236,6 +205,10 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64(ggml_row_size(td->vec_dot_type, p.n_ff)),
         b->flash ? pi2_align64((size_t) p.n_ff) : 0,
         pi2_align64((size_t) nth * p.n_ff * sizeof(int32_t)),
+        // a patched llama.cpp's FATReLU graph may place act(gate) * up over the gate or up product (an
+        // in-place MUL): their values then go to scratch, as nothing but that product reads them
+        alias_gate ? pi2_align64(ggml_nbytes(r->gate)) : 0,
+        alias_up ? pi2_align64(ggml_nbytes(r->up)) : 0,
     };
     size_t total = 0;
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
@@ -259,7 +232,18 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     p.stats  = (struct pi2_thread_stats *) w; w += sizes[10];
     p.gluq   = w;                             w += sizes[11];
     p.want   = b->flash ? (uint8_t *) w : NULL; w += sizes[12];
-    p.cand   = (int32_t *) w;
+    p.cand   = (int32_t *) w;          w += sizes[13];
+    if (alias_gate) {
+        gate_scratch.data = w;
+        gate_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);
+        p.gate = &gate_scratch;
+    }
+    w += sizes[14];
+    if (alias_up) {
+        up_scratch.data = w;
+        up_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);
+        p.up = &up_scratch;
+    }
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
     if (b->flash) {

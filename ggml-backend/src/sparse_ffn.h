@@ -4,22 +4,18 @@
 // RAM) or the flash pipeline. Counts what ran.
 #pragma once
 
+#include "ffn_region.h"
 #include "ggml.h"
 #include "model_binding.h"
 #include "pi2_context.h"
 
-// 4 when nodes i..i+3 of g are one layer's gate and up products (either order), their GLU and the down
-// product that sparse decode can run; else 0 with *why saying what differs (for the log and refusals).
-int pi2_sparse_ffn_match(struct ggml_cgraph * g, int i, const char ** why);
-
-// An FFN matmul (node i) of a model with a sidecar: if nodes i.. are a layer's FFN sparse decode runs, the
-// weights are verified once and the layer runs sparse for decode batches in oracle/predicted mode (flash:
-// always), else dense. Otherwise the layer runs dense in RAM (said once), and on flash, where the weights
-// are nowhere else, the compute is refused (*st). Returns the nodes consumed (0: node i runs dense alone).
-int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct ggml_cgraph * cgraph, int i,
+// A layer's FFN region (ffn_region.h) of a model with a sidecar: the weights are verified once and the layer
+// runs sparse for decode batches in oracle/predicted mode (flash: always), else dense. A region sparse
+// decode cannot run (no down product after it) runs dense in RAM (said once), and on flash, where the
+// weights are nowhere else, the compute is refused (*st). Returns the nodes consumed.
+int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
                            enum ggml_status * st);
 
-// Computes the GLU's sources (gate and up outputs, zero where a neuron was not computed), the GLU output
-// (zero for inactive neurons) and down's output, in the binding's mode.
-enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, int layer,
-                                     struct ggml_tensor * glu, struct ggml_tensor * down);
+// Computes the products (zero where a neuron was not computed), act(gate) * up (zero for inactive neurons)
+// and down's output, in the binding's mode.
+enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r);

@@ -42,11 +42,12 @@ struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith, int64_
     };
 }
 
-// a neuron fires: every one under rule all, g > 0 under relu, else |act| above the threshold
+// a neuron's gate fires: every one under rule all, g past the activation's cut (0, or FATReLU's t) under
+// relu, else |act| above the threshold
 static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float act) {
     switch (p->rule) {
         case PI2_RULE_ALL:  return true;
-        case PI2_RULE_RELU: return g > 0.0f;
+        case PI2_RULE_RELU: return g > p->act.threshold;
         default:            return fabsf(act) > p->L->threshold;
     }
 }
@@ -66,8 +67,9 @@ static void pi2_fired_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, 
     p->up_dot((int) p->n_embd, &u, 0, f->up, 0, r->xqu, 0, 1);
     r->up_out[f->neuron] = u;
     r->st->admitted++;
-    const float a = f->act * u;
-    if (p->rule == PI2_RULE_PRODUCT && !(fabsf(a) > p->L->product_threshold)) {
+    const float a = f->act * pi2_act_up(&p->act, u);
+    if ((p->rule == PI2_RULE_PRODUCT && !(fabsf(a) > p->L->product_threshold)) ||
+        (p->rule == PI2_RULE_RELU && p->act.kind == PI2_ACT_DRELU && !(u > 0.0f))) {
         return; // its GLU output stays 0, as the down pass sees it
     }
     r->glu_out[f->neuron] = a;
@@ -101,7 +103,7 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
         }
         float g = 0.0f;
         p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r->xq, 0, 1);
-        const float act    = pi2_act(p->op, g);
+        const float act    = pi2_act_gate(&p->act, g);
         const bool  active = pi2_fires(p, g, act);
         if (!pred) { // recall check: the gate was computed only to count what the predictor missed
             r->st->missed += active;
@@ -147,7 +149,7 @@ void pi2_kernel_gate_up_model_rows(struct pi2_sparse_plan * p, struct pi2_token_
             float g = 0.0f;
             p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + n * wg->nb[1], 0, r->xq, 0, 1);
             r->gate_out[n] = g;
-            const float act = pi2_act(p->op, g);
+            const float act = pi2_act_gate(&p->act, g);
             if (pi2_fires(p, g, act)) {
                 const char * up_row = (const char *) wu->data + n * wu->nb[1];
                 pi2_prefetch(up_row, up_bytes);

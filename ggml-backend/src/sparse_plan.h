@@ -20,7 +20,7 @@
 // Which neurons fire, from the gate (and up) values.
 enum pi2_rule {
     PI2_RULE_ALL,       // dense mode on flash: every neuron, no threshold
-    PI2_RULE_RELU,      // gate > 0
+    PI2_RULE_RELU,      // ReLU family: act_gate(gate) != 0, i.e. gate > 0 (FATReLU: gate > t); dReLU also needs up > 0
     PI2_RULE_THRESHOLD, // |act(gate)| > the layer threshold (CATS)
     PI2_RULE_PRODUCT,   // past the threshold, and |act(gate) * up| > the product threshold
 };
@@ -75,7 +75,7 @@ struct pi2_sparse_plan {
     const struct ggml_tensor * x;
     struct ggml_tensor *       gate, * up, * glu, * down;
     const struct ggml_tensor * w_down;
-    enum ggml_glu_op           op;
+    struct pi2_ffn_act         act;
     int64_t                    n_embd, n_ff, rank, n_tokens, n_clusters;
 
     // the sidecar's layer and its prepared predictor
@@ -131,7 +131,7 @@ struct pi2_sparse_plan {
 
 // the predictor selects slot s (p->z holds the token's scores)
 static inline bool pi2_plan_selects(const struct pi2_sparse_plan * p, int64_t s) {
-    return pi2_predictor_selects(p->z[s], p->L->cutoff, p->rule == PI2_RULE_RELU, p->op);
+    return pi2_predictor_selects(p->z[s], p->L->cutoff, &p->act);
 }
 
 // the bundle of slot s through the accessor; marks the plan failed if its read failed

@@ -17,7 +17,7 @@ from ..sidecar.writer import LayerData, SidecarMeta, write
 from . import bundles as bundles_mod
 from . import predictor as pred_mod
 from . import sparsity as sp
-from .model_ffn import ModelFfn, activation_values
+from .model_ffn import ModelFfn
 from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW, Profile, run_profile
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
@@ -46,7 +46,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
             train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
-            epochs: int = pred_mod.EPOCHS, progress: bool = True,
+            epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
             bundle_align: int = fmt.BUNDLE_ALIGN, bundle_neurons: int | None = None) -> ConvertResult:
     t0 = time.time()
     model = ModelFfn(model_path)
@@ -59,6 +59,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             fmt.check_bundle_neurons(bundle_neurons)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
+    if predictor not in pred_mod.KINDS:
+        raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
         raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
     try:
@@ -77,7 +79,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     ranks = ranks or default_ranks(model.n_embd)
 
     def act(g: np.ndarray) -> np.ndarray:
-        return activation_values(model.activation, g)
+        return model.act(g)
 
     # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
     score = pred_mod.score_fn(plan.method, act)
@@ -101,6 +103,14 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             y_held = sp.active(mag_held, th, np.abs(a_held * (prof.heldout[il] @ up_w.T)), tp)
             density = float(y_held.mean())
             del up_w, prod_train
+        elif model.activation == "drelu":
+            # active iff gate > 0 and up > 0: the predictor need not catch a neuron whose up is not positive
+            up_w = ffn["up"].dequantized()
+            th = 0.0
+            y_train = (mag_train > 0) & (prof.train[il] @ up_w.T > 0)
+            y_held = (mag_held > 0) & (prof.heldout[il] @ up_w.T > 0)
+            density = float(y_held.mean())
+            del up_w
         else:
             th = sp.layer_threshold(plan, mag_train)
             density = float(sp.active(mag_held, th).mean())
@@ -115,7 +125,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
                                fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
-                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held)
+                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
         types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
@@ -145,6 +155,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     meta = SidecarMeta(
         source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
         tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
+        activation_threshold=model.activation_threshold,
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align)

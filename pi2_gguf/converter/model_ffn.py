@@ -17,9 +17,13 @@ from ..sidecar import format as fmt
 MATRICES = ("gate", "up", "down")
 
 # FFN activation of architectures whose graph hardcodes it (llama.cpp src/models/*.cpp). A model may
-# state it instead in "<arch>.ffn_activation" (read by the ReLU patch in patches/).
+# state it instead in "<arch>.ffn_activation" (and FATReLU's threshold in "<arch>.ffn_activation_threshold"),
+# which the PI2 plugin computes on any llama.cpp and the patch in patches/ makes llama.cpp itself compute.
 _ARCH_ACTIVATION = {"gemma": "gelu", "gemma2": "gelu", "gemma3": "gelu", "gemma3n": "gelu"}
-_ACTIVATION_KEY = "{arch}.ffn_activation"
+ACTIVATION_KEY = "{arch}.ffn_activation"
+ACTIVATION_THRESHOLD_KEY = "{arch}.ffn_activation_threshold"
+# names a model may state, as the plugin reads them ("reglu" is relu)
+STATED_ACTIVATIONS = {**{a: a for a in fmt.ACTIVATIONS}, "reglu": "relu"}
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class ModelFfn:
         self.n_embd = self.layers[0]["gate"].ne0
         if any(l_["gate"].ne0 != self.n_embd for l_ in self.layers):
             raise ModelFileError(f"{self.path}: FFN layers differ in input width")
-        self.activation = self._activation()
+        self.activation, self.activation_threshold = self._activation()
 
     @property
     def n_layer(self) -> int:
@@ -94,13 +98,29 @@ class ModelFfn:
     def n_ff(self, layer: int) -> int:
         return self.layers[layer]["gate"].ne1
 
-    def _activation(self) -> str:
-        stated = _string(self.reader, _ACTIVATION_KEY.format(arch=self.architecture), self.path)
-        if stated is not None:
-            if stated not in fmt.ACTIVATIONS:
-                raise ModelFileError(f"{self.path} states FFN activation '{stated}'; pi2 knows {', '.join(fmt.ACTIVATIONS)}")
-            return stated
-        return _ARCH_ACTIVATION.get(self.architecture, "silu")
+    def _activation(self) -> tuple[str, float]:
+        key = ACTIVATION_KEY.format(arch=self.architecture)
+        tkey = ACTIVATION_THRESHOLD_KEY.format(arch=self.architecture)
+        stated = _string(self.reader, key, self.path)
+        f = self.reader.get_field(tkey)
+        threshold = 0.0 if f is None else float(f.contents())
+        if stated is None:
+            if f is not None:
+                raise ModelFileError(f"{self.path} has {tkey} but no {key}")
+            return _ARCH_ACTIVATION.get(self.architecture, "silu"), 0.0
+        if stated not in STATED_ACTIVATIONS:
+            raise ModelFileError(f"{self.path} states FFN activation {key} = '{stated}'; pi2 computes "
+                                 f"{', '.join(STATED_ACTIVATIONS)}")
+        stated = STATED_ACTIVATIONS[stated]
+        if stated == "fatrelu" and not (np.isfinite(threshold) and threshold >= 0):
+            raise ModelFileError(f"{self.path}: {tkey} is {threshold}: fatrelu needs a finite threshold >= 0")
+        if stated != "fatrelu" and threshold != 0.0:
+            raise ModelFileError(f"{self.path}: {tkey} is {threshold}, but {stated} has no threshold")
+        return stated, threshold
+
+    def act(self, g: np.ndarray) -> np.ndarray:
+        """act_gate(g) of this model's activation."""
+        return activation_values(self.activation, g, self.activation_threshold)
 
     def tensor_fingerprints(self) -> list[int]:
         return [self.layers[il][m].fingerprint() for il in range(self.n_layer) for m in MATRICES]
@@ -109,9 +129,11 @@ class ModelFfn:
         return fmt.model_fingerprint(self.tensor_fingerprints())
 
 
-def activation_values(kind: str, g: np.ndarray) -> np.ndarray:
-    """act(g) elementwise (float32) for the gate pre-activations g."""
+def activation_values(kind: str, g: np.ndarray, threshold: float = 0.0) -> np.ndarray:
+    """act_gate(g) elementwise (float32) for the gate pre-activations g (threshold: FATReLU's t)."""
     g = np.asarray(g, dtype=np.float32)
+    if kind == "fatrelu":
+        return np.where(g > threshold, g, 0.0).astype(np.float32)
     if kind == "silu":
         return g / (1.0 + np.exp(-g))
     if kind == "gelu":  # tanh approximation, as ggml_gelu
@@ -123,3 +145,9 @@ def activation_values(kind: str, g: np.ndarray) -> np.ndarray:
     if kind in fmt.RELU_FAMILY:
         return np.maximum(g, 0.0)
     raise ValueError(f"unknown activation {kind}")
+
+
+def up_values(kind: str, u: np.ndarray) -> np.ndarray:
+    """act_up(u): relu(u) for dReLU, u itself for the others."""
+    u = np.asarray(u, dtype=np.float32)
+    return np.maximum(u, 0.0) if kind == "drelu" else u

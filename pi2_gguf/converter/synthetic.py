@@ -27,7 +27,12 @@ from tqdm import tqdm
 from ..errors import Pi2Error
 from . import bundles
 
-ACTIVATIONS = ("relu", "drelu", "silu")
+ACTIVATIONS = ("relu", "drelu", "fatrelu", "silu")
+GATE_MODES = ("lowrank", "context")
+# SmolLM2-135M's ffn_gate singular values fall as i^-0.40 to i^-0.48 (layers 3, 15, 27; fit over i >= 5),
+# and its top n_embd/16 directions hold 20-24% of the energy
+GATE_SPECTRUM_ALPHA = 0.45
+FATRELU_THRESHOLD = 0.01  # ProSparse's FATReLU threshold
 TOKENIZER_KEYS_SKIP = ("tokenizer.chat_template",)
 
 
@@ -52,6 +57,10 @@ class Sparsity:
     hot_fraction: float = 0.02  # neurons that fire on most tokens
     hot_frequency: float = 0.85
     spread: float = 1.0         # sigma of the log-normal spread of the other neurons' frequencies
+    # gate rows: "lowrank" (rank n_embd/32 plus 15% noise: a low-rank predictor finds them easily) or
+    # "context" (full rank, singular values falling as i^-GATE_SPECTRUM_ALPHA as in a trained FFN, so a
+    # predictor of rank n_embd/16 sees a fifth of the gate's energy, as on SmolLM2)
+    gates: str = "lowrank"
 
     def frequencies(self, n_ff: int, rng: np.random.Generator) -> np.ndarray:
         n_hot = int(round(self.hot_fraction * n_ff))
@@ -112,13 +121,21 @@ class _Weights:
             "attn_output": rng.standard_normal((s.n_embd, s.n_embd), dtype=np.float32) * (0.3 * sc),
         }
         w["attn_output"][0, :] = 0.0
-        # gate: low rank (n_embd / 32) plus 15% noise, column 0 the calibrated bias
-        r = max(8, s.n_embd // 32)
-        u = rng.standard_normal((s.n_ff, r), dtype=np.float32)
-        v = rng.standard_normal((r, s.n_embd), dtype=np.float32) / np.sqrt(r * s.n_embd)
-        gate = u @ v
-        gate += rng.standard_normal(gate.shape, dtype=np.float32) * (0.15 * float(gate.std()))
-        gate[:, 0] = self.bias[il]
+        if self.sparsity.gates == "context":
+            # full rank: Gaussian rows shaped by a power-law spectrum over random orthogonal directions
+            q, _ = np.linalg.qr(rng.standard_normal((s.n_embd, s.n_embd)))
+            spec = np.arange(1, s.n_embd + 1, dtype=np.float64) ** -GATE_SPECTRUM_ALPHA
+            spec *= np.sqrt(s.n_embd / np.sum(spec * spec))  # rows of unit norm on average, as below
+            g0 = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32)
+            gate = ((g0 * spec.astype(np.float32)) @ q.T.astype(np.float32)) / np.float32(np.sqrt(s.n_embd))
+        else:
+            # low rank (n_embd / 32) plus 15% noise
+            r = max(8, s.n_embd // 32)
+            u = rng.standard_normal((s.n_ff, r), dtype=np.float32)
+            v = rng.standard_normal((r, s.n_embd), dtype=np.float32) / np.sqrt(r * s.n_embd)
+            gate = u @ v
+            gate += rng.standard_normal(gate.shape, dtype=np.float32) * (0.15 * float(gate.std()))
+        gate[:, 0] = self.bias[il]  # column 0: the calibrated bias
         w["ffn_gate"] = gate
         w["ffn_up"] = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc
         down = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * (2.0 / np.sqrt(s.n_ff * self.sparsity.density))
@@ -128,7 +145,7 @@ class _Weights:
 
 
 def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtype: QT, name: str,
-                progress: bool = True) -> Path:
+                progress: bool = True, threshold: float = 0.0) -> Path:
     """Writes the GGUF atomically (temp file in the same directory, then rename)."""
     s = w.shape
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
@@ -144,6 +161,8 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
         gw.add_rope_dimension_count(s.n_embd // s.n_head)
         gw.add_layer_norm_rms_eps(1e-5)
         gw.add_string("llama.ffn_activation", activation)
+        if activation == "fatrelu":
+            gw.add_float32("llama.ffn_activation_threshold", threshold)
         gw.add_string("pi2.synthetic.note", "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless")
         for key, vtype, val in tok_fields:
             if vtype == GGUFValueType.ARRAY:
@@ -183,8 +202,9 @@ class LayerReport:
     hot_share: float    # share of all activations carried by the top hot_fraction of neurons
 
 
-def _calibrate(w: _Weights, xs: list[np.ndarray]) -> None:
-    """Sets each neuron's bias so that it fires on its target fraction of the profiled tokens."""
+def _calibrate(w: _Weights, xs: list[np.ndarray], threshold: float = 0.0) -> None:
+    """Sets each neuron's bias so that its gate passes threshold (0, or FATReLU's t) on its target fraction
+    of the profiled tokens."""
     for il, x16 in enumerate(xs):
         x = x16.astype(np.float32)
         gate = w.layer(il)["ffn_gate"]
@@ -194,15 +214,17 @@ def _calibrate(w: _Weights, xs: list[np.ndarray]) -> None:
         t = zs.shape[0]
         idx = np.clip(np.floor((1.0 - w.freq[il]) * (t - 1)).astype(int), 0, t - 1)
         cut = zs[idx, np.arange(zs.shape[1])]            # per neuron: z above this on freq of the tokens
-        w.bias[il] = (-cut / float(np.mean(x[:, 0]))).astype(np.float32)
+        w.bias[il] = ((threshold - cut) / float(np.mean(x[:, 0]))).astype(np.float32)
 
 
-def _measure(w: _Weights, xs: list[np.ndarray], activation: str) -> list[LayerReport]:
+def _measure(w: _Weights, xs: list[np.ndarray], activation: str, threshold: float = 0.0) -> list[LayerReport]:
+    """Per layer: the share of gates that fire (for dReLU a neuron is active only if its up is positive
+    too, about half of those)."""
     out = []
     for il, x16 in enumerate(xs):
         x = x16.astype(np.float32)
         g = x @ w.layer(il)["ffn_gate"].T
-        active = g > 0.0 if activation in ("relu", "drelu") else np.abs(g / (1 + np.exp(-g))) > 0.1
+        active = g > threshold if activation in ("relu", "drelu", "fatrelu") else np.abs(g / (1 + np.exp(-g))) > 0.1
         per_neuron = active.sum(axis=0)
         top = np.sort(per_neuron)[::-1][: max(1, int(round(w.sparsity.hot_fraction * per_neuron.size)))]
         out.append(LayerReport(float(w.freq[il].mean()), float(active.mean()),
@@ -214,7 +236,7 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
          seed: int = 0, tokenizer_from: str | Path | None = None, text: str | Path | None = None,
          calib_tokens: int = 512, heldout_tokens: int = 256, max_rounds: int = 6,
          density_tolerance: float = 0.05, threads: int | None = None,
-         progress: bool = True) -> list[LayerReport]:
+         progress: bool = True, threshold: float = FATRELU_THRESHOLD) -> list[LayerReport]:
     """Writes a synthetic model to path; returns per-layer densities measured on held-out text."""
     from ..assets import corpus as corpus_mod
     from ..assets import models
@@ -222,6 +244,11 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
 
     if activation not in ACTIVATIONS:
         raise Pi2Error(f"activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
+    if sparsity.gates not in GATE_MODES:
+        raise Pi2Error(f"gate mode '{sparsity.gates}' is not one of {', '.join(GATE_MODES)}")
+    if not (np.isfinite(threshold) and threshold >= 0):
+        raise Pi2Error(f"the FATReLU threshold must be finite and >= 0, got {threshold}")
+    t = threshold if activation == "fatrelu" else 0.0
     if shape.n_embd % shape.n_head or (shape.n_embd // shape.n_head) % 2:
         raise Pi2Error(f"n_embd {shape.n_embd} must split into {shape.n_head} heads of even size")
     if qtype not in (QT.F32, QT.F16) and shape.n_embd % bundles.GGML_QUANT_SIZES[qtype][0]:
@@ -236,23 +263,23 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
     tok_src = Path(tokenizer_from) if tokenizer_from is not None else models.fetch(models.DEFAULT_MODEL, progress)
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _Weights(shape, sparsity, _n_vocab(tok_fields), seed)
-    name = f"pi2-synthetic-{activation}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}-d{sparsity.density:g}"
+    name = f"pi2-synthetic-{activation}-{sparsity.gates}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}-d{sparsity.density:g}"
     corpus = corpus_mod.load(text)
     # Calibrating layer i moves the inputs of every later layer, so a round's biases are set on inputs
     # the next round changes: with two rounds a 16-layer model ended at 0.10 in its first layers and
     # 0.17-0.20 in its last. Rounds go on until the calibration tokens, run through the model as
     # written, give every layer its density within density_tolerance (relative).
-    write_model(out, w, tok_fields, activation, qtype, name, progress)
+    write_model(out, w, tok_fields, activation, qtype, name, progress, t)
     for r in range(max_rounds + 1):
         prof = run_profile(out, corpus, calib_tokens, 16, threads=threads, progress=progress)
         if r > 0:
             worst = max(abs(x.density - x.target_density) / x.target_density
-                        for x in _measure(w, prof.train, activation))
+                        for x in _measure(w, prof.train, activation, t))
             if progress:
                 tqdm.write(f"calibration round {r}: densities within {worst:.1%} of the target")
             if worst <= density_tolerance or r == max_rounds:
                 break
-        _calibrate(w, prof.train)
-        write_model(out, w, tok_fields, activation, qtype, name, progress)
+        _calibrate(w, prof.train, t)
+        write_model(out, w, tok_fields, activation, qtype, name, progress, t)
     prof = run_profile(out, corpus, 64, heldout_tokens, threads=threads, progress=progress)
-    return _measure(w, prof.heldout, activation)
+    return _measure(w, prof.heldout, activation, t)

@@ -12,7 +12,7 @@ import ctypes
 import importlib.metadata
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
 from ..errors import PluginError
@@ -80,6 +80,8 @@ class Pi2ModelSummary(ctypes.Structure):
         ("file_size", c_uint64),
         ("n_tensors", c_int64),
         ("n_layer", c_uint32),
+        ("activation", c_int32),
+        ("activation_threshold", c_float),
     ]
 
 
@@ -97,7 +99,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_counters_read": (None, [POINTER(Pi2Counters)]),
     "pi2_counters_reset": (None, []),
     "pi2_build_info": (c_char_p, []),
-    "pi2_load_begin": (c_int, [c_char_p, c_int, *_ERR]),
+    "pi2_load_begin": (c_int, [c_char_p, c_char_p, c_int, *_ERR]),
     "pi2_load_end": (None, []),
     "pi2_load_begin_flash": (c_int, [c_char_p, c_char_p, c_int, *_ERR]),
     "pi2_binding_set_budget": (c_int, [c_int, c_uint64, c_uint64, *_ERR]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -23,11 +24,17 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
                          ctx: int = 512, eog_stop: bool = False, repack: bool = True,
                          sidecar: str | Path | None = None, mode: str | None = None,
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
-                         timeout: float = 1800) -> list[Greedy]:
-    """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin."""
+                         timeout: float = 1800, llama_site: str | Path | None = None) -> list[Greedy]:
+    """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin.
+    llama_site: a directory holding another llama-cpp-python build (llama_build.ensure_stock_site: the one
+    built without patches/), imported instead of the installed one."""
     cmd = greedy_command(model, prompts, n, pi2, threads, ctx, eog_stop, repack, sidecar, mode, keep_prefix,
                          prompt_limit, logits)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = None
+    if llama_site is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(llama_site), os.environ.get("PYTHONPATH")])))
+        cmd.append("--expect-llama-site=" + str(llama_site))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"greedy decoding of {model} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     return parse_results(res.stdout)
@@ -90,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sidecar", help="pi2 sidecar (with --pi2)")
     ap.add_argument("--mode", help="PI2 decode mode (with --pi2)")
     ap.add_argument("--memory-budget", help="whole-process memory budget (with --pi2 and a sidecar)")
+    ap.add_argument("--expect-llama-site", help="fail unless llama_cpp was imported from this directory")
     args = ap.parse_args(argv)
+    if args.expect_llama_site and Path(args.expect_llama_site).resolve() not in Path(llama_cpp.__file__).resolve().parents:
+        print(f"llama_cpp was imported from {llama_cpp.__file__}, not from {args.expect_llama_site}", file=sys.stderr)
+        return 2
     from .counters import read_counters, reset_counters
     from .plugin import register
 

@@ -25,6 +25,9 @@ class ModelSummary:
     file_size: int
     n_tensors: int
     n_layer: int          # gated FFN layers
+    activation: int       # the FFN activation the model states (<arch>.ffn_activation): index into
+                          # sidecar.format.ACTIVATIONS, or -1 when it states none
+    activation_threshold: float  # <arch>.ffn_activation_threshold (FATReLU), else 0
 
 
 def model_summary_c(path: Pathish) -> ModelSummary:
@@ -34,7 +37,7 @@ def model_summary_c(path: Pathish) -> ModelSummary:
     err = capi.err_buffer()
     if capi.lib().pi2_model_summary(os.fsencode(path), ctypes.byref(out), err, capi.ERR_LEN) != 0:
         raise ModelFileError(capi.err_text(err))
-    return ModelSummary(*(int(getattr(out, name)) for name, _ in capi.Pi2ModelSummary._fields_))
+    return ModelSummary(*(getattr(out, name) for name, _ in capi.Pi2ModelSummary._fields_))
 
 
 def validate_sidecar_c(path: Pathish) -> None:

@@ -123,15 +123,16 @@ def load_begin(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = 
                model: str | os.PathLike[str] | None = None) -> int:
     """Binds the PI2 weight buffers of the next model load to this sidecar and mode (the sidecar is
     opened and checked now). Returns the binding id (0 without a sidecar). Pair with load_end().
-    flash: the FFN stays on flash (a memory budget; size the cache with set_budget after the load); with
-    the model file named, a token embedding apart from the output matrix stays in that file too."""
+    model: the model file: PI2 computes the FFN activation it states (<arch>.ffn_activation), checked
+    against the sidecar's. flash: the FFN stays on flash (a memory budget; size the cache with set_budget
+    after the load); a token embedding apart from the output matrix then stays in the model file too."""
     err = capi.err_buffer()
     path = None if sidecar is None else os.fsencode(sidecar)
+    model_path = None if model is None else os.fsencode(model)
     if flash:
-        rc = _require().pi2_load_begin_flash(path, None if model is None else os.fsencode(model), mode_value(mode),
-                                             err, capi.ERR_LEN)
+        rc = _require().pi2_load_begin_flash(path, model_path, mode_value(mode), err, capi.ERR_LEN)
     else:
-        rc = _require().pi2_load_begin(path, mode_value(mode), err, capi.ERR_LEN)
+        rc = _require().pi2_load_begin(path, model_path, mode_value(mode), err, capi.ERR_LEN)
     if rc < 0:
         raise SidecarError(capi.err_text(err))
     return int(rc)

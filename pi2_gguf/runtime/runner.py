@@ -54,10 +54,11 @@ class LlamaRunner:
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.use_mmap = use_mmap
-        if sidecar is not None or mode != "dense" or settings:
-            from . import plugin
+        from . import plugin
 
-            self._binding = plugin.load_begin(sidecar, mode)
+        # with PI2 in the process it is told the model, whose stated FFN activation it then computes
+        if sidecar is not None or mode != "dense" or settings or plugin.is_registered():
+            self._binding = plugin.load_begin(sidecar, mode, model=path)
             try:
                 for name, value in (settings or {}).items():
                     plugin.configure(name, value, self._binding)

@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ARCHITECTURE = "pi2"
 BUNDLE_ALIGN = 4096  # general.alignment, and the default and largest pi2.bundle.align
 # pi2.bundle.align may be any of these: a bundle can be read with O_DIRECT where the device's logical block
@@ -48,6 +48,7 @@ KEYS: dict[str, KT] = {
     "pi2.n_embd": KT.U32,
     "pi2.n_ff": KT.U32_ARR,
     "pi2.activation": KT.STR,
+    "pi2.activation_threshold": KT.F32,
     "pi2.sparsity.method": KT.STR,
     "pi2.sparsity.target": KT.F32,
     "pi2.sparsity.thresholds": KT.F32_ARR,
@@ -86,8 +87,8 @@ TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pi2_bundles": ("I8", ("bundle size", "n_bundles")),
 }
 
-ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu")
-RELU_FAMILY = ("relu", "drelu")
+ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu", "fatrelu")
+RELU_FAMILY = ("relu", "drelu", "fatrelu")
 SPARSITY_METHODS = ("cats", "product", "relu")
 # keys only a sidecar of one method holds
 METHOD_KEYS: dict[str, str] = {"pi2.sparsity.product_thresholds": "product"}

@@ -56,6 +56,7 @@ class SidecarMeta:
     tensor_fingerprints: list[int]
     n_embd: int
     activation: str
+    activation_threshold: float  # FATReLU's t; 0 for the other activations
     method: str
     target: float
     recall_target: float
@@ -103,6 +104,7 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         "pi2.n_layer": len(m.layers),
         "pi2.n_embd": m.n_embd,
         "pi2.activation": m.activation,
+        "pi2.activation_threshold": m.activation_threshold,
         "pi2.sparsity.method": m.method,
         "pi2.sparsity.target": m.target,
         "pi2.predictor.recall_target": m.recall_target,
