@@ -335,7 +335,7 @@ def test_read_error_ends_generation_with_a_message(relu_model: tuple[Path, Path,
     model, sidecar, _ = relu_model
     llm = _load_small_cache(model, sidecar)
     _steps(llm, 2)
-    plugin.inject_read_fault(llm.pi2_binding, 5, errno.EIO)
+    plugin.inject_read_fault(llm.pi2_binding, 1, errno.EIO)  # the second read from now fails
     with pytest.raises(SidecarError, match=r"read of \d+ bytes at offset \d+ failed.*Input/output error \(injected\)"):
         _steps(llm, 8)
     _steps(llm, 2)  # the fault was one read: the next generation reads again and works

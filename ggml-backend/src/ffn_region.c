@@ -89,12 +89,9 @@ bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_
             ++n_other;
         }
     }
-    if (r->gate == NULL || r->up == NULL) {
-        *why = "its gate and up products of one input are not next to each other";
-        return false;
-    }
-    if (r->out == NULL || (r->out->op != GGML_OP_GLU && r->out->op != GGML_OP_MUL)) {
-        *why = "its gate and up products do not feed a GLU directly (an FFN with biases?)";
+    if (r->gate == NULL || r->up == NULL || r->out == NULL || (r->out->op != GGML_OP_GLU && r->out->op != GGML_OP_MUL)) {
+        *why = "its gate and up products do not feed one GLU directly (an op between a product and the GLU, a bias say, "
+               "that PI2 does not take)";
         return false;
     }
     r->n_nodes = j - i;

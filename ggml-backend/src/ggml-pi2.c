@@ -300,9 +300,8 @@ static double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting 
 }
 
 // Node i, a MUL_MAT: if it starts a layer's FFN region (ffn_region.h), the region runs (sparse for a model
-// with a sidecar, else dense) and the nodes consumed are returned; 0 when node i runs alone. A model that
-// states a ReLU-family activation must have every FFN in a region: PI2 alone computes that activation on
-// an unmodified llama.cpp, whose graph holds SwiGLU.
+// with a sidecar, else dense) with the activation the model states, and the nodes consumed are returned;
+// 0 when node i runs alone.
 static int pi2_compute_ffn_region(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgraph, int i, enum ggml_status * st) {
     const struct ggml_tensor * w = ggml_graph_node(cgraph, i)->src[0];
     int layer = 0;
@@ -325,13 +324,7 @@ static int pi2_compute_ffn_region(struct pi2_backend_ctx * ctx, struct ggml_cgra
         *st = GGML_STATUS_FAILED;
         return 1;
     }
-    if (sa.stated && pi2_act_relu_family(sa.act.kind) && m != PI2_MATRIX_DOWN) {
-        PI2_LOG_REFUSAL("pi2: layer %d's FFN graph is not one PI2 computes %s for: %s\n", layer,
-                        pi2_activation_names[sa.act.kind], why);
-        *st = GGML_STATUS_FAILED;
-        return 1;
-    }
-    return 0;
+    return 0; // alone: llama's graph computes the activation (an FFN with biases runs right only with patches/)
 }
 
 static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph) {
