@@ -8,5 +8,6 @@ setup:
 run: setup
 	.venv/bin/pi2-gguf run
 
-test: setup
+test:
+	$(PY) tools/bootstrap.py --with-import
 	.venv/bin/pytest

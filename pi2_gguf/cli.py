@@ -1,4 +1,4 @@
-"""The pi2-gguf command line: one argparse tree (run, models, profile, convert, inspect, perplexity, bench)."""
+"""The pi2-gguf command line: one argparse tree (run, models, import, profile, convert, inspect, perplexity, bench)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,20 @@ def _add_profile_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from .importer.hf_import import import_checkpoint
+
+    res = import_checkpoint(args.checkpoint, args.output, args.outtype, args.threads, args.verbose)
+    act = res.stated.activation or "silu (what llama.cpp computes anyway; nothing stated)"
+    print(f"wrote {res.path} ({res.path.stat().st_size / 1e6:.1f} MB, {res.outtype}) from {res.stated.family.hf_arch} "
+          f"in {res.seconds:.0f} s; FFN activation: {act}"
+          + (f", threshold {res.stated.threshold:g}" if res.stated.activation == "fatrelu" else ""))
+    if res.predictor_layers:
+        print(f"the checkpoint ships activation predictors for {res.predictor_layers} layers (mlp.predictor): "
+              f"`pi2-gguf convert {res.path} --checkpoint {args.checkpoint}` weighs them against its own")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     t0 = time.time()
     prof = profile_mod.run_profile(args.model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
@@ -169,8 +183,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
-                  predictor=args.predictor)
+                  predictor=args.predictor, checkpoint=args.checkpoint)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
+    for note in res.notes:
+        print(note)
     print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
           f"(profiling {res.profile_seconds:.0f} s)")
     return 0
@@ -277,6 +293,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="models to fetch (default: list them)")
     p.set_defaults(func=cmd_models)
 
+    from .importer import families
+    from .importer.hf_import import DEFAULT_OUTTYPE, OUTTYPES
+
+    p = sub.add_parser("import", help="convert a Hugging Face checkpoint of a sparse model to GGUF (llama.cpp's "
+                       "converter), stating its FFN activation",
+                       description="Convert a Hugging Face checkpoint to a standard GGUF with llama.cpp's own "
+                                   "convert_hf_to_gguf.py (pinned sdist) and, for quantized types, its quantizer. "
+                                   "The GGUF states the FFN activation (<arch>.ffn_activation: relu, drelu, "
+                                   "fatrelu + threshold), which the PI2 plugin computes on any llama.cpp. "
+                                   f"Architectures: {', '.join(families.FAMILIES)}. Needs the optional extra "
+                                   "`import` (torch, transformers, sentencepiece).")
+    p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("-o", "--output", type=Path, help="GGUF to write (default: CHECKPOINT-OUTTYPE.gguf beside it)")
+    p.add_argument("--outtype", choices=OUTTYPES, default=DEFAULT_OUTTYPE, help="weight type (default %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="quantizer threads")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the converter's log")
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("profile", help="record per-layer FFN inputs of a model on real text",
                        description="Record per-layer FFN inputs of a model on real text.")
     p.add_argument("model", type=Path)
@@ -305,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", choices=pred_mod.KINDS, default=pred_mod.DEFAULT_KIND,
                    help="svd (default): reduced-rank regression of the gate on the profiled inputs, no training; "
                         "trained: then Adam epochs (slower; docs/CONVERT.md compares them)")
+    p.add_argument("--checkpoint", type=Path, help="the Hugging Face checkpoint the model was imported from: "
+                   "activation predictors it ships (Bamboo/TurboSparse mlp.predictor) are weighed per layer "
+                   "against convert's own and kept where they read less")
     p.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs (--predictor trained)")
     p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
                    help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "

@@ -39,3 +39,7 @@ class MissingExtraError(Pi2Error):
 class ConfigError(Pi2Error, ValueError):
     """A PI2_* setting was refused (the message is the plugin's: "PI2_DOWN_SPARSE_MAX=2 is not a fraction
     in 0..1")."""
+
+
+class CheckpointImportError(Pi2Error):
+    """A Hugging Face checkpoint could not be imported (`pi2-gguf import`); the message says which file and why."""

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "scikit-build-core>=0.10",
            "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3",
            "matplotlib>=3.7"]
+# the `import` extra (pyproject.toml), installed with --with-import (make test): torch pinned to the
+# release whose CPU wheel this machine keeps locally; a range would fetch the newest CUDA build (GBs)
+IMPORT_DEPS = ["torch==2.13.0", "transformers>=4.57,<5", "sentencepiece>=0.1.98,<0.3", "safetensors>=0.4",
+               "protobuf>=4.21,<5"]
 
 
 def _load_llama_build() -> ModuleType:
@@ -49,6 +53,7 @@ def _tree_hash(paths: list[Path]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--venv", type=Path, default=ROOT / ".venv")
+    ap.add_argument("--with-import", action="store_true", help="also the `import` extra (llama.cpp's HF converter)")
     args = ap.parse_args()
 
     lb = _load_llama_build()
@@ -67,6 +72,11 @@ def main() -> int:
         _run([str(py), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(dep.wheel)])
         _run([str(py), "-m", "pip", "install", "-q", *PY_DEPS])
         stamp = {"llama": dep.key, "py_deps": PY_DEPS}
+        stamp_path.write_text(json.dumps(stamp))
+
+    if args.with_import and stamp.get("import_deps") != IMPORT_DEPS:
+        _run([str(py), "-m", "pip", "install", "-q", *IMPORT_DEPS])
+        stamp["import_deps"] = IMPORT_DEPS
         stamp_path.write_text(json.dumps(stamp))
 
     site = Path(subprocess.run([str(py), "-c", "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)"],

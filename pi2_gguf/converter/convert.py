@@ -32,6 +32,7 @@ class ConvertResult:
     profile_seconds: float
     size: int
     meta: SidecarMeta
+    notes: tuple[str, ...] = ()  # one line each: what convert decided that the user did not ask for exactly
 
 
 def default_ranks(n_embd: int) -> list[int]:
@@ -47,7 +48,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             train_tokens: int = DEFAULT_TRAIN_TOKENS, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
             epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
-            bundle_align: int = fmt.BUNDLE_ALIGN, bundle_neurons: int | None = None) -> ConvertResult:
+            bundle_align: int = fmt.BUNDLE_ALIGN, bundle_neurons: int | None = None,
+            checkpoint: str | Path | None = None) -> ConvertResult:
+    """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
+    (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -77,6 +81,19 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
     ranks = ranks or default_ranks(model.n_embd)
+    notes: list[str] = []
+    shipped: dict[int, pred_mod.Predictor] = {}
+    if checkpoint is not None:
+        from ..importer import checkpoint_predictors
+
+        found = checkpoint_predictors.load(checkpoint, model.n_layer, model.n_embd, model.n_ff(0))
+        if found.layers and plan.method != "relu":
+            notes.append(f"checkpoint predictors ignored: they predict ReLU-family activity, and this model's "
+                         f"FFN is {model.activation}")
+        else:
+            shipped = found.layers
+            if found.reason:
+                notes.append(f"checkpoint predictors {'partly ' if shipped else ''}ignored: {found.reason}")
 
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
@@ -86,6 +103,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     layers: list[LayerData] = []
     downs: list[bundles_mod.DownColumns] = []
     types: list[tuple[int, int, int]] = []  # gate, up and down type of each layer's bundles
+    sources: list[str] = []  # where each layer's predictor came from
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
         gate_w = ffn["gate"].dequantized()
@@ -125,7 +143,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
                                fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
-                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor)
+                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
+                                    shipped=shipped.get(il))
+        sources.append(fitted.source)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
         types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
@@ -166,4 +186,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
-    return ConvertResult(out, time.time() - t0, t_prof, out.stat().st_size, meta)
+    if shipped:
+        used = [il for il, src in enumerate(sources) if src == "checkpoint"]
+        notes.append(f"checkpoint predictors used in {len(used)} of {len(shipped)} layers"
+                     + (f" ({', '.join(map(str, used))})" if 0 < len(used) < len(shipped) else "")
+                     + ("" if len(used) == len(shipped) else
+                        f"; the others read more per token at recall {recall} than convert's {predictor} predictors"))
+    return ConvertResult(out, time.time() - t0, t_prof, out.stat().st_size, meta, tuple(notes))

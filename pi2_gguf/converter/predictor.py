@@ -177,19 +177,22 @@ class Fitted:
     heldout: Quality
     validation: Quality
     tried: tuple[tuple[int, float, float], ...]  # (rank, validation density, estimated bytes/token)
+    source: str = DEFAULT_KIND  # svd, trained, or checkpoint (a predictor the model's checkpoint shipped)
 
 
 def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_w: np.ndarray,
               x_train: np.ndarray, g_train: np.ndarray, x_held: np.ndarray, g_held: np.ndarray,
               ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS,
-              y_train: np.ndarray | None = None, y_held: np.ndarray | None = None, kind: str = DEFAULT_KIND) -> Fitted:
+              y_train: np.ndarray | None = None, y_held: np.ndarray | None = None, kind: str = DEFAULT_KIND,
+              shipped: Predictor | None = None) -> Fitted:
     """Makes one predictor per candidate rank (kind svd: reduced-rank regression alone; trained: then
     `epochs` of Adam) and keeps the one with the fewest estimated bytes read
     per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
     pre-activations of x_* (sparsity.gate_preactivations); a neuron is active where score(g) > threshold,
     unless y_* give the active neurons (method product: those of score(g) > threshold whose |act * up|
     passes too). The cutoff catches `recall` of the active neurons: a neuron the threshold admits but
-    that is not active costs nothing when missed."""
+    that is not active costs nothing when missed. shipped: a predictor the checkpoint came with, one more
+    candidate measured the same way (source "checkpoint" when it is the cheapest)."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = max(1, int(xt.shape[0] * VALIDATION_SHARE))
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
@@ -198,23 +201,29 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     y_fit, y_val = y_all[:-n_val], y_all[-n_val:]
     n_ff, n_embd = gate_w.shape
     active = float(y_val.mean())
-    best: tuple[float, Predictor, Quality] | None = None
+    best: tuple[float, Predictor, Quality, str] | None = None
     tried: list[tuple[int, float, float]] = []
     if kind not in KINDS:
         raise ValueError(f"predictor kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    basis = rrr_basis(x_fit, gate_w)
-    for r in ranks:
-        r = max(2, min(r, 2 * basis.shape[0]))
-        init = rrr_init(x_fit, gate_w, r, basis)
-        pred = (train(x_fit, g_fit, y_fit, init, epochs=epochs) if kind == "trained" else init).as_stored()
+
+    def weigh(pred: Predictor, source: str) -> None:
+        nonlocal best
         s_val = score(pred.outputs(x_val))
         pred.cutoff = cutoff_for_recall(s_val, y_val, recall)
         q = Quality.measure(s_val > pred.cutoff, y_val)
         cost = costs.per_token(pred.rank, n_embd, n_ff, q.density, active)
         tried.append((pred.rank, q.density, cost))
         if best is None or cost < best[0]:
-            best = (cost, pred, q)
+            best = (cost, pred, q, source)
+
+    basis = rrr_basis(x_fit, gate_w)
+    for r in ranks:
+        r = max(2, min(r, 2 * basis.shape[0]))
+        init = rrr_init(x_fit, gate_w, r, basis)
+        weigh((train(x_fit, g_fit, y_fit, init, epochs=epochs) if kind == "trained" else init).as_stored(), kind)
+    if shipped is not None:
+        weigh(shipped.as_stored(), "checkpoint")
     assert best is not None
-    _, pred, q_val = best
+    _, pred, q_val, source = best
     q_held = Quality.measure(pred.predict(x_held, score), score(g_held) > threshold if y_held is None else y_held)
-    return Fitted(pred, q_held, q_val, tuple(tried))
+    return Fitted(pred, q_held, q_val, tuple(tried), source)
