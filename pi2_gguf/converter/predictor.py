@@ -85,15 +85,17 @@ class Quality:
 
 def rrr_basis(x: np.ndarray, gate_w: np.ndarray) -> np.ndarray:
     """The principal directions of g = x gate^T over the data, strongest first [min(n_embd, n_ff), n_ff].
-    With x^T x = R R^T (Cholesky), g^T g = M^T M for M = R^T gate^T (n_embd x n_ff): g's directions are the
+    With x^T x = R R^T (Cholesky; an eigendecomposition where x^T x is singular), g^T g = M^T M for M = R^T gate^T (n_embd x n_ff): g's directions are the
     eigenvectors of M M^T (n_embd x n_embd) carried over by M. One Cholesky factor, one symmetric
     eigenproblem of n_embd and a few matrix products (float32 BLAS; the factor and the eigenproblem in
     float64): ~30x faster than SVDs of x and M on the 1.5B model's layers."""
     xf = np.asarray(x, dtype=np.float32)
     c = (xf.T @ xf).astype(np.float64)
-    # a ridge of 1e-9 of the mean variance keeps the factor defined where x spans fewer than n_embd dims
-    c[np.diag_indices_from(c)] += 1e-9 * max(float(np.trace(c)) / c.shape[0], 1e-30)
-    r = np.linalg.cholesky(c)
+    try:
+        r = np.linalg.cholesky(c)
+    except np.linalg.LinAlgError:  # x spans fewer than n_embd dimensions (fewer tokens than that, say)
+        lam, q = np.linalg.eigh(c)
+        r = q * np.sqrt(np.maximum(lam, 0.0))  # r r^T = c as well
     m = r.T.astype(np.float32) @ np.asarray(gate_w, dtype=np.float32).T
     mu, u = np.linalg.eigh((m @ m.T).astype(np.float64))
     keep = np.argsort(mu)[::-1]
