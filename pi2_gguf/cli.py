@@ -100,6 +100,68 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# SmolLM2 (98 MB file, 55 MB sidecar): the pi2 process needs 170 MB at least (llama's non-FFN weights, KV
+# cache, Python, the margin); at 220 MB the whole FFN fits the cache and nothing is read per token, at 200 MB
+# about half of what a token uses comes from the sidecar on disk
+DEMO_BUDGET = "200MB"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """What pi2-gguf is for, on one model: its sidecar (converted once, then reused), predicted sparse decode
+    with the FFN on flash under a memory budget, and stock llama.cpp on the same prompt; each run in a fresh
+    process."""
+    from .converter.convert import convert
+    from .runtime.isolated import greedy_in_subprocess
+    from .runtime.memory_budget import parse_size
+
+    model = resolve_model(args.model)
+    budget = parse_size(args.memory_budget, "--memory-budget")
+    sidecar = fmt.sidecar_path_for(model)
+    if sidecar.is_file():
+        made = f"{sidecar} (cached; `pi2-gguf convert` made it)"
+    else:
+        print(f"converting {model.name} once (profiling, predictors, neuron bundles; later runs reuse it) ...")
+        res = convert(model, sidecar)
+        made = f"{sidecar} (converted now in {res.seconds:.0f} s)"
+    print(f"running stock llama.cpp and pi2 on the same prompt, {args.n_predict} tokens each ...", flush=True)
+    try:
+        stock = greedy_in_subprocess(model, [args.prompt], args.n_predict, pi2=False, threads=args.threads,
+                                     ctx=args.ctx, logits=False)[0]
+        pi2 = greedy_in_subprocess(model, [args.prompt], args.n_predict, pi2=True, threads=args.threads,
+                                   ctx=args.ctx, sidecar=sidecar, mode="predicted", memory_budget=budget,
+                                   logits=False)[0]
+    except RuntimeError as e:  # the run's own error is the last line its process printed
+        last = str(e).strip().splitlines()[-1]
+        raise Pi2Error(last.split(": ", 1)[1] if last.startswith("pi2_gguf.errors.") else last) from None
+    from .sidecar.reader import read as read_sidecar
+
+    n_ff = int(np.mean(read_sidecar(sidecar).kv["pi2.n_ff"]))
+    print(f"\nmodel    {model} ({model.stat().st_size / 1e6:.0f} MB)\nsidecar  {made}")
+    print(f"prompt   {args.prompt!r}, {args.threads} threads\n")
+    rows = [("stock llama.cpp, all in RAM (mmap)", stock, "-", "every neuron"),
+            (f"pi2 predicted, FFN on flash, budget {budget / 1e6:.0f} MB", pi2,
+             f"{pi2.io.get('bundle_bytes', 0) / max(len(pi2.tokens), 1) / 1e6:.2f} MB",
+             f"{pi2.active_fraction:.0%} of {n_ff}")]
+    print("| run | decode tok/s | peak memory | FFN bytes read per token | active neurons per layer |")
+    print("|---|---|---|---|---|")
+    for name, g, read, active in rows:
+        peak = g.io.get("peak_rss", 0) / 1e6
+        within = f" (budget {budget / 1e6:.0f} MB)" if g is pi2 else ""
+        print(f"| {name} | {g.decode_tps:.1f} | {peak:.0f} MB{within} | {read} | {active} |")
+    print(f"\npi2's text: {args.prompt}{_detokenize(model, pi2.tokens)}")
+    return 0
+
+
+def _detokenize(model: Path, tokens: list[int]) -> str:
+    import llama_cpp
+
+    vocab_only = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    try:
+        return vocab_only.detokenize(tokens).decode(errors="replace")
+    finally:
+        vocab_only.close()
+
+
 def _print_pi2_run(llm: object) -> None:
     """The neuron cache (with a memory budget) and what the PI2 device executed."""
     from .runtime.counters import read_counters
@@ -156,6 +218,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return serve(ServeConfig(resolve_model(args.model), args.sidecar, args.mode, args.memory_budget, args.host,
                              args.port, args.n_ctx, args.threads, args.chat_format))
+
+
+def cmd_backend_path(args: argparse.Namespace) -> int:
+    from .runtime import capi
+
+    print(capi.plugin_path())
+    return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -301,6 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="models to fetch (default: list them)")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("demo", help="what pi2-gguf is for, on one model: converted once, then decoded with its FFN "
+                       "on flash under a memory budget next to stock llama.cpp (make run)")
+    p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
+    p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("-c", "--ctx", type=int, default=512)
+    p.add_argument("--memory-budget", default=DEMO_BUDGET, help="the pi2 process's budget (default %(default)s)")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-cpp-python's) with the model through PI2",
                        description="Serve a model through PI2 with llama-cpp-python's OpenAI-compatible server "
                                    "(/v1/chat/completions with the GGUF's chat template, /v1/completions, "
@@ -318,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .importer import families
     from .importer.hf_import import DEFAULT_OUTTYPE, OUTTYPES
+
+    p = sub.add_parser("backend-path", help="print the PI2 plugin's path, for llama.cpp's tools: "
+                       "GGML_BACKEND_PATH=$(pi2-gguf backend-path) llama-server ...",
+                       description="Print the path of the PI2 plugin (libggml-pi2.so) for GGML_BACKEND_PATH.")
+    p.set_defaults(func=cmd_backend_path)
 
     p = sub.add_parser("import", help="convert a Hugging Face checkpoint of a sparse model to GGUF (llama.cpp's "
                        "converter), stating its FFN activation",

@@ -191,3 +191,91 @@ def ensure_stock_site(python: str = sys.executable, log: Callable[[str], None] =
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return site
+
+
+# llama.cpp's own tools, built on request (tools/bootstrap.py --with-tools, `make tools`) from the same patched
+# source as the wheel plus patches/tools/ (changes to llama.cpp's common library, which the wheel does not
+# contain), with shared libraries: at run time they use the wheel's libllama and libggml (LD_LIBRARY_PATH set
+# by a launcher in the venv; no RPATH), so a process holds one copy of ggml and the plugin loads into it.
+TOOL_TARGETS = ("llama-server", "llama-cli", "llama-completion", "llama-bench")
+TOOLS_CMAKE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_SKIP_RPATH=ON",
+                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+                    "-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
+
+
+def tools_key(patches_dir: Path) -> str:
+    """The wheel's key plus 8 hex digits over patches/tools/*.patch and the tools' CMake arguments."""
+    h = hashlib.sha256("\0".join(TOOLS_CMAKE_ARGS).encode() + b"\0" + ",".join(TOOL_TARGETS).encode())
+    for p in patch_files(patches_dir / "tools") if (patches_dir / "tools").is_dir() else []:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return f"{build_key(patches_dir)}-tools-{h.hexdigest()[:8]}"
+
+
+def ensure_tools(patches_dir: Path, python: str = sys.executable, log: Callable[[str], None] = print) -> Path:
+    """The cached build of llama.cpp's tools for the current patches: a directory with bin/ (the tools) and
+    lib/ (libraries the wheel does not ship, libmtmd). Built once (about 10 minutes here) when missing."""
+    key = tools_key(patches_dir)
+    final = cache_dir() / "tools" / key
+    if (final / ".complete").is_file():
+        return final
+    source = prepare_source(ensure_sdist(python), patches_dir) / "vendor" / "llama.cpp"
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise BuildError("cmake is not on PATH (it builds llama.cpp's tools)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building llama.cpp tools {key} (cached afterwards in {final}) ...")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=final.parent))
+    try:
+        src = tmp / "src"
+        shutil.copytree(source, src, symlinks=True)
+        tool_patches = patch_files(patches_dir / "tools") if (patches_dir / "tools").is_dir() else []
+        for p in tool_patches:
+            # the patches are relative to the sdist root, like patches/*.patch
+            res = subprocess.run(["patch", "-p3", "--forward", "--batch", "-d", str(src), "-i", str(p)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise BuildError(f"patch tools/{p.name} does not apply to llama.cpp of llama-cpp-python "
+                                 f"{LLAMA_CPP_PYTHON_VERSION}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        build = tmp / "build"
+        for cmd in ([cmake, "-S", str(src), "-B", str(build), *TOOLS_CMAKE_ARGS],
+                    [cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TOOL_TARGETS]):
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+        out = tmp / "out"
+        (out / "bin").mkdir(parents=True)
+        (out / "lib").mkdir()
+        for t in TOOL_TARGETS:
+            shutil.copy2(build / "bin" / t, out / "bin" / t)
+        for lib in (build / "bin").glob("lib*.so*"):
+            # libllama and libggml* come from the wheel at run time
+            if not (lib.name.startswith("libggml") or lib.name.split(".so")[0] == "libllama"):
+                shutil.copy2(lib, out / "lib" / lib.name, follow_symlinks=True)
+        (out / ".complete").write_text(key + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        out.replace(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_tool_launchers(tools_dir: Path, bin_dir: Path, wheel_lib_dir: Path) -> list[Path]:
+    """Launchers in bin_dir (the venv's bin) that run each tool with the wheel's libraries first on
+    LD_LIBRARY_PATH; written atomically. Returns their paths."""
+    written = []
+    for t in TOOL_TARGETS:
+        text = ("#!/bin/sh\n"
+                "# llama.cpp's " + t + " from pi2-gguf's build (tools/bootstrap.py --with-tools), run on the\n"
+                "# llama-cpp-python wheel's libllama and libggml so the PI2 plugin (GGML_BACKEND_PATH) shares them\n"
+                f"LD_LIBRARY_PATH='{wheel_lib_dir}:{tools_dir / 'lib'}'\"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\"\n"
+                "export LD_LIBRARY_PATH\n"
+                f"exec '{tools_dir / 'bin' / t}' \"$@\"\n")
+        target = bin_dir / t
+        tmp = target.with_name(f".{t}.tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(target)
+        written.append(target)
+    return written

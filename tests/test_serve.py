@@ -49,10 +49,11 @@ def _request(port: int, method: str, path: str, body: bytes | None = None) -> tu
 
 
 @contextmanager
-def server(cmd: list[str], port: int, log: Path, timeout: float = 180) -> Iterator[subprocess.Popen]:
+def server(cmd: list[str], port: int, log: Path, timeout: float = 180,
+           env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Starts cmd (a server listening on port), waits until /v1/models answers, stops it afterwards."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         t0 = time.time()
         while True:
@@ -190,3 +191,23 @@ def test_serve_refuses_bad_settings_at_load(smollm2: Path, smol_sidecar: Path, a
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_converts_once_then_runs_within_the_budget(smollm2: Path, tmp_path: Path) -> None:
+    """`make run`: the default model's sidecar made once beside it, then stock and pi2 (FFN on flash under the
+    budget) side by side; the second run reuses the sidecar."""
+    import shutil
+
+    model = tmp_path / smollm2.name
+    shutil.copyfile(smollm2, model)
+    cmd = [sys.executable, "-m", "pi2_gguf.cli", "demo", str(model), "-n", "16"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "converted now" in first.stdout and (tmp_path / (model.stem + ".pi2.gguf")).is_file()
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0 and "(cached" in second.stdout
+    row = next(line for line in second.stdout.splitlines() if line.startswith("| pi2 predicted"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0
+    assert int(cells[2].split()[0]) <= 200  # peak memory within the default budget
+    assert float(cells[3].split()[0]) > 0  # FFN bytes read per token from the sidecar

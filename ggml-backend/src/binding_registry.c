@@ -99,8 +99,9 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
             return -1;
         }
         pthread_mutex_lock(&d->lock);
-        d->pending     = NULL;
-        d->pending_act = act;
+        d->pending       = NULL;
+        d->pending_act   = act;
+        d->frontend_load = true;
         pthread_mutex_unlock(&d->lock);
         return 0;
     }
@@ -141,6 +142,7 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
     pi2_binding_ref(b);
     d->pending = b;         // the pending reference, dropped by pi2_load_end
     d->pending_act = act;
+    d->frontend_load = true;
     pthread_mutex_unlock(&d->lock);
     return id;
 }
@@ -165,8 +167,9 @@ void pi2_load_end(void) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     pthread_mutex_lock(&d->lock);
     struct pi2_binding * old = d->pending;
-    d->pending     = d->env_binding;
-    d->pending_act = d->env_act;
+    d->pending       = d->env_binding;
+    d->pending_act   = d->env_act;
+    d->frontend_load = false;
     pthread_mutex_unlock(&d->lock);
     if (old != NULL && old != d->env_binding) {
         pi2_binding_unref(old);

@@ -22,6 +22,8 @@
 #include "pi2_log.h"
 #include "pi2_context.h"
 #include "ffn_region.h"
+#include "host_ggml.h"
+#include "memory_budget.h"
 #include "sparse_ffn.h"
 
 #define PI2_NAME      "PI2"
@@ -149,6 +151,20 @@ static const char * pi2_buft_get_name(ggml_backend_buffer_type_t buft) {
     GGML_UNUSED(buft);
 }
 
+// Once per process, at the first load outside pi2_load_begin/end (llama.cpp's tools; pi2_gguf says it
+// itself): that PI2 is active and what PI2_* made of it. On stderr: the tools show ggml's INFO only with -v.
+static void pi2_announce(const struct pi2_config * c) {
+    static const char * const modes[] = { "dense", "oracle", "predicted" };
+    if (c->sidecar[0] == '\0') {
+        fprintf(stderr, "pi2: PI2 backend %s active: FFN dense, in RAM (no PI2_SIDECAR)\n", PI2_VERSION);
+    } else if (c->memory_budget > 0) {
+        fprintf(stderr, "pi2: PI2 backend %s active: mode %s, sidecar %s, FFN on flash within a memory budget of %.0f MB\n",
+                PI2_VERSION, modes[c->mode], c->sidecar, (double) c->memory_budget / 1e6);
+    } else {
+        fprintf(stderr, "pi2: PI2 backend %s active: mode %s, sidecar %s, FFN in RAM\n", PI2_VERSION, modes[c->mode], c->sidecar);
+    }
+}
+
 // the buffer context of a new buffer, bound to the pending model binding; NULL (logged) on failure
 static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     struct pi2_device_ctx * dctx = pi2_device_ctx();
@@ -158,9 +174,24 @@ static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
     }
+    if (!dctx->frontend_load && !dctx->announced) {
+        pi2_announce(&dctx->config);
+        dctx->announced = true;
+    }
     // the first buffer of a load: the frontend has set this model's settings by now
     if (dctx->pending != NULL && pi2_binding_prepare(dctx->pending) != 0) {
         PI2_LOG_REFUSAL("pi2: %s\n", dctx->pending->error);
+        pthread_mutex_unlock(&dctx->lock);
+        return NULL;
+    }
+    // PI2_MEMORY_BUDGET's model: a buffer after the weights were uploaded is a context's compute buffer, and
+    // model and KV cache are resident by then, so the cache is sized now and a budget that cannot work is
+    // refused while the tool is loading (the context fails), not at its first request
+    struct pi2_binding * eb = dctx->env_binding;
+    if (dctx->pending != NULL && dctx->pending == eb && eb->flash && eb->env_budget > 0 && atomic_load(&eb->uploading) &&
+        !pi2_binding_has_cache(eb) &&
+        pi2_binding_size_cache(eb, eb->env_budget, eb->env_budget / 20, eb->error, sizeof(eb->error)) != 0) {
+        PI2_LOG_REFUSAL("pi2: PI2_MEMORY_BUDGET: %s\n", eb->error);
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
     }
@@ -272,8 +303,9 @@ static struct pi2_binding * pi2_weight_binding(const struct ggml_tensor * w) {
     if (w == NULL || w->buffer == NULL || w->buffer->buft->iface.get_name != pi2_buft_get_name) {
         return NULL;
     }
+    // the buffers of a model loaded without memory (no_alloc: llama's parameter fitting) have no context
     const struct pi2_buffer_ctx * bc = w->buffer->context;
-    return bc->binding;
+    return bc != NULL ? bc->binding : NULL;
 }
 
 // the FFN activation the model of weight w states; llama's placement probe asks with a zero-size buffer,
@@ -515,6 +547,16 @@ static ggml_backend_buffer_type_t pi2_device_get_buffer_type(ggml_backend_dev_t 
 }
 
 static ggml_backend_buffer_t pi2_device_buffer_from_host_ptr(ggml_backend_dev_t dev, void * ptr, size_t size, size_t max_tensor_size) {
+    struct pi2_device_ctx * dctx = dev->context;
+    pthread_mutex_lock(&dctx->lock);
+    const bool flash = dctx->pending != NULL && dctx->pending->flash;
+    pthread_mutex_unlock(&dctx->lock);
+    if (flash) {
+        // a mapping of the model file would make the FFN resident as it is read: it must stay on flash
+        PI2_LOG_REFUSAL("pi2: a memory budget keeps the FFN on flash, so the model must be loaded without mmap: "
+                        "llama.cpp's tools take -lm none (--load-mode none), llama-cpp-python use_mmap=False\n");
+        return NULL;
+    }
     struct pi2_buffer_ctx * bc = pi2_buffer_ctx_new(ptr, false);
     if (bc == NULL) {
         return NULL;
@@ -773,5 +815,14 @@ static int pi2_score(void) {
     return 1;
 }
 
-GGML_BACKEND_DL_IMPL(ggml_backend_pi2_reg)
+// ggml_backend_init, as GGML_BACKEND_DL_IMPL defines it, plus the check that the loader shares our ggml
+GGML_BACKEND_API ggml_backend_reg_t ggml_backend_init(void);
+ggml_backend_reg_t ggml_backend_init(void) {
+    char err[1024];
+    if (!pi2_host_shares_ggml(__builtin_return_address(0), err, sizeof(err))) {
+        PI2_LOG_REFUSAL("pi2: %s\n", err);
+        return NULL;
+    }
+    return ggml_backend_pi2_reg();
+}
 GGML_BACKEND_DL_SCORE_IMPL(pi2_score)

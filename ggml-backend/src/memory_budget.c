@@ -185,6 +185,13 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
     return 0;
 }
 
+bool pi2_binding_has_cache(struct pi2_binding * b) {
+    pthread_mutex_lock(&b->cache_lock);
+    const bool has = b->pipe != NULL;
+    pthread_mutex_unlock(&b->cache_lock);
+    return has;
+}
+
 int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
     if (!b->flash) {
         snprintf(err, errlen, "sidecar %s: the model was loaded without a memory budget", b->sc->path);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,6 +34,8 @@ struct pi2_device_ctx {
     int                  next_binding_id;
     struct pi2_binding * bindings[PI2_MAX_BINDINGS]; // addressable by id; each holds a reference until released
     struct pi2_binding * env_binding;                // PI2_SIDECAR: bound by every load outside pi2_load_begin/end
+    bool                 frontend_load;              // between pi2_load_begin and pi2_load_end
+    bool                 announced;                  // the first load outside them said that PI2 is active
 };
 
 // The one device context of the process (ggml-pi2.c).

@@ -27,7 +27,7 @@ DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_emb
 def default_train_tokens(n_embd: int) -> int:
     """Training tokens of a default profile: 4 per input dimension, 4,096 to 8,192. The predictor fit and
     the thresholds converge well before that on small models, and profiling costs convert most of its
-    time (SmolLM2: 37 s of 71 at 8,192); its predicted density was the same at 4,096 (docs/CONVERT.md)."""
+    time (SmolLM2: 37 s of 71 at 8,192); its predicted density was the same at 4,096 (docs/MEASUREMENTS.md, "Convert time")."""
     return min(DEFAULT_TRAIN_TOKENS, max(4096, 4 * n_embd))
 DEFAULT_HELDOUT_TOKENS = 2048
 DEFAULT_WINDOW = 256

@@ -24,12 +24,13 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
                          ctx: int = 512, eog_stop: bool = False, repack: bool = True,
                          sidecar: str | Path | None = None, mode: str | None = None,
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
-                         timeout: float = 1800, llama_site: str | Path | None = None) -> list[Greedy]:
+                         timeout: float = 1800, llama_site: str | Path | None = None,
+                         memory_budget: int | None = None) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin.
     llama_site: a directory holding another llama-cpp-python build (llama_build.ensure_stock_site: the one
     built without patches/), imported instead of the installed one."""
     cmd = greedy_command(model, prompts, n, pi2, threads, ctx, eog_stop, repack, sidecar, mode, keep_prefix,
-                         prompt_limit, logits)
+                         prompt_limit, logits, memory_budget)
     env = None
     if llama_site is not None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(llama_site), os.environ.get("PYTHONPATH")])))
@@ -38,6 +39,15 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
     if res.returncode != 0:
         raise RuntimeError(f"greedy decoding of {model} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     return parse_results(res.stdout)
+
+
+def _vm_hwm() -> int:
+    """This process's peak RSS so far in bytes (/proc/self/status VmHWM). Not ru_maxrss: a process started by
+    vfork (subprocess does) records its parent's peak there when it execs."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def parse_results(stdout: str) -> list[Greedy]:
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                         cold_hits=int(c.cold_hits.sum() - c0.cold_hits.sum()),
                         misses=int(c.misses.sum() - c0.misses.sum()),
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
+        g.io["peak_rss"] = _vm_hwm()
         res.append(asdict(g))
     json.dump(res, sys.stdout)
     return 0
