@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "build_info.h"
 #include "column_axpy.h"
 #include "ffn_exec.h"
 #include "ffn_names.h"

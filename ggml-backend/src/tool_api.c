@@ -3,16 +3,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "build_info.h"
 #include "column_axpy.h"
 #include "ggml-pi2.h"
 #include "pi2_context.h"
 
-#ifndef PI2_VERSION
-#define PI2_VERSION "dev"
-#endif
-#ifndef PI2_LLAMA_CPP_PYTHON_VERSION
-#define PI2_LLAMA_CPP_PYTHON_VERSION "unknown"
-#endif
 #define PI2_STR_(x) #x
 #define PI2_STR(x)  PI2_STR_(x)
 
