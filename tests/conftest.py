@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,14 +17,26 @@ sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode
 from settings import RELU_DENSITY, RELU_SHAPE, SMOL_HELDOUT_TOKENS, SMOL_TARGET, SMOL_TRAIN_TOKENS  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    return models.fetch("smollm2-135m", progress=False)
+def _alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cached model under a path of its own (a hard link, or a copy across file systems): a sidecar a user
+    made beside the cached file (`make run` converts SmolLM2 there) would otherwise be every test's default
+    sidecar. Not a symlink: model paths are resolved before the sidecar beside them is looked up."""
+    alone = tmp_path_factory.mktemp("model") / model.name
+    try:
+        os.link(model, alone)
+    except OSError:
+        shutil.copyfile(model, alone)
+    return alone
 
 
 @pytest.fixture(scope="session")
-def gemma3() -> Path:
-    return models.fetch("gemma3-270m", progress=False)
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _alone(models.fetch("smollm2-135m", progress=False), tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _alone(models.fetch("gemma3-270m", progress=False), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
