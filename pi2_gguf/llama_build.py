@@ -94,15 +94,16 @@ def ensure_sdist(python: str = sys.executable) -> Path:
     return target
 
 
-def apply_patches(source_root: Path, patches_dir: Path) -> list[str]:
-    """Applies every patch (-p1, relative to the sdist root); returns the names applied."""
+def apply_patches(source_root: Path, patches_dir: Path, strip: int = 1) -> list[str]:
+    """Applies every patch of patches_dir, whose paths are relative to the sdist root (-p1 at that root, -p3 at
+    its vendor/llama.cpp); returns the names applied."""
     applied = []
     for p in patch_files(patches_dir):
-        res = subprocess.run(["patch", "-p1", "--forward", "--batch", "-d", str(source_root), "-i", str(p)],
+        res = subprocess.run(["patch", f"-p{strip}", "--forward", "--batch", "-d", str(source_root), "-i", str(p)],
                              capture_output=True, text=True)
         if res.returncode != 0:
-            raise BuildError(f"patch {p.name} does not apply to llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}:\n"
-                             f"{res.stdout[-2000:]}{res.stderr[-2000:]}")
+            raise BuildError(f"patch {patches_dir.name}/{p.name} does not apply to llama-cpp-python "
+                             f"{LLAMA_CPP_PYTHON_VERSION}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
         applied.append(p.name)
     return applied
 
@@ -207,7 +208,8 @@ TOOLS_CMAKE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DC
 def tools_key(patches_dir: Path) -> str:
     """The wheel's key plus 8 hex digits over patches/tools/*.patch and the tools' CMake arguments."""
     h = hashlib.sha256("\0".join(TOOLS_CMAKE_ARGS).encode() + b"\0" + ",".join(TOOL_TARGETS).encode())
-    for p in patch_files(patches_dir / "tools") if (patches_dir / "tools").is_dir() else []:
+    tool_patches = patches_dir / "tools"
+    for p in patch_files(tool_patches) if tool_patches.is_dir() else []:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return f"{build_key(patches_dir)}-tools-{h.hexdigest()[:8]}"
 
@@ -229,14 +231,8 @@ def ensure_tools(patches_dir: Path, python: str = sys.executable, log: Callable[
     try:
         src = tmp / "src"
         shutil.copytree(source, src, symlinks=True)
-        tool_patches = patch_files(patches_dir / "tools") if (patches_dir / "tools").is_dir() else []
-        for p in tool_patches:
-            # the patches are relative to the sdist root, like patches/*.patch
-            res = subprocess.run(["patch", "-p3", "--forward", "--batch", "-d", str(src), "-i", str(p)],
-                                 capture_output=True, text=True)
-            if res.returncode != 0:
-                raise BuildError(f"patch tools/{p.name} does not apply to llama.cpp of llama-cpp-python "
-                                 f"{LLAMA_CPP_PYTHON_VERSION}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        if (patches_dir / "tools").is_dir():
+            apply_patches(src, patches_dir / "tools", strip=3)  # src is the sdist's vendor/llama.cpp
         build = tmp / "build"
         for cmd in ([cmake, "-S", str(src), "-B", str(build), *TOOLS_CMAKE_ARGS],
                     [cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TOOL_TARGETS]):

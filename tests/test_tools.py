@@ -17,6 +17,7 @@ import pytest
 
 import pi2_gguf
 from pi2_gguf.runtime import capi
+from pi2_gguf.runtime.isolated import peak_rss
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_serve import _client, _free_port, server  # noqa: E402
@@ -113,18 +114,6 @@ def test_server_through_pi2_equals_pi2_llama(smollm2: Path, smol_sidecar: Path,
     assert "mode predicted" in log.read_text()
 
 
-def _vm_hwm(pid: int) -> int:
-    """/proc/PID/status VmHWM in bytes (0 once the process is gone). Not wait4's ru_maxrss: a child started
-    by vfork records the parent's peak (pytest's) when it execs."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar: Path, tmp_path: Path) -> None:
     # pi2_gguf.Llama under the same budget, in a process of its own (this one holds more than the budget)
     ref = ("import json, sys, pi2_gguf\n"
@@ -143,7 +132,7 @@ def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar:
         proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL)
         peak = 0
         while proc.poll() is None:  # VmHWM: the peak RSS of the process image the launcher execs
-            peak = max(peak, _vm_hwm(proc.pid))
+            peak = max(peak, peak_rss(proc.pid))
             time.sleep(0.02)
     out, err = (tmp_path / "out.txt").read_bytes(), (tmp_path / "err.txt").read_bytes()
     assert proc.returncode == 0, err.decode()[-3000:]

@@ -41,12 +41,15 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
     return parse_results(res.stdout)
 
 
-def _vm_hwm() -> int:
-    """This process's peak RSS so far in bytes (/proc/self/status VmHWM). Not ru_maxrss: a process started by
-    vfork (subprocess does) records its parent's peak there when it execs."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+def peak_rss(pid: int | str = "self") -> int:
+    """A process's peak RSS so far in bytes (/proc/PID/status VmHWM; 0 once it is gone). Not ru_maxrss: a
+    process started by vfork (subprocess does) records its parent's peak there when it execs."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         cold_hits=int(c.cold_hits.sum() - c0.cold_hits.sum()),
                         misses=int(c.misses.sum() - c0.misses.sum()),
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
-        g.io["peak_rss"] = _vm_hwm()
+        g.io["peak_rss"] = peak_rss()
         res.append(asdict(g))
     json.dump(res, sys.stdout)
     return 0
