@@ -17,7 +17,8 @@ from .assets import corpus as corpus_mod
 from .converter import predictor as pred_mod
 from .converter import profile as profile_mod
 from .converter import sparsity as sp
-from .errors import Pi2Error
+from . import interrupts
+from .errors import Interrupted, Pi2Error
 from .sidecar import format as fmt
 
 MODES = ("dense", "oracle", "predicted")
@@ -506,10 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with interrupts.raised_as_exception():
+            return args.func(args)
     except Pi2Error as e:
         print(f"pi2-gguf: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"pi2-gguf: {e}; stopped, no partial output left", file=sys.stderr)
+        return interrupts.exit_code(e)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,20 @@ class ConfigError(Pi2Error, ValueError):
 
 class CheckpointImportError(Pi2Error):
     """A Hugging Face checkpoint could not be imported (`pi2-gguf import`); the message says which file and why."""
+
+
+class OutputWriteError(Pi2Error):
+    """An output file could not be written (no space, no permission, a missing directory); nothing was left
+    behind: the temp file it was written to is removed and an existing file of that name is untouched."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (pi2_gguf.interrupts). A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` swallows it on its way out through the cleanups of the work it interrupts."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.name}")

@@ -104,7 +104,9 @@ struct pi2_cache_info {
 };
 // -1 for an unknown id or a binding without a cache
 GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);
-// Testing: the request after `after` more bundle reads fails with errno err (0 disarms)
+// Testing: the request after `after` more bundle reads fails with errno err (0 disarms); with err
+// PI2_INJECT_SHORT_READS, the next `after` requests are each read by preadv calls of at most 512 bytes
+#define PI2_INJECT_SHORT_READS (-1)
 GGML_BACKEND_API int  pi2_binding_inject_read_fault(int id, int64_t after, int err);
 // -1 and the message when PI2_SIDECAR/PI2_MODE/PI2_SPARSE_BATCH/PI2_DOWN_SPARSE_MAX were refused at
 // registration (every weight buffer allocation then fails); 0 otherwise

@@ -1,6 +1,7 @@
 // O_DIRECT is a Linux open flag outside POSIX
 #define _GNU_SOURCE
 #include "bundle_io.h"
+#include "ggml-pi2.h"
 #include "pi2_log.h"
 
 #include <errno.h>
@@ -42,6 +43,7 @@ struct pi2_bundle_file {
 
     atomic_int_fast64_t  fault_after;
     atomic_int           fault_err;
+    atomic_int_fast64_t  short_left; // testing: requests still to be read by short preadv calls
 };
 
 static int pi2_stat_changed(const struct stat * a, const struct stat * b) {
@@ -64,15 +66,21 @@ int pi2_bundle_file_check(struct pi2_bundle_file * f, char * err, size_t errlen)
 }
 
 // preadv until every iovec is full (retrying EINTR and short reads): 0, an errno, or PI2_READ_EOF when
-// the file ends first; *got counts the bytes read either way
-static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size_t * got) {
+// the file ends first; *got counts the bytes read either way. max_call > 0 (testing) asks each preadv for
+// at most that many bytes of one iovec, so every call returns short as a network file system's may.
+static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size_t * got, size_t max_call) {
     *got = 0;
     int k = 0;
     while (k < n && iov[k].iov_len == 0) { // nothing to read there: not an end of file
         k++;
     }
     while (k < n) {
-        const ssize_t r = preadv(fd, iov + k, n - k, (off_t) (off + *got));
+        struct iovec one = iov[k];
+        if (max_call > 0 && one.iov_len > max_call) {
+            one.iov_len = max_call;
+        }
+        const ssize_t r = max_call > 0 ? preadv(fd, &one, 1, (off_t) (off + *got))
+                                       : preadv(fd, iov + k, n - k, (off_t) (off + *got));
         if (r < 0) {
             if (errno == EINTR) {
                 continue;
@@ -99,7 +107,7 @@ static int pi2_preadv_full(int fd, struct iovec * iov, int n, uint64_t off, size
 int pi2_read_exact(int fd, void * dst, size_t n, uint64_t off) {
     struct iovec iov = { .iov_base = dst, .iov_len = n };
     size_t got;
-    return pi2_preadv_full(fd, &iov, 1, off, &got);
+    return pi2_preadv_full(fd, &iov, 1, off, &got, 0);
 }
 
 // the request's iovecs into iov, those that continue the previous one in memory merged into it: entries
@@ -132,9 +140,11 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
                  (unsigned long long) r->offset, strerror(inject));
         return inject;
     }
+    // 512: a sector, so that O_DIRECT takes each piece
+    const size_t max_call = atomic_load(&f->short_left) > 0 && atomic_fetch_sub(&f->short_left, 1) > 0 ? 512 : 0;
     size_t got = 0;
     const bool direct = atomic_load(&f->direct);
-    int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, m, r->offset, &got);
+    int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, m, r->offset, &got, max_call);
     if (e == EINVAL && direct) {
         if (atomic_exchange(&f->direct, false)) { // said once, by the thread that turned it off
             // e.g. a sidecar of 512-byte bundles on a device of 4 KiB blocks (pi2.bundle.align, docs/FORMAT.md)
@@ -142,7 +152,7 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
                          "page cache from now on\n", f->path, total, (unsigned long long) r->offset);
         }
         pi2_merged_iov(r, iov); // the failed attempt may have moved them
-        e = pi2_preadv_full(f->fd_plain, iov, m, r->offset, &got);
+        e = pi2_preadv_full(f->fd_plain, iov, m, r->offset, &got, max_call);
     }
     if (e == PI2_READ_EOF) { // the bundle lies past the end: the file was cut since it was checked
         e = EIO;
@@ -230,6 +240,7 @@ int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n
     }
     atomic_init(&f->fault_after, -1);
     atomic_init(&f->fault_err, 0);
+    atomic_init(&f->short_left, 0);
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->wake, NULL);
     f->in_flight_max = inflight_max > 0 && inflight_max < SIZE_MAX ? (size_t) inflight_max : SIZE_MAX;
@@ -314,6 +325,10 @@ bool pi2_bundle_file_direct(const struct pi2_bundle_file * f) {
 }
 
 void pi2_bundle_file_inject_fault(struct pi2_bundle_file * f, int64_t after, int err) {
+    if (err == PI2_INJECT_SHORT_READS) {
+        atomic_store(&f->short_left, after);
+        return;
+    }
     atomic_store(&f->fault_after, after);
     atomic_store(&f->fault_err, err);
 }

@@ -56,5 +56,6 @@ bool     pi2_bundle_file_direct(const struct pi2_bundle_file * f); // O_DIRECT i
 #define PI2_READ_EOF (-1)
 int  pi2_read_exact(int fd, void * dst, size_t n, uint64_t off);
 
-// Testing: the request after `after` more requests fails with errno err (0 disarms).
+// Testing: the request after `after` more requests fails with errno err (0 disarms); with err
+// PI2_INJECT_SHORT_READS (ggml-pi2.h), the next `after` requests are read by short preadv calls instead.
 void pi2_bundle_file_inject_fault(struct pi2_bundle_file * f, int64_t after, int err);

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
-from ..errors import Pi2Error
+from ..errors import OutputWriteError, Pi2Error
 from ..gguf_file import check_model_file
 
 FFN_INPUT = "ffn_norm"
@@ -74,6 +74,8 @@ class Profile:
             with tmp.open("wb") as f:
                 np.savez(f, meta=meta, **arrays)
             tmp.replace(p)
+        except OSError as e:
+            raise OutputWriteError(f"cannot write profile {p}: {e.strerror or e}") from e
         finally:
             tmp.unlink(missing_ok=True)
         return p

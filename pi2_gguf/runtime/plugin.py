@@ -175,5 +175,13 @@ def inject_read_fault(binding: int, after: int, errno_value: int) -> None:
         raise PluginError(f"PI2 binding {binding} has no neuron cache")
 
 
+INJECT_SHORT_READS = -1  # PI2_INJECT_SHORT_READS
+
+
+def inject_short_reads(binding: int, requests: int) -> None:
+    """Testing: the next `requests` bundle reads are each made of preadv calls of at most 512 bytes."""
+    inject_read_fault(binding, requests, INJECT_SHORT_READS)
+
+
 def release_binding(binding: int) -> None:
     _require().pi2_binding_release(binding)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
+from ..errors import OutputWriteError
 from . import format as fmt
 
 
@@ -132,6 +133,18 @@ def _small_tensors(il: int, ld: LayerData) -> list[tuple[str, np.ndarray]]:
     ]
 
 
+def write_failure(e: OSError, tmp: Path) -> str:
+    """Why a write failed. numpy's tofile reports a short write without errno ("N requested and M written"):
+    the file system it went to is then said to be full when it has no block left."""
+    if e.strerror:
+        return e.strerror
+    try:
+        full = os.statvfs(tmp.parent).f_bavail == 0
+    except OSError:
+        full = False
+    return f"No space left on device ({e})" if full else str(e)
+
+
 def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarray],
           progress: Callable[[int], None] | None = None) -> Path:
     """Writes the sidecar atomically (temp file beside it, then rename). bundles(layer) returns that
@@ -141,7 +154,10 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
     if set(kv) != set(fmt.keys_of(meta.method)):
         raise AssertionError(f"writer keys differ from the format: {sorted(set(kv) ^ set(fmt.keys_of(meta.method)))}")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w = GGUFWriter(tmp, fmt.ARCHITECTURE)
+    try:
+        w = GGUFWriter(tmp, fmt.ARCHITECTURE)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write sidecar {out}: {e.strerror or e}") from e
     try:
         w.add_custom_alignment(fmt.BUNDLE_ALIGN)
         for k, v in kv.items():
@@ -171,6 +187,8 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
                 w.write_tensor_data(arr)
         w.close()
         tmp.replace(out)
+    except OSError as e:  # ENOSPC, EIO, EDQUOT...: the temp file goes (finally), the old output stays
+        raise OutputWriteError(f"cannot write sidecar {out}: {write_failure(e, tmp)}") from e
     finally:
         if w.fout is not None:
             w.close()
