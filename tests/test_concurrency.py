@@ -75,3 +75,57 @@ def test_one_model_twice_in_two_threads_with_own_settings(smollm2: Path, smol_si
     b.close()
     assert together == alone
     assert alone[1] == want_dense  # b stayed dense while a ran predicted with its own down_sparse_max
+
+
+def test_models_constructed_in_two_threads_at_once(smollm2: Path, smol_sidecar: Path,
+                                                   relu_model: tuple[Path, Path, list]) -> None:
+    """Loads wait for each other (the plugin ties the weights allocated during a load to that load's binding),
+    so two threads may construct their models at the same moment and get each its own."""
+    relu, relu_sidecar, _ = relu_model
+    made: list[pi2_gguf.Llama | BaseException | None] = [None, None]
+    start = threading.Barrier(2)
+    specs = [(smollm2, smol_sidecar), (relu, relu_sidecar)]
+
+    def load(k: int) -> None:
+        try:
+            start.wait()
+            made[k] = _load(*specs[k], None)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+            made[k] = e
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for m in made:
+        if isinstance(m, BaseException):
+            raise m
+    got = [_generate(m, p) for m, p in zip(made, PROMPTS)]
+    for m in made:
+        m.close()
+    want = []
+    for spec, p in zip(specs, PROMPTS):
+        llm = _load(*spec, None)
+        want.append(_generate(llm, p))
+        llm.close()
+    assert got == want
+
+
+def test_plugin_refuses_a_second_load_while_one_is_in_progress(smol_sidecar: Path, smollm2: Path) -> None:
+    """Frontends other than pi2_gguf (which serializes its loads) get a clear refusal, not each other's weights."""
+    from pi2_gguf.errors import SidecarError
+    from pi2_gguf.runtime import plugin
+
+    plugin.register()
+    first = plugin.load_begin(smol_sidecar, "predicted", model=smollm2)
+    try:
+        for sidecar in (smol_sidecar, None):
+            with pytest.raises(SidecarError, match="another model is being loaded with PI2 in this process"):
+                plugin.load_begin(sidecar, "predicted" if sidecar else "dense", model=smollm2)
+    finally:
+        plugin.load_end()
+        plugin.release_binding(first)
+    second = plugin.load_begin(None, "dense", model=smollm2)  # after load_end, loads are taken again
+    plugin.load_end()
+    assert second == 0

@@ -79,6 +79,10 @@ void pi2_registry_init(struct pi2_device_ctx * d) {
     d->pending_act = d->env_act;
 }
 
+// pi2_load_begin..pi2_load_end brackets one model load: the weights allocated meanwhile belong to its binding
+#define PI2_CONCURRENT_LOAD "another model is being loaded with PI2 in this process (pi2_load_begin without " \
+                            "pi2_load_end); load models one at a time"
+
 static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, const char * model_path, char * err, size_t errlen) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     if (mode != PI2_MODE_DENSE && mode != PI2_MODE_ORACLE && mode != PI2_MODE_PREDICTED) {
@@ -99,6 +103,11 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
             return -1;
         }
         pthread_mutex_lock(&d->lock);
+        if (d->frontend_load) { // the load in progress would take this one's weights, or this one its
+            pthread_mutex_unlock(&d->lock);
+            snprintf(err, errlen, "%s", PI2_CONCURRENT_LOAD);
+            return -1;
+        }
         d->pending       = NULL;
         d->pending_act   = act;
         d->frontend_load = true;
@@ -132,10 +141,10 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
         return -1;
     }
     pthread_mutex_lock(&d->lock);
-    if (d->bindings[slot] != NULL) { // taken meanwhile by a concurrent load
+    if (d->bindings[slot] != NULL || d->frontend_load) { // a concurrent load took the slot, or is in progress
         pthread_mutex_unlock(&d->lock);
         pi2_binding_unref(b);
-        snprintf(err, errlen, "concurrent model loads with sidecars; load one at a time");
+        snprintf(err, errlen, "%s", PI2_CONCURRENT_LOAD);
         return -1;
     }
     d->bindings[slot] = b; // the registry's reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,12 @@ def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
     return path, chosen
 
 
+# Models load one at a time: the plugin ties the weight buffers llama allocates between load_begin and load_end
+# to that load's binding (it refuses a second load_begin meanwhile); models constructed in several threads
+# wait for each other here, and then run side by side.
+_LOADING = threading.Lock()
+
+
 class Llama(llama_cpp.Llama):
     """Drop-in for llama_cpp.Llama: same arguments; the model's FFN runs in the PI2 backend.
 
@@ -107,19 +114,20 @@ class Llama(llama_cpp.Llama):
             kwargs["use_mmap"] = False
             kwargs.setdefault("n_batch", 32)
             budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar)
-        self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None,
-                                             model=path)
-        try:
-            for name, value in (settings or {}).items():
-                plugin.configure(name, value, self.pi2_binding)
-            with budgets.compute_buffer_log() as compute:
-                super().__init__(str(path), *args, **kwargs)
-        except BaseException:
-            if self.pi2_binding:
-                plugin.release_binding(self.pi2_binding)
-            raise
-        finally:
-            plugin.load_end()
+        with _LOADING:  # the weights llama allocates until load_end belong to this binding
+            self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode,
+                                                 flash=self.pi2_memory_budget is not None, model=path)
+            try:
+                for name, value in (settings or {}).items():
+                    plugin.configure(name, value, self.pi2_binding)
+                with budgets.compute_buffer_log() as compute:
+                    super().__init__(str(path), *args, **kwargs)
+            except BaseException:
+                if self.pi2_binding:
+                    plugin.release_binding(self.pi2_binding)
+                raise
+            finally:
+                plugin.load_end()
         self._pi2_constructed = True
         if self.pi2_memory_budget is not None:
             # what the plugin refused while llama loaded and reserved its graphs (a weight that is not the
