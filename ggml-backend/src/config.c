@@ -166,9 +166,14 @@ double pi2_setting(const struct pi2_settings * own, const struct pi2_settings * 
 }
 
 // an unset or empty variable is NULL
-static const char * pi2_env(const char * name) {
-    const char * v = getenv(name);
+static const char * pi2_env(pi2_config_lookup lookup, void * ctx, const char * name) {
+    const char * v = lookup(ctx, name);
     return v != NULL && v[0] != '\0' ? v : NULL;
+}
+
+static const char * pi2_getenv(void * ctx, const char * name) {
+    (void) ctx;
+    return getenv(name);
 }
 
 int pi2_mode_parse(const char * s) {
@@ -181,7 +186,7 @@ int pi2_mode_parse(const char * s) {
     return -1;
 }
 
-void pi2_config_from_env(struct pi2_config * out) {
+void pi2_config_read(struct pi2_config * out, pi2_config_lookup lookup, void * ctx) {
     memset(out, 0, sizeof(*out));
     out->mode = PI2_MODE_PREDICTED;
     for (int k = 0; k < PI2_N_SETTINGS; ++k) {
@@ -190,7 +195,7 @@ void pi2_config_from_env(struct pi2_config * out) {
     char * err = out->error;
     const size_t errlen = sizeof(out->error);
     for (int k = 0; k < PI2_N_SETTINGS; ++k) {
-        const char * v = pi2_env(pi2_defs[k].name);
+        const char * v = pi2_env(lookup, ctx, pi2_defs[k].name);
         enum pi2_setting which;
         double x = 0.0;
         if (v != NULL) {
@@ -200,7 +205,7 @@ void pi2_config_from_env(struct pi2_config * out) {
             atomic_store(&out->defaults.v[which], x);
         }
     }
-    const char * mode = pi2_env(pi2_process_vars[PI2_VAR_MODE]);
+    const char * mode = pi2_env(lookup, ctx, pi2_process_vars[PI2_VAR_MODE]);
     if (mode != NULL) {
         out->mode = pi2_mode_parse(mode);
         out->mode_set = true;
@@ -209,12 +214,12 @@ void pi2_config_from_env(struct pi2_config * out) {
             return;
         }
     }
-    const char * budget = pi2_env(pi2_process_vars[PI2_VAR_MEMORY_BUDGET]);
+    const char * budget = pi2_env(lookup, ctx, pi2_process_vars[PI2_VAR_MEMORY_BUDGET]);
     if (budget != NULL && (pi2_parse_size(budget, &out->memory_budget) != 0 || out->memory_budget == 0)) {
         snprintf(err, errlen, "PI2_MEMORY_BUDGET=%s is not a size (e.g. 600MB, 2GiB, 1500000000)", budget);
         return;
     }
-    const char * sidecar = pi2_env(pi2_process_vars[PI2_VAR_SIDECAR]);
+    const char * sidecar = pi2_env(lookup, ctx, pi2_process_vars[PI2_VAR_SIDECAR]);
     if (sidecar != NULL && strlen(sidecar) >= sizeof(out->sidecar)) {
         snprintf(err, errlen, "PI2_SIDECAR=%.64s... is longer than %d bytes", sidecar, PI2_PATH_MAX - 1);
         return;
@@ -228,6 +233,10 @@ void pi2_config_from_env(struct pi2_config * out) {
         return;
     }
     snprintf(out->sidecar, sizeof(out->sidecar), "%s", sidecar);
+}
+
+void pi2_config_from_env(struct pi2_config * out) {
+    pi2_config_read(out, pi2_getenv, NULL);
 }
 
 int pi2_config_names(char * buf, size_t size) {

@@ -48,6 +48,10 @@ struct pi2_config {
 
 // Reads every PI2_* variable; on a bad one, out->error says which and why (the rest keep their defaults).
 void pi2_config_from_env(struct pi2_config * out);
+// The same with variables looked up by lookup(ctx, name) (NULL: unset) instead of getenv: the parsing
+// alone, for the fuzzer (ggml-backend/fuzz/fuzz_config.c).
+typedef const char * (*pi2_config_lookup)(void * ctx, const char * name);
+void pi2_config_read(struct pi2_config * out, pi2_config_lookup lookup, void * ctx);
 
 // Parses `value` for the per-model setting called `name` (a PI2_* name): 0 and *which, *out; else -1 with
 // err "PI2_NAME=value is not ..." (or naming an unknown variable).

@@ -1,5 +1,6 @@
 #include "ffn_names.h"
 
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,11 @@ static const char * const pi2_ffn_suffix[PI2_N_MATRIX] = {
 
 bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
     if (name == NULL || strncmp(name, "blk.", 4) != 0) {
+        return false;
+    }
+    // the layer as llama writes it, digits without leading zeros: strtol alone took "blk.0512.", "blk.+1." and
+    // "blk. 1." for the FFN weights of layers 512 and 1 (found by fuzz_config)
+    if (!isdigit((unsigned char) name[4]) || (name[4] == '0' && isdigit((unsigned char) name[5]))) {
         return false;
     }
     char * end = NULL;
