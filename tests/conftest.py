@@ -20,7 +20,8 @@ from settings import RELU_DENSITY, RELU_SHAPE, SMOL_HELDOUT_TOKENS, SMOL_TARGET,
 def _alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The cached model under a path of its own (a hard link, or a copy across file systems): a sidecar a user
     made beside the cached file (`make run` converts SmolLM2 there) would otherwise be every test's default
-    sidecar. Not a symlink: model paths are resolved before the sidecar beside them is looked up."""
+    sidecar. Not a symlink to it either: the default sidecar is the one beside the path given, but the cached
+    file's directory would still be a place a run could leave one."""
     alone = tmp_path_factory.mktemp("model") / model.name
     try:
         os.link(model, alone)

@@ -2,8 +2,9 @@
 """Soak: long greedy generations from two models in one process, each loaded under a memory budget, inside a
 cgroup v1 memory limit with a cold page cache.
 
-    .venv/bin/python tools/soak.py [--model smollm2-135m --budget 200MB --model gemma3-270m --budget 520MB]
-                                   [--tokens 1000] [--rounds 3] [--out build/soak]
+    .venv/bin/python tools/soak.py [--model smollm2-135m --budget 200MB --model gemma3-270m --budget 480MB]
+                                   [--cgroup-limit 540MB] [--tokens 1000] [--rounds 3] [--threads 2]
+                                   [--out build/soak]
 
 Budgets are process-wide (pi2_gguf.Llama's memory_budget bounds the whole process): the first model loads
 under its budget, the second under its own, which counts the first model too, and the cgroup limit is the
@@ -90,8 +91,8 @@ def worker(args: argparse.Namespace) -> int:
     for s in specs:
         kw = {"settings": SAME_ENGINE} if args.ram else {"memory_budget": s["budget"], "settings": BOTH}
         out["load_start"].append(time.perf_counter())
-        llms.append(pi2_gguf.Llama(s["model"], sidecar=s["sidecar"], n_ctx=args.tokens + 64, n_threads=2,
-                                   n_threads_batch=2, verbose=False, **kw))
+        llms.append(pi2_gguf.Llama(s["model"], sidecar=s["sidecar"], n_ctx=args.tokens + 64, n_threads=args.threads,
+                                   n_threads_batch=args.threads, verbose=False, **kw))
         out["loaded_at"].append(time.perf_counter())
     for rnd in range(1 if args.ram else args.rounds):
         for s, llm in zip(specs, llms):
@@ -111,7 +112,7 @@ def _run_worker(specs: list[dict], args: argparse.Namespace, ram: bool) -> dict:
     from pi2_gguf.bench import cgroup
 
     cmd = [sys.executable, __file__, "--worker", json.dumps(specs), "--tokens", str(args.tokens),
-           "--rounds", str(args.rounds)] + (["--ram"] if ram else [])
+           "--rounds", str(args.rounds), "--threads", str(args.threads)] + (["--ram"] if ram else [])
     if ram:
         r = subprocess.run(cmd, capture_output=True, text=True)
         rc, stdout, stderr, extra = r.returncode, r.stdout, r.stderr, {}
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cgroup-limit", help="memory limit of the cgroup (default: the largest budget)")
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="compute threads per model")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "soak")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -180,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     from pi2_gguf.runtime.memory_budget import parse_size
 
     names = args.model or ["smollm2-135m", "gemma3-270m"]
-    budgets = args.budget or ["200MB", "520MB"]
+    budgets = args.budget or ["200MB", "480MB"]
     sidecars = args.sidecar or [None] * len(names)
     if not (len(names) == len(budgets) == len(sidecars)):
         ap.error("give --model, --budget (and --sidecar) the same number of times")
-    if args.tokens < 1 or args.rounds < 1:
-        ap.error("--tokens and --rounds must be at least 1")
+    if args.tokens < 1 or args.rounds < 1 or args.threads < 1:
+        ap.error("--tokens, --rounds and --threads must be at least 1")
     args.cgroup_limit = parse_size(args.cgroup_limit) if args.cgroup_limit else None
     args.out.mkdir(parents=True, exist_ok=True)
     specs = []

@@ -90,9 +90,14 @@ def wiki() -> Corpus:
 def text_file(path: str | Path) -> Corpus:
     """A UTF-8 text file; documents are its paragraphs (separated by blank lines)."""
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not p.exists():
         raise CorpusError(f"text file not found: {p}")
-    raw = p.read_bytes()
+    if not p.is_file():
+        raise CorpusError(f"text file {p} is not a regular file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise CorpusError(f"cannot read text file {p}: {e.strerror or e}") from e
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

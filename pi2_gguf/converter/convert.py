@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
 from ..errors import Pi2Error
+from ..paths import check_output
 from ..sidecar import format as fmt
 from ..sidecar.writer import LayerData, SidecarMeta, write
 from . import bundles as bundles_mod
@@ -55,8 +56,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
-    if out.resolve() == model.path:
+    if out.resolve() == model.path.resolve():
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
+    check_output(out, "sidecar")  # before minutes of profiling
     try:
         fmt.check_bundle_align(bundle_align)
         if bundle_neurons is not None:
@@ -71,16 +73,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         plan = sp.SparsityPlan.for_activation(model.activation, sparsity, threshold, criterion)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
-    if profile is not None:
-        prof = Profile.load(profile)
-        prof.check_model(model.path)
-    else:
-        prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
-    t_prof = time.time() - t0
-    if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
-        raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
-                       f"{model.n_layer} of width {model.n_embd}")
-    ranks = ranks or default_ranks(model.n_embd)
+    if ranks and not all(2 <= r <= 2 * model.n_embd for r in ranks):
+        raise Pi2Error(f"--ranks {','.join(map(str, ranks))}: a predictor width is 2 to {2 * model.n_embd} "
+                       f"(twice n_embd) for {model.path.name}")
     notes: list[str] = []
     shipped: dict[int, pred_mod.Predictor] = {}
     if checkpoint is not None:
@@ -94,6 +89,16 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             shipped = found.layers
             if found.reason:
                 notes.append(f"checkpoint predictors {'partly ' if shipped else ''}ignored: {found.reason}")
+    if profile is not None:
+        prof = Profile.load(profile)
+        prof.check_model(model.path)
+    else:
+        prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
+    t_prof = time.time() - t0
+    if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
+        raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
+                       f"{model.n_layer} of width {model.n_embd}")
+    ranks = ranks or default_ranks(model.n_embd)
 
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)

@@ -83,6 +83,15 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)
+        if not p.is_file():  # a FIFO would block np.load
+            raise ProfileError(f"profile {p}: {'not found' if not p.exists() else 'is not a regular file'}")
+        try:
+            with p.open("rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ProfileError(f"cannot read profile {p}: {e.strerror or e}") from e
+        if magic != b"PK\x03\x04":
+            raise ProfileError(f"{p} is not a pi2 profile (an .npz file written by `pi2-gguf profile`)")
         try:
             with np.load(p, allow_pickle=False) as z:
                 meta = [str(s) for s in z["meta"]]
@@ -145,6 +154,13 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
     if train_tokens is None:
         train_tokens = default_train_tokens(runner.n_embd)
     try:
+        # the recorded FFN inputs stay in RAM (float16): refuse a token budget they cannot fit in
+        need = (train_tokens + heldout_tokens) * runner.n_layer * runner.n_embd * 2
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > ram:
+            raise Pi2Error(f"--train-tokens {train_tokens} + --heldout-tokens {heldout_tokens}: the profile of "
+                           f"{path.name} would hold {need / 1e9:.1f} GB in memory, more than this machine's "
+                           f"{ram / 1e9:.1f} GB")
         for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
             current.append(_Recorder(runner.n_layer, runner.n_embd, budget))
             with tqdm(total=budget, unit="tok", desc=f"profile {phase}", disable=not progress) as bar:

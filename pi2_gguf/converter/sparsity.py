@@ -47,8 +47,8 @@ class SparsityPlan:
         if threshold is not None:
             if criterion == "product":
                 raise ValueError("a fixed threshold is one on |act(gate)|: it needs criterion act")
-            if not threshold >= 0:
-                raise ValueError(f"threshold must be >= 0, got {threshold}")
+            if not 0 <= threshold < float("inf"):
+                raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
             return cls("cats", threshold=threshold)
         s = DEFAULT_SPARSITY if sparsity is None else sparsity
         if not 0.0 <= s < 1.0:

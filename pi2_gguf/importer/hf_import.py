@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointImportError, MissingExtraError
+from ..paths import check_output
 from . import families
 
 # types the converter writes itself; the others are llama.cpp quantizer types (llama-quantize's names)
@@ -99,6 +100,7 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path | None = None, outt
         raise CheckpointImportError(f"-o {out}: is a directory; give the GGUF file to write")
     if not out.parent.is_dir():
         raise CheckpointImportError(f"-o {out}: directory {out.parent} does not exist")
+    check_output(out, "-o")  # e.g. a read-only directory, before the converter runs
     pred_layers = len({n for n in _safetensors_names(hf_dir) if families.PREDICTOR_MARKER in n and n.endswith("fc1.weight")})
 
     llama_dir = llama_cpp_source()

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
-from ..errors import MemoryBudgetError, SidecarError
-from ..gguf_file import read_model_file
+from ..errors import MemoryBudgetError, Pi2Error, SidecarError
+from ..gguf_file import load_failure, read_model_file
 from ..sidecar.format import sidecar_path_for
 from . import memory_budget as budgets
 from . import plugin
@@ -39,6 +40,21 @@ def resolve_sidecar(model: Path, sidecar: SidecarArg) -> Path | None:
             raise SidecarError(f"sidecar {default}: not found; run `pi2-gguf convert {model}` to make it")
         return None
     return Path(sidecar)
+
+
+@contextlib.contextmanager
+def llama_load_errors(path: Path, n_ctx: int) -> Iterator[None]:
+    """llama-cpp-python's ValueErrors for a model llama.cpp cannot load or a context it cannot create, as
+    pi2-gguf errors naming the file (llama.cpp's log, silent unless verbose, has the details)."""
+    try:
+        yield
+    except ValueError as e:
+        if str(e).startswith("Failed to load model"):
+            raise load_failure(path) from None
+        if str(e).startswith("Failed to create llama_context"):
+            raise Pi2Error(f"llama.cpp could not create a context of {n_ctx} tokens for {path.name} (its KV cache "
+                           "does not fit this machine's memory?)") from None
+        raise
 
 
 def resolve_mode(mode: str | None, sidecar: Path | None) -> str:
@@ -70,6 +86,8 @@ def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
     path = resolve_sidecar(model, sidecar)
     chosen = resolve_mode(mode, path)
     if path is not None:
+        if path.exists() and not path.is_file():  # a FIFO would block the reader's open
+            raise SidecarError(f"sidecar {path}: is not a regular file")
         validate_sidecar_c(path)
         check_sidecar_matches(model, path, summary)
     return path, chosen
@@ -120,7 +138,7 @@ class Llama(llama_cpp.Llama):
             try:
                 for name, value in (settings or {}).items():
                     plugin.configure(name, value, self.pi2_binding)
-                with budgets.compute_buffer_log() as compute:
+                with budgets.compute_buffer_log() as compute, llama_load_errors(path, kwargs.get("n_ctx", 512)):
                     super().__init__(str(path), *args, **kwargs)
             except BaseException:
                 if self.pi2_binding:

@@ -12,8 +12,8 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import ModelFileError, Pi2Error
-from ..gguf_file import check_model_file
+from ..errors import Pi2Error
+from ..gguf_file import check_model_file, load_failure
 from . import ggml_base
 
 
@@ -74,7 +74,7 @@ class LlamaRunner:
             self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             self._release_binding()
-            raise ModelFileError(f"llama.cpp could not load {path} (see its log; is the architecture supported?)")
+            raise load_failure(path)
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_layer = lc.llama_model_n_layer(self.model)
         self.n_embd = lc.llama_model_n_embd(self.model)

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..errors import MissingExtraError
+from ..errors import MissingExtraError, OutputWriteError
+from ..paths import check_output
 from .reader import Sidecar
 
 HOTNESS_BINS = 1024
@@ -75,11 +76,13 @@ def save_hotness_png(sc: Sidecar, path: str | Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{sc.path.name}: neuron hotness")
     fig.colorbar(im, ax=ax, label="share of tokens the neuron fired on")
-    out = Path(path)
+    out = check_output(path, "--png")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         fig.savefig(tmp, format="png", dpi=100)
         tmp.replace(out)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write --png {out}: {e.strerror or e}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return out

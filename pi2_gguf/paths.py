@@ -1,0 +1,32 @@
+"""Output paths checked before any work: a command that would profile for minutes and then fail to write its
+result refuses the path first, naming it and why."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import OutputWriteError
+
+
+def check_output(path: str | Path, what: str) -> Path:
+    """path (as given, ~ expanded) if a file can be written there: not a directory, in an existing directory
+    this process may create files in (outputs are written to a temp file beside the path, then renamed over
+    it, so that is what is tried: a file is created there and removed). OutputWriteError naming `what`
+    ("sidecar", "-o", "--png") and the path otherwise."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise OutputWriteError(f"{what} {p}: is a directory; give the file to write")
+    parent = p.parent
+    if not parent.exists():
+        raise OutputWriteError(f"{what} {p}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise OutputWriteError(f"{what} {p}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise OutputWriteError(f"{what} {p}: cannot create files in {parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+    return p
