@@ -75,6 +75,17 @@ def _generate(llm, n: int, windows: list[dict] | None, label: str, rnd: int) -> 
 def worker(args: argparse.Namespace) -> int:
     """In the limited process (or in RAM with --ram): load every model, generate, print JSON."""
     import pi2_gguf
+    from pi2_gguf.errors import Pi2Error
+
+    try:
+        return _work(args)
+    except Pi2Error as e:  # a budget too small, a sidecar refused: one line for the parent to show
+        print(f"soak worker: {e}", file=sys.stderr)
+        return 2
+
+
+def _work(args: argparse.Namespace) -> int:
+    import pi2_gguf
 
     specs = json.loads(args.worker)
     out: dict = {"samples": [], "windows": [], "tokens": {}, "load_start": [], "loaded_at": []}
@@ -125,7 +136,8 @@ def _run_worker(specs: list[dict], args: argparse.Namespace, ram: bool) -> dict:
                  "disk_read_bytes": run.disk_read_bytes, "wall_seconds": run.wall_seconds}
     line = next((x for x in stdout.splitlines() if x.startswith("SOAK-JSON ")), None)
     if rc != 0 or line is None:
-        sys.exit(f"soak: the {'in-RAM' if ram else 'limited'} run failed (exit {rc}):\n{stderr[-3000:]}")
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+        sys.exit(f"soak: the {'in-RAM' if ram else 'limited'} run failed (exit {rc}): {last}")
     return {**json.loads(line[len("SOAK-JSON "):]), **extra}
 
 
