@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
 from ..errors import OutputWriteError, Pi2Error
-from ..gguf_file import check_model_file
+from ..gguf_file import check_context, check_model_file
 
 FFN_INPUT = "ffn_norm"
 DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
@@ -141,6 +141,8 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
     from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
+    # the default window is capped to a shorter training context (small synthetic models), a given one refused
+    window = check_context(path, None if window == DEFAULT_WINDOW else window, "--window", DEFAULT_WINDOW)
     if (train_tokens is not None and train_tokens < 64) or heldout_tokens < 16:
         raise Pi2Error(f"token budget too small: {train_tokens} training / {heldout_tokens} held-out tokens "
                        "(need at least 64 / 16)")
@@ -161,6 +163,11 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
             raise Pi2Error(f"--train-tokens {train_tokens} + --heldout-tokens {heldout_tokens}: the profile of "
                            f"{path.name} would hold {need / 1e9:.1f} GB in memory, more than this machine's "
                            f"{ram / 1e9:.1f} GB")
+        for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
+            if sum(len(d) for d in docs) < 1 << 16:  # a short text: count its tokens before profiling starts
+                got = sum(len(runner.tokenize(d + "\n\n")) for d in docs) + runner.add_bos
+                if got < min(budget, 16):
+                    raise Pi2Error(f"the corpus {corpus.name} gives only {got} {phase} tokens (16 at least)")
         for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
             current.append(_Recorder(runner.n_layer, runner.n_embd, budget))
             with tqdm(total=budget, unit="tok", desc=f"profile {phase}", disable=not progress) as bar:
