@@ -6,6 +6,8 @@
 #                                                 MINUTES (fractions allowed) or N executions, whichever first
 #   tools/fuzz.sh --build TARGET                  build only; prints the binary's path
 #   tools/fuzz.sh --replay TARGET FILE|DIR...     run each input once (regression inputs)
+#   tools/fuzz.sh --coverage TARGET               line/branch coverage of the target's plugin files over its
+#                                                 work corpus, seeds and regression inputs (llvm-cov)
 # Options before TARGET: --corpus DIR (the work corpus; default build/fuzz/corpus/TARGET), --no-seeds.
 #
 # Seeds come from ggml-backend/fuzz/make_seeds.py, made once into build/fuzz/seeds/ (remade when it, the
@@ -35,7 +37,7 @@ max_len() {
     case "$1" in
         sidecar|model_summary) echo 131072 ;;
         embedding_rows)        echo 131072 ;;
-        config)                echo 4096 ;;
+        config)                echo 8192 ;; # a PI2_SIDECAR longer than PI2_PATH_MAX fits
     esac
 }
 
@@ -98,15 +100,55 @@ seeds() {
     key="$( { cat "$FUZZ_SRC/make_seeds.py" tests/sidecar_factory.py pi2_gguf/converter/*.py pi2_gguf/sidecar/*.py;
               stat -c '%n %s %Y' "$models"/SmolLM2-135M-Instruct.Q4_1.gguf "$models"/SmolLM2-135M-Instruct.Q4_1.pi2.gguf \
                   "$models"/gemma-3-270m-q4_k_m.gguf 2>/dev/null || true; } | sha256sum | cut -c1-16)"
-    if [ "$(cat "$OUT/seeds/.key" 2>/dev/null)" != "$key" ]; then
-        echo "fuzz.sh: making seed corpora (about 90 s, once)" >&2
-        mkdir -p "$OUT"
-        "$PY" "$FUZZ_SRC/make_seeds.py" "$OUT/seeds" >&2
-        echo "$key" > "$OUT/seeds/.key"
-    fi
+    [ "$(cat "$OUT/seeds/.key" 2>/dev/null)" != "$key" ] || return 0
+    mkdir -p "$OUT"
+    ( # one maker at a time; a second fuzz.sh waits for the first one's seeds
+        flock 9
+        if [ "$(cat "$OUT/seeds/.key" 2>/dev/null)" != "$key" ]; then
+            echo "fuzz.sh: making seed corpora (about 90 s, once)" >&2
+            "$PY" "$FUZZ_SRC/make_seeds.py" "$OUT/seeds" >&2
+            echo "$key" > "$OUT/seeds/.key"
+        fi
+    ) 9>"$OUT/seeds.lock"
 }
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2; }
+
+# a build without sanitizers that records coverage, run once over every input the target has
+coverage() {
+    local target="$1" srcs f ggml lib ver
+    srcs="$(sources "$target")"
+    need_clang
+    ver="$("$CC" --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1)"
+    local profdata cov
+    profdata="$(command -v "llvm-profdata-$ver" || command -v llvm-profdata)" || die "llvm-profdata missing"
+    cov="$(command -v "llvm-cov-$ver" || command -v llvm-cov)" || die "llvm-cov missing"
+    ggml="$(ggml_dir)"
+    lib="$(lib_dir)"
+    local cflags=(-std=c11 -g -O0 -fprofile-instr-generate -fcoverage-mapping -DGGML_BACKEND_DL -DGGML_BACKEND_BUILD
+                  -DGGML_BACKEND_SHARED -DGGML_SHARED -DGGML_BUILD -D_POSIX_C_SOURCE=200809L "-I$ROOT/ggml-backend/include"
+                  "-I$ROOT/ggml-backend/src" "-I$ggml/include" "-I$ggml/src")
+    local dir="$OUT/coverage/$target" objs=() paths=()
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    for f in $srcs; do
+        "$CC" "${cflags[@]}" -fsanitize=fuzzer-no-link -c "ggml-backend/src/$f" -o "$dir/$f.o"
+        objs+=("$dir/$f.o")
+        paths+=("$ROOT/ggml-backend/src/$f")
+    done
+    "$CC" "${cflags[@]}" -D_GNU_SOURCE -fsanitize=fuzzer "$FUZZ_SRC/fuzz_$target.c" "${objs[@]}" -o "$dir/cov_$target" \
+        -L"$lib" -l:libggml-base.so.0 -Wl,-rpath,"$lib" -lpthread -lm
+    seeds
+    local inputs=()
+    for f in "$OUT/corpus/$target" "$OUT/seeds/$target" "tests/fuzz_regressions/$target"; do
+        [ -d "$f" ] && inputs+=("$f")
+    done
+    LLVM_PROFILE_FILE="$dir/cov.profraw" "$dir/cov_$target" -runs=0 "${inputs[@]}" >"$dir/run.log" 2>&1 ||
+        { tail -20 "$dir/run.log"; die "the coverage run failed"; }
+    "$profdata" merge -o "$dir/cov.profdata" "$dir/cov.profraw"
+    "$cov" report "$dir/cov_$target" -instr-profile="$dir/cov.profdata" "${paths[@]}"
+    echo "fuzz.sh: lines never run: $cov show $dir/cov_$target -instr-profile=$dir/cov.profdata ${paths[*]} | grep -E '^ +[0-9]+\| +0\|'"
+}
 
 corpus="" use_seeds=1 runs=""
 while [ $# -gt 0 ]; do
@@ -116,6 +158,7 @@ while [ $# -gt 0 ]; do
         --no-seeds) use_seeds=0; shift ;;
         --runs) runs="$2"; shift 2 ;;
         --build) [ $# -eq 2 ] || usage; build "$2"; exit 0 ;;
+        --coverage) [ $# -eq 2 ] || usage; coverage "$2"; exit 0 ;;
         --replay)
             [ $# -ge 3 ] || usage
             target="$2"; shift 2

@@ -1,9 +1,13 @@
 // Fuzz target: the token-embedding reader of a model under a memory budget (embedding_rows.c). An input
-// is a model file followed by row ids: its last byte n (mod 16) says how many little-endian int32 ids
-// precede it; the bytes before those are the file. pi2_embedding_open reads the file's header; an
-// embedding it opens must lie within the file; the upload check (pi2_embedding_check_upload) is fed the
-// file's own table in two parts, then a part outside the table; pi2_embedding_rows reads the ids' rows
-// and must refuse exactly the ids outside the table, F32 rows coming back as the file holds them.
+// is a model file followed by row ids and a last byte: its low 4 bits say how many little-endian int32
+// ids precede it, the bytes before those are the file. pi2_embedding_open reads the file's header; an
+// embedding it opens must lie within the file. The upload check (pi2_embedding_check_upload) is fed the
+// file's own table in two parts, with its last byte changed if bit 4 of the last byte is set, only the
+// first part if bit 5 is, and must accept exactly the whole unchanged table; then a part outside the
+// table. pi2_embedding_rows reads the ids' rows and must refuse exactly the ids outside the table, F32
+// rows coming back as the file holds them; with bit 6 the file shrinks by a byte after the open, and
+// every read must be refused. (pi2_exec_embedding_rows, the graph node around pi2_embedding_rows, needs
+// a backend context and a binding, and is not fuzzed.)
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -50,7 +54,8 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size == 0) {
         return 0;
     }
-    int64_t n = data[size - 1] % 16;
+    const uint8_t flags = data[size - 1];
+    int64_t n = flags % 16;
     if ((size_t) n * 4 > size - 1) {
         n = 0;
     }
@@ -77,12 +82,38 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     snprintf(t.name, sizeof(t.name), "%s", PI2_EMBD_NAME);
     FUZZ_ASSERT(pi2_embedding_matches(e, &t));
 
-    // llama's upload, in two parts, of the very bytes the file holds
+    // llama's upload, in two parts, of the bytes the file holds (the last one changed with bit 4)
+    const bool change = (flags & 0x10) && table > 0, partial = (flags & 0x20) && table > 0;
+    uint8_t * upload = malloc((size_t) table + 1);
+    FUZZ_ASSERT(upload != NULL);
+    memcpy(upload, data + e->offset, (size_t) table);
+    if (change) {
+        upload[table - 1] ^= 0x5a;
+    }
     const size_t half = (size_t) (table / 2);
-    pi2_embedding_check_upload(e, data + e->offset, 0, half);
-    pi2_embedding_check_upload(e, data + e->offset + half, half, (size_t) table - half);
-    FUZZ_ASSERT(pi2_embedding_verified(e));
+    pi2_embedding_check_upload(e, upload, 0, half);
+    if (!partial) {
+        pi2_embedding_check_upload(e, upload + half, half, (size_t) table - half);
+    }
+    free(upload);
+    FUZZ_ASSERT(pi2_embedding_verified(e) == (!change && !partial));
+    if (change || partial) {
+        FUZZ_ASSERT(e->error[0] != '\0' && memchr(e->error, '\0', sizeof(e->error)) != NULL);
+    }
 
+    if (flags & 0x40) { // the file changes under the reader: every read is refused
+        if (ftruncate(fuzz_fd, (off_t) file_size - (file_size > 0)) != 0 || file_size == 0) {
+            pi2_embedding_free(e);
+            return 0;
+        }
+        float row[1];
+        uint8_t scratch[1];
+        const int32_t id = 0;
+        FUZZ_ASSERT(pi2_embedding_rows(e, &id, sizeof(id), 0, row, sizeof(row), scratch, err, sizeof(err)) == -1);
+        fuzz_check_err(err, sizeof(err));
+        pi2_embedding_free(e);
+        return 0;
+    }
     fuzz_rows(e, data, ids, n);
 
     // an upload past the table's end is refused

@@ -250,6 +250,7 @@ CONFIG_SEEDS = {
     "names": "x=blk.0.ffn_gate.weight\nx=blk.17.ffn_up.weight\nx=blk.1023.ffn_down.weight\nx=blk.1024.ffn_up.weight\n"
              "x=blk.3.ffn_gate_exps.weight\nx=blk.-1.ffn_up.weight\n",
     "numbers": "PI2_SPARSE_BATCH=64\nPI2_IO_THREADS=1e3\nPI2_DOWN_SPARSE_MAX=nan\nPI2_COLD_SHARE=0.9\nPI2_SPARSE_BATCH=0x10\n",
+    "long-sidecar": "PI2_MODE=oracle\nPI2_SIDECAR=/" + "m" * 4100 + ".pi2.gguf\n",  # longer than PI2_PATH_MAX
 }
 
 
