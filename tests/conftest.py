@@ -16,6 +16,12 @@ from pi2_gguf.converter.profile import Profile, run_profile
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import RELU_DENSITY, RELU_SHAPE, SMOL_HELDOUT_TOKENS, SMOL_TARGET, SMOL_TRAIN_TOKENS  # noqa: E402
 
+# The tests exercise PI2's own kernels and sparse engine on small SiLU models (SmolLM2, Gemma-3), whose
+# layers the default placement (PI2_LAYERS=auto) leaves to ggml-cpu because sparse decode would not be
+# faster there: every process the tests start holds every layer instead. tests/test_placement.py sets
+# `auto` per model and checks the default.
+os.environ["PI2_LAYERS"] = "all"
+
 
 def _alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The cached model under a path of its own (a hard link, or a copy across file systems): a sidecar a user

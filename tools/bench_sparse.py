@@ -8,7 +8,10 @@ llama.cpp (default settings, which repack Q4_K weights for faster GEMM/GEMV): of
 range of the per-round ratios.
 
     .venv/bin/python tools/bench_sparse.py --case MODEL.gguf S50.pi2.gguf,S90.pi2.gguf [--case ...]
-        [--rounds 3] [-n 64] [--threads 2] [--mode predicted]
+        [--rounds 3] [-n 64] [--threads 2] [--mode predicted] [--all-layers]
+
+pi2 rows run with the default placement (PI2_LAYERS=auto: layers PI2 would not decode faster are left to
+ggml-cpu, docs/BACKEND.md); --all-layers adds each with every layer held, to measure PI2's own kernels.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=64, help="tokens to decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="predicted", choices=("predicted", "oracle"))
+    ap.add_argument("--all-layers", action="store_true",
+                    help="also each pi2 row with PI2_LAYERS=all (PI2 holds every FFN layer: its own kernels)")
     args = ap.parse_args()
 
     for model_s, sidecars_s in args.case:
@@ -58,9 +63,14 @@ def main() -> int:
             "stock llama.cpp (repack off)": dict(pi2=False, repack=False),
             "pi2 dense": dict(pi2=True),
         }
-        for s in sidecars_s.split(","):
+        if args.all_layers:
+            configs["pi2 dense, all layers held"] = dict(pi2=True, settings={"layers": "all"})
+        for s in filter(None, sidecars_s.split(",")):
             sc = Path(s)
             configs[f"pi2 {args.mode}, {sidecar_label(sc)}"] = dict(pi2=True, sidecar=sc, mode=args.mode)
+            if args.all_layers:
+                configs[f"pi2 {args.mode}, {sidecar_label(sc)}, all layers held"] = dict(
+                    pi2=True, sidecar=sc, mode=args.mode, settings={"layers": "all"})
         series = run_in_turn([(name, partial(decode_once, model, args.n, args.threads, **cfg))
                               for name, cfg in configs.items()], args.rounds, desc=model.name)
         print(f"\n{model.name} ({model.stat().st_size / 1e9:.2f} GB), {args.threads} threads, {args.n} decoded tokens, "
@@ -69,6 +79,8 @@ def main() -> int:
                                                  "prompt tok/s": ("prompt_tps", ".1f"),
                                                  "decode tok/s": ("decode_tps", ".2f")},
                              {"prompt vs stock": "prompt_tps", "decode vs stock": "decode_tps"}))
+        held = [f"{s.name}: {s.results[0].layers_in_pi2}" for s in series if s.ok and s.results[0].layers_in_pi2]
+        print("\nFFN layers PI2 computed (the rest were left to ggml-cpu): " + "; ".join(held))
     return 0
 
 

@@ -111,8 +111,13 @@ GGML_BACKEND_API int  pi2_binding_inject_read_fault(int id, int64_t after, int e
 // -1 and the message when PI2_SIDECAR/PI2_MODE/PI2_SPARSE_BATCH/PI2_DOWN_SPARSE_MAX were refused at
 // registration (every weight buffer allocation then fails); 0 otherwise
 GGML_BACKEND_API int pi2_config_error(char * err, size_t errlen);
-// Mode and recall check of a loaded model's binding; -1 for an unknown id or mode
+// Mode and recall check of a loaded model's binding; -1 for an unknown id or mode. set_mode returns -2 for
+// a sparse mode other than the one the model was loaded in when that load left layers to ggml-cpu
+// (PI2_LAYERS=auto): those layers cannot run it.
 GGML_BACKEND_API int pi2_binding_set_mode(int id, int mode);
+// The FFN layers of a loaded model that its load left to ggml-cpu (PI2_LAYERS=auto): their count, -1 for an
+// unknown id; the first `cap` of them, ascending, in out.
+GGML_BACKEND_API int pi2_binding_layers_left(int id, int32_t * out, int cap);
 GGML_BACKEND_API int pi2_binding_set_check_recall(int id, int on);
 // Why the last compute of a binding failed (empty if it did not); -1 for an unknown id
 GGML_BACKEND_API int pi2_binding_error(int id, char * err, size_t errlen);

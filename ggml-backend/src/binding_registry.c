@@ -12,6 +12,7 @@
 #include "model_binding.h"
 #include "pipeline.h"
 #include "pi2_context.h"
+#include "pi2_log.h"
 
 // The activation a load computes: what the model file states (model_path may be NULL), checked against what
 // the sidecar (may be NULL) was made for. A sidecar states its activation, so without a model file its
@@ -176,6 +177,17 @@ void pi2_load_end(void) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     pthread_mutex_lock(&d->lock);
     struct pi2_binding * old = d->pending;
+    if (old != NULL && old != d->env_binding) {
+        uint32_t left = 0;
+        for (uint32_t il = 0; il < old->sc->n_layer; ++il) {
+            left += atomic_load(&old->layer[il].left) ? 1 : 0;
+        }
+        if (left > 0) {
+            PI2_LOG_INFO("pi2: sidecar %s: %u of %u FFN layers left to ggml-cpu, where sparse decode in mode %s would "
+                         "not be faster than its kernels (PI2_LAYERS=all holds them all)\n", old->sc->path, left,
+                         old->sc->n_layer, old->load_mode == PI2_MODE_PREDICTED ? "predicted" : "dense");
+        }
+    }
     d->pending       = d->env_binding;
     d->pending_act   = d->env_act;
     d->frontend_load = false;
@@ -216,9 +228,32 @@ int pi2_binding_set_mode(int id, int mode) {
     if (b == NULL) {
         return -1;
     }
-    atomic_store(&b->mode, mode);
+    int rc = 0;
+    if (mode != PI2_MODE_DENSE && mode != b->load_mode && pi2_binding_layers_left(id, NULL, 0) > 0) {
+        rc = -2;
+    } else {
+        atomic_store(&b->mode, mode);
+    }
     pi2_binding_unref(b);
-    return 0;
+    return rc;
+}
+
+int pi2_binding_layers_left(int id, int32_t * out, int cap) {
+    struct pi2_binding * b = pi2_binding_find(id);
+    if (b == NULL) {
+        return -1;
+    }
+    int n = 0;
+    for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+        if (atomic_load(&b->layer[il].left)) {
+            if (out != NULL && n < cap) {
+                out[n] = (int32_t) il;
+            }
+            ++n;
+        }
+    }
+    pi2_binding_unref(b);
+    return n;
 }
 
 int pi2_binding_set_check_recall(int id, int on) {

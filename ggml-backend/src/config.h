@@ -20,6 +20,7 @@ enum pi2_setting {
     PI2_SET_PROMPT,            // 1: batches above the sparse limit run in ggml-cpu (cpu), 0: in PI2 (pi2)
     PI2_SET_PREDICTOR,         // 1: run every predictor (always), 0: only where it pays (auto)
     PI2_SET_ROWS,              // 1: predictor-less layers in RAM read gate/up rows from the model (model)
+    PI2_SET_LAYERS,            // in RAM, 1: PI2 holds every FFN layer (all), 0: only those it runs faster (auto)
     PI2_SET_IO_THREADS,        // flash: I/O threads (queue depth)
     PI2_SET_IO_INFLIGHT_BYTES, // flash: bytes being read at once (0: no limit)
     PI2_SET_IO_MAX_BYTES,      // flash: largest request

@@ -20,6 +20,7 @@
 #include "ggml-backend-impl.h"
 #include "ggml-cpu.h"
 #include "model_binding.h"
+#include "placement.h"
 #include "pi2_log.h"
 #include "pi2_context.h"
 #include "ffn_region.h"
@@ -157,7 +158,9 @@ static const char * pi2_buft_get_name(ggml_backend_buffer_type_t buft) {
 static void pi2_announce(const struct pi2_config * c) {
     static const char * const modes[] = { "dense", "oracle", "predicted" };
     if (c->sidecar[0] == '\0') {
-        fprintf(stderr, "pi2: PI2 backend %s active: FFN dense, in RAM (no PI2_SIDECAR)\n", PI2_VERSION);
+        fprintf(stderr, "pi2: PI2 backend %s active: FFN dense, in RAM (no PI2_SIDECAR)%s\n", PI2_VERSION,
+                pi2_setting(NULL, &c->defaults, PI2_SET_LAYERS) != 0.0
+                    ? "" : "; left to ggml-cpu unless the model states a ReLU-family activation (PI2_LAYERS=auto)");
     } else if (c->memory_budget > 0) {
         fprintf(stderr, "pi2: PI2 backend %s active: mode %s, sidecar %s, FFN on flash within a memory budget of %.0f MB\n",
                 PI2_VERSION, modes[c->mode], c->sidecar, (double) c->memory_budget / 1e6);
@@ -571,6 +574,19 @@ static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor *
     return t != NULL && t->buffer != NULL && (t->buffer->buft == &dctx->buft || t->buffer->buft == &dctx->flash_buft);
 }
 
+// llama's weight-placement probe (a zero-size buffer of PI2's in-RAM type): does PI2 hold this layer of the
+// model being loaded, or leave it to ggml-cpu (placement.h)? A layer left is recorded in its binding.
+static bool pi2_probe_holds(struct pi2_device_ctx * d, int layer) {
+    pthread_mutex_lock(&d->lock);
+    struct pi2_binding * b = d->pending;
+    const bool holds = pi2_placement_holds(b, d->pending_act, &d->config.defaults, layer);
+    if (!holds && b != NULL && layer >= 0 && (uint32_t) layer < b->sc->n_layer) {
+        atomic_store(&b->layer[layer].left, true);
+    }
+    pthread_mutex_unlock(&d->lock);
+    return holds;
+}
+
 // MUL_MAT of an FFN weight held in a PI2 buffer by an f32 activation ggml-cpu can dot with it
 static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0];
@@ -578,6 +594,10 @@ static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_t
     int layer = 0;
     enum pi2_matrix matrix = PI2_MATRIX_GATE;
     if (!pi2_is_own_buffer(dev, w) || !pi2_ffn_weight_parse(w->name, &layer, &matrix)) {
+        return false;
+    }
+    struct pi2_device_ctx * d = dev->context;
+    if (w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) == 0 && !pi2_probe_holds(d, layer)) {
         return false;
     }
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);

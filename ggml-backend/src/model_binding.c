@@ -114,6 +114,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     b->id = id;
     atomic_init(&b->refs, 1);
     atomic_init(&b->mode, mode);
+    b->load_mode = mode;
     atomic_init(&b->check_recall, 0);
     pi2_settings_unset(&b->settings);
     b->defaults = defaults;

@@ -26,6 +26,7 @@ struct pi2_binding_layer {
     atomic_int           verified; // 0 not yet, 1 the model's weights match the sidecar, -1 they do not
     atomic_int           uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
     atomic_bool          dense_logged; // the layer's graph was found unfit for sparse decode (logged once)
+    atomic_bool          left;     // at load its weights were left to ggml-cpu (placement.h)
 };
 
 struct pi2_binding {
@@ -36,6 +37,7 @@ struct pi2_binding {
     size_t                     map_size;
     struct pi2_binding_layer * layer; // [sc->n_layer]
     atomic_int                 mode;         // enum pi2_mode
+    int                        load_mode;    // the mode it was loaded in, which placed its layers (placement.h)
     atomic_int                 check_recall; // predicted mode also runs the full gate to count misses
     struct pi2_settings        settings;     // this model's own values (NaN: follow the defaults)
     const struct pi2_settings * defaults;    // the device's (config.h)

@@ -23,16 +23,31 @@ static void pi2_drop_f16(struct pi2_sidecar_layer * L) {
     L->pred_w2 = NULL;
 }
 
+static enum ggml_type pi2_w1_type(const struct pi2_sidecar_layer * L, uint32_t n_embd) {
+    return (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+}
+
+static enum ggml_type pi2_w2_type(const struct pi2_sidecar_layer * L) {
+    return L->n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+}
+
+double pi2_predictor_bytes(const struct pi2_sidecar_layer * L, uint32_t n_embd) {
+    // all of w2 counted, though only the rows of non-zero hidden units are read: a bound that holds
+    return (double) L->rank * ggml_row_size(pi2_w1_type(L, n_embd), n_embd) + (double) L->rank * ggml_row_size(pi2_w2_type(L), L->n_ff);
+}
+
+bool pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd) {
+    const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, n_embd);
+    return pi2_predictor_bytes(L, n_embd) < (1.0 - L->pred_density) * gate_bytes;
+}
+
 int pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L, uint32_t n_embd, bool keep,
                           uint64_t * kept, const char * path, uint32_t il, char * err, size_t errlen) {
-    P->w1_type   = (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+    P->w1_type   = pi2_w1_type(L, n_embd);
     P->w1_stride = ggml_row_size(P->w1_type, n_embd);
-    P->w2_type   = L->n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+    P->w2_type   = pi2_w2_type(L);
     P->w2_stride = ggml_row_size(P->w2_type, L->n_ff);
-    // all of w2 counted, though only the rows of non-zero hidden units are read: a bound that holds
-    const double pred_bytes = (double) L->rank * P->w1_stride + (double) L->rank * P->w2_stride;
-    const double gate_bytes = (double) L->n_ff * ggml_row_size(L->gate_type, n_embd);
-    P->pays = pred_bytes < (1.0 - L->pred_density) * gate_bytes;
+    P->pays      = pi2_predictor_pays(L, n_embd);
     if (!P->pays && !keep) {
         pi2_drop_f16(L); // under a budget every byte kept is a byte less of neuron cache (61 MB on Qwen2.5-1.5B)
         return 0;

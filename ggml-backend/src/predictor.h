@@ -35,6 +35,11 @@ int  pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * 
                            uint64_t * kept, const char * path, uint32_t il, char * err, size_t errlen);
 void pi2_predictor_free(struct pi2_predictor * P);
 
+// Bytes the layer's predictor reads per token at most (W1, and all of W2), in decode's layout.
+double pi2_predictor_bytes(const struct pi2_sidecar_layer * L, uint32_t n_embd);
+// The rule: it pays where those bytes are below the gate bytes it saves, (1 - predicted density) * gate bytes.
+bool   pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd);
+
 // The predictor runs in predicted mode where it pays, everywhere with `always` (to measure it).
 static inline bool pi2_predictor_runs(const struct pi2_predictor * P, bool predicted_mode, bool always) {
     return predicted_mode && P->w1 != NULL && (P->pays || always);

@@ -383,6 +383,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
                                              ? pi2_arr_f32(rd, PI2_KEY_SPARSITY_PRODUCT_THRESHOLDS) : NULL;
     const float *    cutoff    = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_CUTOFF);
     const float *    pdensity  = pi2_arr_f32(rd, PI2_KEY_PREDICTOR_DENSITY);
+    const float *    density   = pi2_arr_f32(rd, PI2_KEY_SPARSITY_DENSITY);
     const uint64_t * fps       = gguf_get_arr_data(rd->file.gguf, pi2_find(rd, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS));
 
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
@@ -401,7 +402,13 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             pi2_check_part_type(rd, PI2_KEY_BUNDLE_DOWN_TYPE, il, down_type[il], sc->n_embd) != 0) {
             return -1;
         }
+        // fractions the plugin plans with (placement.h): a value outside [0, 1] is not one
+        if (!(density[il] >= 0.0f && density[il] <= 1.0f) || !(pdensity[il] >= 0.0f && pdensity[il] <= 1.0f)) {
+            return pi2_fail(rd, "%s[%" PRIu32 "] or %s[%" PRIu32 "] is not a fraction in 0..1", PI2_KEY_SPARSITY_DENSITY, il,
+                            PI2_KEY_PREDICTOR_DENSITY, il);
+        }
         L->n_ff        = n_ff[il];
+        L->density     = density[il];
         L->rank        = rank[il];
         L->hot_count   = hot[il];
         L->threshold   = threshold[il];

@@ -28,6 +28,7 @@ struct pi2_sidecar_layer {
     float    product_threshold; // pi2.sparsity.product_thresholds (method product; else 0)
     float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
     float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
+    float    density;        // fraction of neurons active (held-out, pi2.sparsity.density)
 
     // bundle slot j (neuron order[j]) is neuron j % bundle_neurons of bundle j / bundle_neurons, at
     // bundles_offset + pi2_slot_offset(L, j) in the file

@@ -108,6 +108,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_config_error": (c_int, _ERR),
     "pi2_binding_set_mode": (c_int, [c_int, c_int]),
     "pi2_binding_set_check_recall": (c_int, [c_int, c_int]),
+    "pi2_binding_layers_left": (c_int, [c_int, POINTER(c_int32), c_int]),
     "pi2_binding_error": (c_int, [c_int, *_ERR]),
     "pi2_binding_release": (c_int, [c_int]),
     "pi2_config_set": (c_int, [c_int, c_char_p, c_char_p, *_ERR]),

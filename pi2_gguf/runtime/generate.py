@@ -18,6 +18,7 @@ class Greedy:
     decode_seconds: float
     logits_first: list[float] = field(default_factory=list)  # logits after the prompt, for numeric checks
     pi2_matmuls: int = 0  # FFN matmuls PI2 executed (subprocess runs with --pi2)
+    layers_in_pi2: str = ""  # "held/all" FFN layers in which PI2 computed anything (subprocess runs with --pi2)
     active_fraction: float = 0.0  # sparse decode: active neurons / all neurons, over sparsely decoded tokens
     # with a memory budget, over the decoded tokens: bundle bytes read, bundles found per cache segment,
     # time the compute threads waited for reads; and what the process read from disk in all (/proc/self/io)

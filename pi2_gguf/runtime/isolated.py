@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,12 +26,14 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
                          sidecar: str | Path | None = None, mode: str | None = None,
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
                          timeout: float = 1800, llama_site: str | Path | None = None,
-                         memory_budget: int | None = None) -> list[Greedy]:
+                         memory_budget: int | None = None,
+                         settings: Mapping[str, str | int | float] | None = None) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin.
     llama_site: a directory holding another llama-cpp-python build (llama_build.ensure_stock_site: the one
-    built without patches/), imported instead of the installed one."""
+    built without patches/), imported instead of the installed one. settings: per-model PI2 settings
+    (docs/SETTINGS.md), e.g. {"layers": "all"}."""
     cmd = greedy_command(model, prompts, n, pi2, threads, ctx, eog_stop, repack, sidecar, mode, keep_prefix,
-                         prompt_limit, logits, memory_budget)
+                         prompt_limit, logits, memory_budget, settings)
     env = None
     if llama_site is not None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(llama_site), os.environ.get("PYTHONPATH")])))
@@ -60,7 +63,8 @@ def parse_results(stdout: str) -> list[Greedy]:
 def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2, ctx: int = 512,
                    eog_stop: bool = False, repack: bool = True, sidecar: str | Path | None = None,
                    mode: str | None = None, keep_prefix: list[int] | None = None, prompt_limit: int = 0,
-                   logits: bool = True, memory_budget: int | None = None) -> list[str]:
+                   logits: bool = True, memory_budget: int | None = None,
+                   settings: Mapping[str, str | int | float] | None = None) -> list[str]:
     """The command line of a greedy_in_subprocess run (for runners that start it themselves)."""
     cmd = [sys.executable, "-m", "pi2_gguf.runtime.isolated", "--model", str(model), "-n", str(n),
            "--threads", str(threads), "--ctx", str(ctx)]
@@ -84,6 +88,8 @@ def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, thr
         cmd += ["--prefix", ",".join(map(str, keep_prefix))]
     if prompt_limit:
         cmd += ["--prompt-limit", str(prompt_limit)]
+    for name, value in (settings or {}).items():
+        cmd += ["--setting", f"{name}={value}"]
     return cmd
 
 
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sidecar", help="pi2 sidecar (with --pi2)")
     ap.add_argument("--mode", help="PI2 decode mode (with --pi2)")
     ap.add_argument("--memory-budget", help="whole-process memory budget (with --pi2 and a sidecar)")
+    ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a per-model PI2 setting (with --pi2), e.g. layers=all")
     ap.add_argument("--expect-llama-site", help="fail unless llama_cpp was imported from this directory")
     args = ap.parse_args(argv)
     if args.expect_llama_site and Path(args.expect_llama_site).resolve() not in Path(llama_cpp.__file__).resolve().parents:
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             from .llama import Llama
 
             llm = Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                        verbose=False, sidecar=args.sidecar or False, mode=args.mode, memory_budget=args.memory_budget)
+                        verbose=False, sidecar=args.sidecar or False, mode=args.mode, memory_budget=args.memory_budget,
+                        settings=dict(kv.split("=", 1) for kv in args.setting))
         else:
             llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                                   verbose=False)
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.pi2:
             c = read_counters()
             g.pi2_matmuls = int(c.matmul_calls.sum())
+            g.layers_in_pi2 = f"{int((c.matmul_calls.sum(axis=-1) > 0).sum()) if c.matmul_calls.size else 0}" \
+                              f"/{llama_cpp.llama_model_n_layer(llm.model)}"
             if c.sparse_tokens.sum():
                 g.active_fraction = float(c.active.sum()) / float(c.neurons.sum())
             c0 = at_decode[0]

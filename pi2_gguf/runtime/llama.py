@@ -180,12 +180,20 @@ class Llama(llama_cpp.Llama):
             plugin.configure(name, value, self.pi2_binding)
 
     def set_mode(self, mode: str) -> None:
-        """Switches between dense, oracle and predicted decode without reloading."""
+        """Switches between dense, oracle and predicted decode without reloading. Layers the load left to
+        ggml-cpu (layers_left()) stay there: a sparse mode other than the load's is refused if there are any."""
         if self.pi2_binding == 0:
             resolve_mode(mode, None)  # only dense is possible without a sidecar
             return
         plugin.set_mode(self.pi2_binding, mode)
         self.pi2_mode = mode
+
+    def layers_left(self) -> list[int]:
+        """The FFN layers this model's load left to ggml-cpu because PI2 would not run them faster in the
+        load's mode (docs/BACKEND.md, "Which layers PI2 holds"); those run stock llama.cpp's kernels in every
+        mode. Without a sidecar PI2 holds only the FFN of a model that states a ReLU-family activation:
+        then every layer of any other model is left, and this lists none (there is no binding to ask)."""
+        return plugin.layers_left(self.pi2_binding) if self.pi2_binding else []
 
     def set_check_recall(self, on: bool) -> None:
         """In predicted mode, also compute the full gate to count active neurons the predictor missed."""

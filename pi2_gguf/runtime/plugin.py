@@ -143,8 +143,36 @@ def load_end() -> None:
 
 
 def set_mode(binding: int, mode: str) -> None:
-    if _require().pi2_binding_set_mode(binding, mode_value(mode)) != 0:
+    rc = _require().pi2_binding_set_mode(binding, mode_value(mode))
+    if rc == -2:
+        left = layers_left(binding)
+        raise PluginError(f"mode {mode}: this model's load left FFN layers {_ranges(left)} to ggml-cpu, where they "
+                          f"cannot run it; load it with settings={{'layers': 'all'}} (PI2_LAYERS=all) to switch modes "
+                          f"on every layer")
+    if rc != 0:
         raise PluginError(f"no loaded model has PI2 binding {binding}")
+
+
+def layers_left(binding: int) -> list[int]:
+    """The FFN layers of a loaded model that its load left to ggml-cpu (PI2_LAYERS=auto), ascending."""
+    lib = _require()
+    n = lib.pi2_binding_layers_left(binding, None, 0)
+    if n < 0:
+        raise PluginError(f"no loaded model has PI2 binding {binding}")
+    out = (ctypes.c_int32 * max(n, 1))()
+    n = lib.pi2_binding_layers_left(binding, out, n)
+    return list(out[:n])
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[tuple[int, int]] = []
+    for k in layers:
+        if parts and parts[-1][1] == k - 1:
+            parts[-1] = (parts[-1][0], k)
+        else:
+            parts.append((k, k))
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
 
 
 def set_check_recall(binding: int, on: bool) -> None:
