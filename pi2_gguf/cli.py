@@ -587,10 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "against convert's own and kept where they read less")
     p.add_argument("--epochs", type=_count(1), default=pred_mod.EPOCHS,
                    help="predictor training epochs (--predictor trained)")
-    p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=fmt.BUNDLE_ALIGN,
-                   help="bundle sizes are multiples of this (default 4096). 512 pads less (Qwen2.5-1.5B's "
-                        "bundles: 3 KiB instead of 4 KiB) and still reads with O_DIRECT where the disk's logical "
-                        "block is 512 bytes; elsewhere reads fall back to buffered I/O")
+    p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=None,
+                   help="bundle sizes are multiples of this (default: the logical block size of the device the "
+                        "sidecar is written to, 4096 where unknown). 512 pads less (Qwen2.5-1.5B's bundles: 3 KiB "
+                        "instead of 4 KiB) and reads with O_DIRECT where the disk's logical block is 512 bytes; "
+                        "on a device with larger blocks reads fall back to the page cache")
     p.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
                    help=f"neurons per bundle, 1-{fmt.MAX_BUNDLE_NEURONS} (default: 1 where the predictor leaves most "
                         "neurons out, else as many as fill the one bundle size of such layers that pads least: every "

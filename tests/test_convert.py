@@ -4,6 +4,7 @@ recall on held-out text, bundle round trip, both GGUF readers, and the errors of
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import struct
 import subprocess
@@ -25,6 +26,7 @@ from pi2_gguf.errors import SidecarError
 from pi2_gguf.runtime import native
 from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.sidecar import reader as sidecar
+from pi2_gguf.sidecar.block_size import default_bundle_align
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from settings import SMOL_TARGET as TARGET  # noqa: E402
@@ -139,7 +141,7 @@ def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
         order = sc.layer_tensor(il, "pi2_order").reshape(-1)
         lay = sc.layout(il)
         raw = sc.bundles(il)
-        assert lay.size % 4096 == 0 and raw.shape == (lay.n_bundles(1536), lay.size)
+        assert lay.size % int(sc.kv["pi2.bundle.align"]) == 0 and raw.shape == (lay.n_bundles(1536), lay.size)
         b = sc.slots(il)
         gs, us, ds = sc.bundle_slices(il)
         assert np.array_equal(b[:, gs], ffn["gate"].raw[order]), f"layer {il}: gate rows differ"
@@ -165,12 +167,13 @@ def test_bundles_hold_several_neurons_where_every_neuron_is_read(smol_sidecar: P
     packed = [il for il in range(sc.n_layer) if sc.kv["pi2.predictor.density"][il] >= DENSE_PREDICTION]
     types = [tuple(int(sc.kv[f"pi2.bundle.{m}_type"][il]) for m in ("gate", "up", "down")) for il in range(sc.n_layer)]
     assert len(packed) > sc.n_layer // 2
-    assert [sc.layout(il) for il in packed] == fmt.packed_bundle_layouts([types[il] for il in packed], 576, 4096)
+    align = int(sc.kv["pi2.bundle.align"])
+    assert [sc.layout(il) for il in packed] == fmt.packed_bundle_layouts([types[il] for il in packed], 576, align)
     assert len({sc.layout(il).size for il in packed}) == 1
     for il in range(sc.n_layer):
         lay = sc.layout(il)
         if il in packed:  # less padding per neuron than a bundle each
-            assert lay.neurons > 1 and lay.size / lay.neurons < fmt.bundle_layout(*types[il], 576, 4096, 1).size
+            assert lay.neurons > 1 and lay.size / lay.neurons < fmt.bundle_layout(*types[il], 576, align, 1).size
         else:
             assert lay.neurons == 1
 
@@ -191,6 +194,18 @@ def test_packed_bundle_layouts() -> None:
     assert fmt.packed_bundle_layouts([(f16, f16, f16)], 2048, 4096)[0].neurons == 1
     with pytest.raises(ValueError, match="does not hold its 14 x 2592 bytes"):
         fmt.bundle_layout(q4k, q4k, q4k, 1536, 512, 14, 35840)
+
+
+def test_default_bundle_align_is_the_output_devices_block_size(smol_sidecar: Path) -> None:
+    """convert without --bundle-align pads bundles to the logical block size of the device it writes to
+    (sysfs), 4096 where there is no block device (tmpfs)."""
+    sc = sidecar.read(smol_sidecar)
+    dev = os.stat(smol_sidecar).st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    queue = sysfs / "queue" if (sysfs / "queue").exists() else sysfs.parent / "queue"
+    want = int((queue / "logical_block_size").read_text()) if queue.exists() else 4096
+    assert int(sc.kv["pi2.bundle.align"]) == (want if want in fmt.BUNDLE_ALIGNS else 4096)
+    assert default_bundle_align(Path("/dev/shm/x.pi2.gguf"))[0] == 4096
 
 
 def test_bundles_are_4k_aligned_in_the_file(smol_sidecar: Path) -> None:

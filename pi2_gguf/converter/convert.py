@@ -14,6 +14,7 @@ from ..assets import corpus as corpus_mod
 from ..errors import Pi2Error
 from ..paths import check_output
 from ..sidecar import format as fmt
+from ..sidecar.block_size import default_bundle_align
 from ..sidecar.writer import LayerData, SidecarMeta, write
 from . import bundles as bundles_mod
 from . import predictor as pred_mod
@@ -49,16 +50,22 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             train_tokens: int | None = None, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
             epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
-            bundle_align: int = fmt.BUNDLE_ALIGN, bundle_neurons: int | None = None,
+            bundle_align: int | None = None, bundle_neurons: int | None = None,
             checkpoint: str | Path | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
-    (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less."""
+    (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
+    bundle_align: None for the logical block size of the output's device (sidecar/block_size.py)."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
     if out.resolve() == model.path.resolve():
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
     check_output(out, "sidecar")  # before minutes of profiling
+    notes: list[str] = []
+    if bundle_align is None:
+        bundle_align, why = default_bundle_align(out)
+        notes.append(f"bundles aligned to {bundle_align} bytes: {why} (--bundle-align sets it; a sidecar moved to a "
+                     f"device with larger blocks reads through the page cache)")
     try:
         fmt.check_bundle_align(bundle_align)
         if bundle_neurons is not None:
@@ -76,7 +83,6 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     if ranks and not all(2 <= r <= 2 * model.n_embd for r in ranks):
         raise Pi2Error(f"--ranks {','.join(map(str, ranks))}: a predictor width is 2 to {2 * model.n_embd} "
                        f"(twice n_embd) for {model.path.name}")
-    notes: list[str] = []
     shipped: dict[int, pred_mod.Predictor] = {}
     if checkpoint is not None:
         from ..importer import checkpoint_predictors
