@@ -63,3 +63,26 @@ def test_layers_left_and_mode_switches(smollm2: Path, smol_sidecar: Path) -> Non
         held.set_mode("oracle")
     finally:
         held.close()
+
+
+def test_mixed_placement_follows_the_cost_rule(smollm2: Path, smol_profile, tmp_path: Path) -> None:
+    """A fixed |act(gate)| threshold leaves layers at different densities: the load holds exactly the layers
+    whose estimated cost (the one `inspect` prints) is below 1, PI2 computes those and ggml-cpu the rest."""
+    from pi2_gguf.converter.convert import convert
+    from pi2_gguf.runtime import native
+
+    prof = smol_profile.save(tmp_path / "smol.npz")
+    sidecar = convert(smollm2, tmp_path / "t.pi2.gguf", threshold=0.4, profile=prof, ranks=[64], progress=False).path
+    cost = native.sparse_cost_c(sidecar)
+    expect_left = [il for il, c in enumerate(cost) if c >= 1.0]
+    assert 0 < len(expect_left) < 30, cost  # both kinds, or the test shows nothing
+    llm = pi2_gguf.Llama(str(smollm2), sidecar=sidecar, n_ctx=128, n_threads=2, verbose=False, settings=AUTO)
+    try:
+        assert llm.layers_left() == expect_left
+        pi2_gguf.reset_counters()
+        llm.eval(llm.tokenize(b"The capital of France is")[:1])
+        c = pi2_gguf.read_counters()
+        computed = [il for il in range(c.n_layers) if c.matmul_calls[il].sum() > 0]
+        assert computed == [il for il in range(30) if il not in expect_left]
+    finally:
+        llm.close()

@@ -148,6 +148,10 @@ GGML_BACKEND_API int pi2_columns_add(int type, int64_t n, float * y, int64_t n_c
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.
 GGML_BACKEND_API int pi2_sidecar_validate(const char * path, char * err, size_t errlen);
+// Per layer, the estimated in-RAM sparse decode time of predicted mode over ggml-cpu's dense time, with the
+// default settings (PI2_LAYERS=auto holds a layer where it is below 1): the first `cap` in out; returns
+// n_layer, or -1 with err set.
+GGML_BACKEND_API int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err, size_t errlen);
 // n_layer and pi2.source.fingerprint of a valid sidecar
 GGML_BACKEND_API int pi2_sidecar_summary(const char * path, uint32_t * n_layer, uint64_t * fingerprint, char * err, size_t errlen);
 // 0 if the weight blk.<layer>.ffn_{gate,up,down}.weight (matrix = enum pi2_matrix; type = enum ggml_type)

@@ -1,5 +1,6 @@
 #include "placement.h"
 
+#include "ggml-pi2.h"
 #include "model_binding.h"
 #include "predictor.h"
 
@@ -65,4 +66,27 @@ bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
     return pi2_sparse_cost_ratio(L, b->sc->n_embd, b->sc->sparsity_method, pi2_setting(own, defaults, PI2_SET_DOWN_SPARSE_MAX),
                                  pi2_setting(own, defaults, PI2_SET_PREDICTOR) != 0.0) < 1.0;
+}
+
+static const char * pi2_no_env(void * ctx, const char * name) {
+    (void) ctx;
+    (void) name;
+    return NULL;
+}
+
+int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err, size_t errlen) {
+    struct pi2_sidecar * sc = NULL;
+    if (pi2_sidecar_open(path, &sc, err, errlen) != 0) {
+        return -1;
+    }
+    struct pi2_config c; // the table's defaults: what a model loaded without settings plans with
+    pi2_config_read(&c, pi2_no_env, NULL);
+    const double down_sparse_max = pi2_setting(NULL, &c.defaults, PI2_SET_DOWN_SPARSE_MAX);
+    const bool   always          = pi2_setting(NULL, &c.defaults, PI2_SET_PREDICTOR) != 0.0;
+    for (uint32_t il = 0; il < sc->n_layer && (int) il < cap; ++il) {
+        out[il] = pi2_sparse_cost_ratio(&sc->layer[il], sc->n_embd, sc->sparsity_method, down_sparse_max, always);
+    }
+    const int n = (int) sc->n_layer;
+    pi2_sidecar_free(sc);
+    return n;
 }

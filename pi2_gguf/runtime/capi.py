@@ -119,6 +119,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_columns_add": (c_int, [c_int, c_int64, c_void_p, c_int64, c_void_p, c_void_p]),
     "pi2_sidecar_validate": (c_int, [c_char_p, *_ERR]),
     "pi2_sidecar_summary": (c_int, [c_char_p, POINTER(c_uint32), POINTER(c_uint64), *_ERR]),
+    "pi2_sidecar_sparse_cost": (c_int, [c_char_p, POINTER(ctypes.c_double), c_int, *_ERR]),
     "pi2_sidecar_check_weight": (c_int, [c_char_p, c_int, c_int, c_int, c_int64, c_int64, c_void_p, c_size_t, *_ERR]),
     "pi2_model_summary": (c_int, [c_char_p, POINTER(Pi2ModelSummary), *_ERR]),
     "pi2_fingerprint_tensor": (c_uint64, [c_int, c_int64, c_int64, c_void_p, c_size_t]),

@@ -58,6 +58,19 @@ def sidecar_summary_c(path: Pathish) -> tuple[int, int]:
     return int(n_layer.value), int(fp.value)
 
 
+def sparse_cost_c(path: Pathish) -> list[float]:
+    """Per layer, the plugin's estimate of in-RAM sparse decode time in predicted mode over ggml-cpu's dense
+    time with default settings: below 1 PI2 holds the layer (PI2_LAYERS=auto), else leaves it to ggml-cpu."""
+    err = capi.err_buffer()
+    lib = capi.lib()
+    n = lib.pi2_sidecar_sparse_cost(os.fsencode(path), None, 0, err, capi.ERR_LEN)
+    if n < 0:
+        raise SidecarError(capi.err_text(err))
+    out = (ctypes.c_double * max(n, 1))()
+    lib.pi2_sidecar_sparse_cost(os.fsencode(path), out, n, err, capi.ERR_LEN)
+    return list(out[:n])
+
+
 def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return np.frombuffer(data, dtype=np.uint8)

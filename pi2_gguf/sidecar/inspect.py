@@ -10,6 +10,8 @@ from gguf import GGMLQuantizationType
 
 from ..errors import MissingExtraError, OutputWriteError
 from ..paths import check_output
+from ..runtime import native
+from .format import RELU_FAMILY
 from .reader import Sidecar
 
 HOTNESS_BINS = 1024
@@ -34,17 +36,25 @@ def summary(sc: Sidecar) -> str:
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")
-        + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  down type (err/tol)",
+        + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  down type (err/tol)  in RAM (cost)",
     ]
+    # the plugin's placement rule (docs/BACKEND.md, "Which layers PI2 holds"): in predicted mode a layer is
+    # held where sparse decode is estimated faster than ggml-cpu (cost < 1), and always for the ReLU family
+    cost = native.sparse_cost_c(sc.path)
+    relu_family = kv["pi2.activation"] in RELU_FAMILY
+    held = sum(relu_family or c < 1.0 for c in cost)
+    lines.insert(-2, f"in RAM         predicted mode holds {held} of {sc.n_layer} FFN layers in PI2; "
+                     f"the others run in ggml-cpu's kernels (PI2_LAYERS=auto)")
     for il in range(sc.n_layer):
         g = lambda k: kv[k][il]  # noqa: E731
+        place = "PI2" if relu_family or cost[il] < 1.0 else "cpu"
         lines.append(
             f"{il:5d} {g('pi2.n_ff'):5d} {g('pi2.sparsity.thresholds'):7.4f} "
             + (f"{g('pi2.sparsity.product_thresholds'):8.4f} " if product else "") + f"{g('pi2.sparsity.density'):8.3f} "
             f"{g('pi2.predictor.rank'):5d} {g('pi2.predictor.recall'):7.4f} {g('pi2.predictor.precision'):7.3f} "
             f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d} ({g('pi2.bundle.neurons'):2d})  "
             f"{GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
-            f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})")
+            f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})  {place} ({cost[il]:.2f})")
     return "\n".join(lines)
 
 
