@@ -9,6 +9,7 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from .errors import ModelFileError, Pi2Error
+from .paths import read_head
 from .runtime.native import ModelSummary, model_summary_c
 from .sidecar import format as fmt
 
@@ -17,18 +18,7 @@ GGUF_MAGIC = b"GGUF"
 
 def _gguf_path(path: str | Path, what: str, error: type[Pi2Error]) -> Path:
     """The path of an existing file that starts with the GGUF magic, or `error` naming the file as `what`."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        if p.is_symlink():
-            raise error(f"{what} {p} is a symbolic link to {os.readlink(p)}, which does not exist")
-        raise error(f"{what} not found: {p}")
-    if not p.is_file():
-        raise error(f"{what} path is not a file: {p}")
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise error(f"cannot read {what} {p}: {e.strerror}") from e
+    p, magic = read_head(path, what, error)
     if magic != GGUF_MAGIC:
         raise error(f"{what} {p} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     return p

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import OutputWriteError
+from .errors import OutputWriteError, Pi2Error
 
 
 def check_output(path: str | Path, what: str) -> Path:
@@ -30,3 +30,21 @@ def check_output(path: str | Path, what: str) -> Path:
     os.close(fd)
     os.unlink(probe)
     return p
+
+
+def read_head(path: str | Path, what: str, error: type[Pi2Error], n: int = 4) -> tuple[Path, bytes]:
+    """(path, its first n bytes) of an existing regular file (a FIFO would block its reader), or `error`
+    naming the file as `what` ("model file", "profile") and what is wrong: not found (a dangling symbolic
+    link says where it points), not a file, or unreadable."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        if p.is_symlink():
+            raise error(f"{what} {p} is a symbolic link to {os.readlink(p)}, which does not exist")
+        raise error(f"{what} not found: {p}")
+    if not p.is_file():
+        raise error(f"{what} path is not a file: {p}")
+    try:
+        with p.open("rb") as f:
+            return p, f.read(n)
+    except OSError as e:
+        raise error(f"cannot read {what} {p}: {e.strerror or e}") from e

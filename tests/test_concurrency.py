@@ -6,13 +6,17 @@ llama_cpp.Llama, whose context is not thread-safe)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 import pi2_gguf
 from pi2_gguf.runtime.generate import greedy
 
+T = TypeVar("T")
 N_TOKENS = 48
 PROMPTS = ("The history of the Roman Empire", "Photosynthesis is the process by which")
 
@@ -26,27 +30,38 @@ def _generate(llm: pi2_gguf.Llama, prompt: str) -> list[int]:
     return greedy(llm, prompt, N_TOKENS, stop_at_eog=False).tokens
 
 
-def _alone_then_together(llms: list[pi2_gguf.Llama], prompts: list[str]) -> tuple[list, list]:
-    alone = [_generate(llm, p) for llm, p in zip(llms, prompts)]
-    together: list[list[int] | BaseException | None] = [None] * len(llms)
-    start = threading.Barrier(len(llms))
+def _in_threads(fns: list[Callable[[], T]]) -> list[T]:
+    """Runs each fn in its own thread, all released at once by a barrier; their results in order. An
+    exception in a thread is re-raised here, in the calling thread."""
+    out: list[T | BaseException | None] = [None] * len(fns)
+    start = threading.Barrier(len(fns))
 
     def work(k: int) -> None:
         try:
             start.wait()
-            for _ in range(2):  # twice, so that the generations overlap whatever thread starts first
-                together[k] = _generate(llms[k], prompts[k])
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
-            together[k] = e
+            out[k] = fns[k]()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread below
+            out[k] = e
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(llms))]
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(fns))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
-    for r in together:
+    for r in out:
         if isinstance(r, BaseException):
             raise r
+    return out  # type: ignore[return-value]
+
+
+def _alone_then_together(llms: list[pi2_gguf.Llama], prompts: list[str]) -> tuple[list, list]:
+    alone = [_generate(llm, p) for llm, p in zip(llms, prompts)]
+
+    def twice(k: int) -> list[int]:  # twice, so that the generations overlap whatever thread starts first
+        _generate(llms[k], prompts[k])
+        return _generate(llms[k], prompts[k])
+
+    together = _in_threads([partial(twice, k) for k in range(len(llms))])
     return alone, together
 
 
@@ -82,25 +97,8 @@ def test_models_constructed_in_two_threads_at_once(smollm2: Path, smol_sidecar: 
     """Loads wait for each other (the plugin ties the weights allocated during a load to that load's binding),
     so two threads may construct their models at the same moment and get each its own."""
     relu, relu_sidecar, _ = relu_model
-    made: list[pi2_gguf.Llama | BaseException | None] = [None, None]
-    start = threading.Barrier(2)
     specs = [(smollm2, smol_sidecar), (relu, relu_sidecar)]
-
-    def load(k: int) -> None:
-        try:
-            start.wait()
-            made[k] = _load(*specs[k], None)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
-            made[k] = e
-
-    threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    for m in made:
-        if isinstance(m, BaseException):
-            raise m
+    made = _in_threads([partial(_load, *spec, None) for spec in specs])
     got = [_generate(m, p) for m, p in zip(made, PROMPTS)]
     for m in made:
         m.close()

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..assets import corpus as corpus_mod
 from ..errors import OutputWriteError, Pi2Error
 from ..gguf_file import check_context, check_model_file
+from ..paths import read_head
 
 FFN_INPUT = "ffn_norm"
 DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
@@ -82,14 +83,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        p = Path(path)
-        if not p.is_file():  # a FIFO would block np.load
-            raise ProfileError(f"profile {p}: {'not found' if not p.exists() else 'is not a regular file'}")
-        try:
-            with p.open("rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            raise ProfileError(f"cannot read profile {p}: {e.strerror or e}") from e
+        p, magic = read_head(path, "profile", ProfileError)
         if magic != b"PK\x03\x04":
             raise ProfileError(f"{p} is not a pi2 profile (an .npz file written by `pi2-gguf profile`)")
         try:
