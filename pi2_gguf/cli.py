@@ -18,6 +18,7 @@ from typing import NoReturn
 import numpy as np
 
 from .assets import corpus as corpus_mod
+from .converter import convert as conv_mod
 from .converter import predictor as pred_mod
 from .converter import profile as profile_mod
 from .converter import sparsity as sp
@@ -316,7 +317,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
-                  predictor=args.predictor, checkpoint=args.checkpoint)
+                  predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -362,14 +363,20 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         if n_tokens < args.ctx:
             raise Pi2Error(f"the text has {n_tokens} tokens; perplexity needs at least one chunk of {args.ctx} "
                            f"(-c/--ctx {args.ctx})")
+    if args.all_layers and args.no_plugin:
+        raise Pi2Error("--all-layers needs the plugin (drop --no-plugin)")
     res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
-                     sidecar=sidecar, mode=mode)
+                     sidecar=sidecar, mode=mode, settings={"layers": "all"} if args.all_layers else None)
     print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
-    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}"
+    how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}" + (", all layers" if args.all_layers else "")
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
           f"{res.scored_tokens} tokens scored, {how})")
     if mode != "dense":
         c = read_counters()
+        if not c.sparse_tokens.sum():
+            print("no layer ran sparse: in RAM every layer was left to ggml-cpu (dense), where sparse decode would "
+                  "not be faster; --all-layers scores them sparse")
+            return 0
         print(f"active neurons per token: {float(c.active.sum()) / max(float(c.sparse_tokens.sum()), 1):.0f} of "
               f"each layer's FFN on average (per layer: {', '.join(f'{v:.0f}' for v in c.active_per_token())})")
     return 0
@@ -455,6 +462,19 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
+
+
+def _perplexity_budget(text: str) -> float | None:
+    """--perplexity-budget: a percentage in [0, 100] -> a fraction, or 'none'."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a percentage or 'none'") from None
+    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
+        raise argparse.ArgumentTypeError(f"{text} is not a percentage from 0 to 100")
+    return value / 100.0
 
 
 def _ints(text: str) -> list[int]:
@@ -592,6 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sidecar is written to, 4096 where unknown). 512 pads less (Qwen2.5-1.5B's bundles: 3 KiB "
                         "instead of 4 KiB) and reads with O_DIRECT where the disk's logical block is 512 bytes; "
                         "on a device with larger blocks reads fall back to the page cache")
+    p.add_argument("--perplexity-budget", type=_perplexity_budget, default=conv_mod.DEFAULT_PERPLEXITY_BUDGET,
+                   metavar="PERCENT",
+                   help="perplexity on held-out text the sparse configuration may add over dense, in percent (default "
+                        f"{conv_mod.DEFAULT_PERPLEXITY_BUDGET:.0%}); without --sparsity/--threshold convert takes the "
+                        "largest target from the default down that stays within it. Both perplexities are recorded in "
+                        "the sidecar (inspect shows them). 'none': measure nothing")
     p.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
                    help=f"neurons per bundle, 1-{fmt.MAX_BUNDLE_NEURONS} (default: 1 where the predictor leaves most "
                         "neurons out, else as many as fill the one bundle size of such layers that pads least: every "
@@ -617,8 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=_count(1), help="score at most this many chunks")
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
-    p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without)")
+    p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without). "
+                   "In RAM, layers where sparse decode would not be faster run dense in ggml-cpu; "
+                   "--all-layers scores every layer sparse, as a memory budget runs them")
     p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
+    p.add_argument("--all-layers", action="store_true", help="PI2 holds every FFN layer (PI2_LAYERS=all)")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("bench", help="stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; "

@@ -352,6 +352,8 @@ CASES: list[Case] = [
     Case("perplexity", "huge --chunks", (S, "--chunks", "99999999999"), "argument --chunks: 99999999999 is out"),
     Case("perplexity", "zero --threads", (S, "-t", "0"), "argument -t/--threads: 0 is out of range"),
     Case("perplexity", "sparse mode without sidecar", (S, "--mode", "oracle"), "mode oracle needs a sidecar"),
+    Case("perplexity", "--all-layers with --no-plugin", (S, "--all-layers", "--no-plugin"),
+         "--all-layers needs the plugin"),
     # --- bench (each refused before it runs a configuration) ---
     Case("bench", "missing model file", ("{missing}", "--memory-limit", "300MB"), "model file not found: {missing}"),
     Case("bench", "sidecar given as model", ("{sidecar}", "--memory-limit", "300MB"), "is a pi2 sidecar, not a model"),

@@ -64,7 +64,8 @@ def smol_cats_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: py
     """The same conversion with criterion act (CATS: a threshold on |act(gate)| alone)."""
     prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
     out = tmp_path_factory.mktemp("sidecar") / "smol-cats.pi2.gguf"
-    convert(smollm2, out, sparsity=SMOL_TARGET, criterion="act", profile=prof_path, ranks=[64], progress=False)
+    convert(smollm2, out, sparsity=SMOL_TARGET, criterion="act", profile=prof_path, ranks=[64], progress=False,
+            perplexity_budget=None)
     return out
 
 
@@ -75,5 +76,6 @@ def relu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, li
     model = d / "relu.gguf"
     report = synthetic.make(model, RELU_SHAPE, synthetic.Sparsity(density=RELU_DENSITY), "relu", QT.F32,
                             calib_tokens=512, heldout_tokens=256, progress=False)
-    sidecar = convert(model, d / "relu.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False).path
+    sidecar = convert(model, d / "relu.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False,
+                      perplexity_budget=None).path
     return model, sidecar, report

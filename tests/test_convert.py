@@ -361,3 +361,36 @@ def test_training_free_predictor_is_the_best_rank_k_fit_and_reaches_its_recall(s
     costs = pm.Costs(100.0, 200.0)
     fitted = pm.fit_layer(score, th, gate, x, g, xh, xh @ gate.T, [64], 0.99, costs, kind="svd")
     assert fitted.heldout.recall >= 0.97 and fitted.predictor.rank == 64
+
+
+def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profile: Profile, tmp_path: Path) -> None:
+    """Without --sparsity convert writes the default target, measures held-out perplexity as decode computes it
+    (predicted mode, every layer sparse) and steps the target down until it is within the budget; the sidecar
+    records both perplexities, and the recorded one is what the perplexity tool measures for that file."""
+    from pi2_gguf.bench.perplexity import perplexity
+    from pi2_gguf.converter.convert import QUALITY_CHUNKS, QUALITY_CTX, TARGET_STEPS, convert
+
+    prof = smol_profile.save(tmp_path / "smol.npz")
+    res = convert(smollm2, tmp_path / "b.pi2.gguf", profile=prof, ranks=[64], progress=False, perplexity_budget=0.03)
+    kv = sidecar.read(res.path).kv
+    dense, ppl, target = kv["pi2.quality.perplexity_dense"], kv["pi2.quality.perplexity"], kv["pi2.sparsity.target"]
+    assert kv["pi2.quality.budget"] == pytest.approx(0.03)
+    assert dense < ppl  # sparse decode loses some quality, never none on a SiLU model
+    tried = [sparsity.DEFAULT_SPARSITY, *TARGET_STEPS]
+    assert target == pytest.approx(tried[[round(t, 2) for t in tried].index(round(target, 2))])
+    if ppl <= dense * 1.03:
+        if target < sparsity.DEFAULT_SPARSITY:
+            assert any(f"sparsity {target:.2f} chosen" in n for n in res.notes), res.notes
+    else:
+        assert target == pytest.approx(TARGET_STEPS[-1]) and any("no sparsity target" in n for n in res.notes)
+    text = "\n\n".join(corpus.load(None).split()[1])
+    again = perplexity(smollm2, text, QUALITY_CTX, QUALITY_CHUNKS, progress=False, sidecar=res.path, mode="predicted",
+                       settings={"layers": "all"})
+    assert again.ppl == pytest.approx(ppl, rel=1e-5)
+
+
+def test_explicit_target_is_kept_and_measured(smol_sidecar: Path) -> None:
+    """A target given (the suite's SmolLM2 sidecar: --sparsity 0.5) is kept; its perplexity is still recorded."""
+    kv = sidecar.read(smol_sidecar).kv
+    assert kv["pi2.sparsity.target"] == pytest.approx(0.5)
+    assert kv["pi2.quality.perplexity"] > kv["pi2.quality.perplexity_dense"] > 1.0

@@ -93,6 +93,16 @@ def test_doc_tables_are_parsed(doc_keys: dict[str, str], doc_tensors: dict) -> N
     assert doc_tensors["pi2_bundles"] == ("I8", ("bundle size", "n_bundles"))
 
 
+def test_optional_keys_match_doc(spec_text: str) -> None:
+    """FORMAT.md's optional keys are sidecar.format.OPTIONAL_KEYS, none of them required (the C reader does not
+    know them)."""
+    rows = _table_rows(_section(spec_text, "Optional keys"))
+    doc = {_unquote(r[0]): r[1] for r in rows}
+    assert {k: v.value for k, v in sf.OPTIONAL_KEYS.items()} == doc
+    assert not set(doc) & set(sf.KEYS)
+    assert not any(k in HEADER.read_text() for k in doc)
+
+
 def test_python_keys_match_doc(doc_keys: dict[str, str]) -> None:
     assert list(sf.KEYS) == list(doc_keys)  # same keys, same order
     assert {k: v.value for k, v in sf.KEYS.items()} == {k: _kt_of(t) for k, t in doc_keys.items()}
@@ -134,7 +144,7 @@ def test_version_and_alignment(spec_text: str, header: dict[str, tuple[str, str]
     most = int(re.search(r"`pi2\.bundle\.neurons` \| u32\[n_layer\] \| neurons per bundle, 1 to (\d+)", spec_text).group(1))
     assert most == sf.MAX_BUNDLE_NEURONS == int(header["PI2_MAX_BUNDLE_NEURONS"][0]) == 16
     assert doc_align == sf.BUNDLE_ALIGN == int(header["PI2_BUNDLE_ALIGN"][0]) == 4096
-    aligns = re.search(r"`pi2\.bundle\.align` \| u32 \| ([\d, or]+) \(the writer's default\)", spec_text).group(1)
+    aligns = re.search(r"`pi2\.bundle\.align` \| u32 \| ([\d, or]+) \(the writer's default", spec_text).group(1)
     assert tuple(int(a) for a in re.findall(r"\d+", aligns)) == sf.BUNDLE_ALIGNS
     assert (sf.BUNDLE_ALIGNS[0], sf.BUNDLE_ALIGNS[-1]) == (int(header["PI2_BUNDLE_ALIGN_MIN"][0]), doc_align)
     assert all(b == 2 * a for a, b in zip(sf.BUNDLE_ALIGNS, sf.BUNDLE_ALIGNS[1:]))  # the C reader: powers of two

@@ -203,7 +203,7 @@ def _direct_io_takes(path: Path, align: int) -> bool:
 def relu512(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The synthetic ReLU model's sidecar with bundles padded to 512 bytes (convert --bundle-align 512)."""
     return convert(relu_model[0], tmp_path_factory.mktemp("relu512") / "relu512.pi2.gguf", train_tokens=2048,
-                   heldout_tokens=512, progress=False, bundle_align=512).path
+                   heldout_tokens=512, progress=False, bundle_align=512, perplexity_budget=None).path
 
 
 def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, list], relu512: Path) -> None:
@@ -226,7 +226,8 @@ def test_bundles_aligned_to_512_bytes_on_flash(relu_model: tuple[Path, Path, lis
 def relu_packed(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The synthetic ReLU model's sidecar converted as relu512 but with 4 neurons to a bundle."""
     return convert(relu_model[0], tmp_path_factory.mktemp("relupacked") / "relu4.pi2.gguf", train_tokens=2048,
-                   heldout_tokens=512, progress=False, bundle_align=512, bundle_neurons=4).path
+                   heldout_tokens=512, progress=False, bundle_align=512, bundle_neurons=4,
+                   perplexity_budget=None).path
 
 
 def test_bundles_of_several_neurons_decode_alike(relu_model: tuple[Path, Path, list], relu512: Path,

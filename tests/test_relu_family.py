@@ -40,7 +40,8 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     model = d / f"{act}.gguf"
     synthetic.make(model, RELU_SHAPE, synthetic.Sparsity(density=0.2), act, QT.F32, calib_tokens=512,
                    heldout_tokens=256, progress=False, threshold=THRESHOLD)
-    sidecar = convert(model, d / f"{act}.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False).path
+    sidecar = convert(model, d / f"{act}.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False,
+                      perplexity_budget=None).path
     return act, model, sidecar
 
 

@@ -37,7 +37,13 @@ def sidecar_label(path: Path) -> str:
     target = float(r.get_field("pi2.sparsity.target").contents())
     ranks = sorted({int(v) for v in r.get_field("pi2.predictor.rank").contents()})
     rank = f", rank {ranks[0]}" if len(ranks) == 1 else f", ranks {ranks[0]}-{ranks[-1]}"
-    return ("relu (exact)" if method == "relu" else f"{target:.0%} {method}") + rank
+    if method == "relu":
+        what = "relu (exact)"
+    elif target < 0:  # a fixed threshold, not a target
+        what = f"{method}, threshold {float(r.get_field('pi2.sparsity.thresholds').contents()[0]):g}"
+    else:
+        what = f"{target:.0%} {method}"
+    return what + rank
 
 
 def decode_once(model: Path, n: int, threads: int, **config: object) -> Greedy:

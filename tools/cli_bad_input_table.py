@@ -36,7 +36,7 @@ def _sidecar(smol: Path) -> Path:
         from pi2_gguf.converter.convert import convert
 
         print(f"converting {smol.name} once for its sidecar ({cached}) ...", file=sys.stderr)
-        return convert(smol, cached, train_tokens=1024, heldout_tokens=256, ranks=[64]).path
+        return convert(smol, cached, train_tokens=1024, heldout_tokens=256, ranks=[64], perplexity_budget=None).path
 
 
 def _cell(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
 from ..errors import Pi2Error
+from ..gguf_file import check_context
 from ..paths import check_output
 from ..sidecar import format as fmt
 from ..sidecar.block_size import default_bundle_align
-from ..sidecar.writer import LayerData, SidecarMeta, write
+from ..sidecar.writer import LayerData, Quality, SidecarMeta, write
 from . import bundles as bundles_mod
 from . import predictor as pred_mod
 from . import sparsity as sp
@@ -25,6 +27,13 @@ from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_WINDOW, Profile, run_profil
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
 # engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99), so its bundles hold several neurons
 DENSE_PREDICTION = 0.9
+# the perplexity the default sparsity may add over dense on held-out text, and the targets tried for it, from
+# the default (sparsity.DEFAULT_SPARSITY) down: SmolLM2-135M at 0.5 (product) measured +3.6%, Qwen2.5-1.5B +2.2%
+DEFAULT_PERPLEXITY_BUDGET = 0.03
+TARGET_STEPS = (0.4, 0.3, 0.2, 0.1)
+# held-out text scored per candidate: 4 chunks of 256 tokens (about 500 tokens scored, as many for dense)
+QUALITY_CTX = 256
+QUALITY_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,139 @@ def default_ranks(n_embd: int) -> list[int]:
     return sorted({max(16, (n_embd // d) // 16 * 16) for d in (16, 8, 4, 2)})
 
 
+@dataclass
+class _Planned:
+    """One target's layers: what convert writes, before the bundles are laid out."""
+    layers: list[LayerData]
+    downs: list[bundles_mod.DownColumns]
+    types: list[tuple[int, int, int]]  # gate, up and down type of each layer's bundles
+    sources: list[str]                 # where each layer's predictor came from
+
+
+def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
+                 epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
+                 down_cache: dict[int, bundles_mod.DownColumns], progress: bool) -> _Planned:
+    """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
+    columns do not depend on the plan: kept in down_cache for the next target."""
+    def act(g: np.ndarray) -> np.ndarray:
+        return model.act(g)
+
+    # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
+    score = pred_mod.score_fn(plan.method, act)
+    layers: list[LayerData] = []
+    downs: list[bundles_mod.DownColumns] = []
+    types: list[tuple[int, int, int]] = []
+    sources: list[str] = []
+    for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
+        ffn = model.layers[il]
+        gate_w = ffn["gate"].dequantized()
+        g_train = sp.gate_preactivations(gate_w, prof.train[il])
+        g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
+        a_train, a_held = act(g_train), act(g_held)
+        mag_train, mag_held = np.abs(a_train), np.abs(a_held)
+        tp = 0.0
+        y_train = y_held = None  # the active neurons, where they are not just mag > th
+        if plan.method == "product":
+            up_w = ffn["up"].dequantized()
+            prod_train = np.abs(a_train * (prof.train[il] @ up_w.T))
+            th, tp = sp.product_thresholds(plan, mag_train, prod_train)
+            y_train = sp.active(mag_train, th, prod_train, tp)
+            y_held = sp.active(mag_held, th, np.abs(a_held * (prof.heldout[il] @ up_w.T)), tp)
+            density = float(y_held.mean())
+            del up_w, prod_train
+        elif model.activation == "drelu":
+            # active iff gate > 0 and up > 0: the predictor need not catch a neuron whose up is not positive
+            up_w = ffn["up"].dequantized()
+            th = 0.0
+            # the training-free predictor needs labels on the validation rows only (a third of convert's time)
+            rows = slice(-pred_mod.validation_rows(len(prof.train[il])), None) if predictor == "svd" else slice(None)
+            y_train = (mag_train[rows] > 0) & (prof.train[il][rows] @ up_w.T > 0)
+            y_held = (mag_held > 0) & (prof.heldout[il] @ up_w.T > 0)
+            density = float(y_held.mean())
+            del up_w
+        else:
+            th = sp.layer_threshold(plan, mag_train)
+            density = float(sp.active(mag_held, th).mean())
+        del a_train, a_held, mag_held
+        # the ranking and the hot count follow the neurons whose gate passes th: those are the ones whose
+        # bundles (gate, up and down) a token reads
+        freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
+        del mag_train
+        order = sp.ranking(freq)
+        if il not in down_cache:
+            down_cache[il] = bundles_mod.down_columns(ffn["down"])
+        down = down_cache[il]
+        n_embd = model.n_embd
+        costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
+                               fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
+        fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
+                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
+                                    shipped=shipped.get(il))
+        sources.append(fitted.source)
+        del g_train, g_held, y_train, y_held
+        p = fitted.predictor
+        types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
+        layers.append(LayerData(
+            n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
+            recall=fitted.heldout.recall, precision=fitted.heldout.precision,
+            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
+            gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
+            down_tolerance=down.tolerance, down_error=down.max_error,
+            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
+            product_threshold=tp))
+        downs.append(down)
+    return _Planned(layers, downs, types, sources)
+
+
+def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
+          bundle_align: int, bundle_neurons: int | None) -> SidecarMeta:
+    """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
+    a token reads (nearly) every bundle anyway (less padding); a sparse layer reads one neuron per bundle."""
+    layers, types = planned.layers, planned.types
+    if bundle_neurons is not None:
+        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align, bundle_neurons) for t in types]
+    else:
+        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align) for t in types]
+        packed = [il for il, ld in enumerate(layers) if ld.predicted_density >= DENSE_PREDICTION]
+        if packed:
+            for il, lay in zip(packed, fmt.packed_bundle_layouts([types[il] for il in packed], model.n_embd, bundle_align)):
+                layouts[il] = lay
+    for ld, lay in zip(layers, layouts):
+        ld.bundle_size, ld.bundle_neurons = lay.size, lay.neurons
+    return SidecarMeta(
+        source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
+        tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
+        activation_threshold=model.activation_threshold,
+        method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
+        corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align)
+
+
+def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool) -> None:
+    def layer_bundles(il: int) -> np.ndarray:
+        ffn = model.layers[il]
+        lay = fmt.bundle_layout(*planned.types[il], model.n_embd, meta.bundle_align, meta.layers[il].bundle_neurons,
+                                meta.layers[il].bundle_size)
+        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], planned.downs[il], meta.layers[il].order, lay)
+
+    with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
+        write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
+
+
+def _perplexity(model: Path, heldout: list[str], sidecar: Path | None, threads: int | None, progress: bool) -> float:
+    """Perplexity of held-out text as decode computes it: dense without a sidecar, else predicted mode with
+    every layer sparse (PI2_LAYERS=all: what a memory budget runs; in RAM layers may be left dense)."""
+    from ..bench.perplexity import perplexity
+
+    text = "\n\n".join(heldout)
+    ctx = check_context(model, None, "--perplexity-budget", QUALITY_CTX)
+    kw: dict = dict(sidecar=sidecar, mode="predicted", settings={"layers": "all"}) if sidecar is not None else {}
+    try:
+        return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, **kw).ppl
+    except Pi2Error as e:
+        raise Pi2Error(f"perplexity for the budget: {e} (--perplexity-budget none skips it)") from e
+
+
 def convert(model_path: str | Path, output: str | Path | None = None, text: str | Path | None = None,
             sparsity: float | None = None, threshold: float | None = None, criterion: str | None = None,
             recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
@@ -51,10 +193,14 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
             epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
             bundle_align: int | None = None, bundle_neurons: int | None = None,
-            checkpoint: str | Path | None = None) -> ConvertResult:
+            checkpoint: str | Path | None = None,
+            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
-    bundle_align: None for the logical block size of the output's device (sidecar/block_size.py)."""
+    bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
+    perplexity_budget: the held-out perplexity the sparse configuration may add over dense (0.03: +3%). With the
+    default sparsity target convert takes the largest of TARGET_STEPS within it; a target or threshold given is
+    kept and only measured. Both perplexities go into the sidecar (pi2.quality.*). None: nothing measured."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -106,99 +252,43 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                        f"{model.n_layer} of width {model.n_embd}")
     ranks = ranks or default_ranks(model.n_embd)
 
-    def act(g: np.ndarray) -> np.ndarray:
-        return model.act(g)
-
-    # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
-    score = pred_mod.score_fn(plan.method, act)
-    layers: list[LayerData] = []
-    downs: list[bundles_mod.DownColumns] = []
-    types: list[tuple[int, int, int]] = []  # gate, up and down type of each layer's bundles
-    sources: list[str] = []  # where each layer's predictor came from
-    for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
-        ffn = model.layers[il]
-        gate_w = ffn["gate"].dequantized()
-        g_train = sp.gate_preactivations(gate_w, prof.train[il])
-        g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
-        a_train, a_held = act(g_train), act(g_held)
-        mag_train, mag_held = np.abs(a_train), np.abs(a_held)
-        tp = 0.0
-        y_train = y_held = None  # the active neurons, where they are not just mag > th
-        if plan.method == "product":
-            up_w = ffn["up"].dequantized()
-            prod_train = np.abs(a_train * (prof.train[il] @ up_w.T))
-            th, tp = sp.product_thresholds(plan, mag_train, prod_train)
-            y_train = sp.active(mag_train, th, prod_train, tp)
-            y_held = sp.active(mag_held, th, np.abs(a_held * (prof.heldout[il] @ up_w.T)), tp)
-            density = float(y_held.mean())
-            del up_w, prod_train
-        elif model.activation == "drelu":
-            # active iff gate > 0 and up > 0: the predictor need not catch a neuron whose up is not positive
-            up_w = ffn["up"].dequantized()
-            th = 0.0
-            # the training-free predictor needs labels on the validation rows only (a third of convert's time)
-            rows = slice(-pred_mod.validation_rows(len(prof.train[il])), None) if predictor == "svd" else slice(None)
-            y_train = (mag_train[rows] > 0) & (prof.train[il][rows] @ up_w.T > 0)
-            y_held = (mag_held > 0) & (prof.heldout[il] @ up_w.T > 0)
-            density = float(y_held.mean())
-            del up_w
-        else:
-            th = sp.layer_threshold(plan, mag_train)
-            density = float(sp.active(mag_held, th).mean())
-        del a_train, a_held, mag_held
-        # the ranking and the hot count follow the neurons whose gate passes th: those are the ones whose
-        # bundles (gate, up and down) a token reads
-        freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
-        del mag_train
-        order = sp.ranking(freq)
-        down = bundles_mod.down_columns(ffn["down"])
-        n_embd = model.n_embd
-        costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
-                               fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
-        fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
-                                    recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
-                                    shipped=shipped.get(il))
-        sources.append(fitted.source)
-        del g_train, g_held, y_train, y_held
-        p = fitted.predictor
-        types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
-        layers.append(LayerData(
-            n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
-            recall=fitted.heldout.recall, precision=fitted.heldout.precision,
-            predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
-            gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
-            down_tolerance=down.tolerance, down_error=down.max_error,
-            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
-            product_threshold=tp))
-        downs.append(down)
-
-    # several neurons to a bundle only where a token reads (nearly) every bundle anyway: less padding, and a
-    # sparse layer still reads one neuron per bundle
-    if bundle_neurons is not None:
-        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align, bundle_neurons) for t in types]
-    else:
-        layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align) for t in types]
-        packed = [il for il, ld in enumerate(layers) if ld.predicted_density >= DENSE_PREDICTION]
-        if packed:
-            for il, lay in zip(packed, fmt.packed_bundle_layouts([types[il] for il in packed], model.n_embd, bundle_align)):
-                layouts[il] = lay
-    for ld, lay in zip(layers, layouts):
-        ld.bundle_size, ld.bundle_neurons = lay.size, lay.neurons
-
-    meta = SidecarMeta(
-        source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
-        tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
-        activation_threshold=model.activation_threshold,
-        method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
-        corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align)
-
-    def layer_bundles(il: int) -> np.ndarray:
-        ffn = model.layers[il]
-        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], downs[il], layers[il].order, layouts[il])
-
-    with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
-        write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
+    # The target: the one asked for, or by default the largest of TARGET_STEPS whose perplexity on held-out
+    # text stays within the budget (each candidate written, then measured as decode computes it)
+    adaptive = sparsity is None and threshold is None and plan.method != "relu" and perplexity_budget is not None
+    targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
+    down_cache: dict[int, bundles_mod.DownColumns] = {}
+    quality: Quality | None = None
+    ppl_dense: float | None = None
+    tried: list[str] = []  # "0.50 (+3.6%)" per target measured
+    for k, target in enumerate(targets):
+        plan_k = dataclasses.replace(plan, target=target)
+        planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, progress)
+        meta = _meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons)
+        _write(out, model, meta, planned, progress)
+        if perplexity_budget is None:
+            break
+        heldout = corpus_mod.load(text).split()[1]
+        if ppl_dense is None:
+            ppl_dense = _perplexity(model.path, heldout, None, threads, progress)
+        ppl = _perplexity(model.path, heldout, out, threads, progress)
+        quality = Quality(f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {QUALITY_CTX} tokens",
+                          ppl_dense, ppl, perplexity_budget)
+        within = ppl <= ppl_dense * (1.0 + perplexity_budget)
+        tried.append(f"{target:.2f} ({ppl / ppl_dense - 1:+.1%})")
+        if adaptive and k > 0:
+            notes.append(f"sparsity {target:.2f} chosen: the first target whose perplexity stays within "
+                         f"+{perplexity_budget:.1%} (tried {', '.join(tried)})"
+                         if within else f"no sparsity target down to {target:.2f} stays within "
+                         f"+{perplexity_budget:.1%} (tried {', '.join(tried)})")
+        if not within and not adaptive:
+            notes.append(f"perplexity {ppl:.3f} is {ppl / ppl_dense - 1:+.1%} over dense ({ppl_dense:.3f}), beyond the "
+                         f"budget of +{perplexity_budget:.1%}: a lower --sparsity keeps more quality")
+        if within or not adaptive:
+            break
+    if quality is not None:  # recorded in the sidecar: written again, with the same layers
+        meta = dataclasses.replace(meta, quality=quality)
+        _write(out, model, meta, planned, progress)
+    sources = planned.sources
     if shipped:
         used = [il for il, src in enumerate(sources) if src == "checkpoint"]
         notes.append(f"checkpoint predictors used in {len(used)} of {len(shipped)} layers"

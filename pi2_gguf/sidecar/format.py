@@ -76,6 +76,14 @@ KEYS: dict[str, KT] = {
     "pi2.bundle.down_error": KT.F32_ARR,
 }
 
+# keys a sidecar may hold (FORMAT.md, "Optional keys"); readers of the required ones ignore them
+OPTIONAL_KEYS: dict[str, KT] = {
+    "pi2.quality.text": KT.STR,
+    "pi2.quality.perplexity_dense": KT.F32,
+    "pi2.quality.perplexity": KT.F32,
+    "pi2.quality.budget": KT.F32,
+}
+
 # per-layer tensors: suffix -> (ggml type name, shape in ggml order with symbolic dims)
 TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pi2_pred_w1": ("F16", ("n_embd", "r")),

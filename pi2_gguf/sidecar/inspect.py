@@ -34,6 +34,7 @@ def summary(sc: Sidecar) -> str:
         f"{np.mean(kv['pi2.predictor.density']):.3f} (mean)",
         f"calibration    {kv['pi2.calib.corpus']}, {kv['pi2.calib.tokens']} tokens + "
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
+        _quality_line(kv),
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")
         + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  down type (err/tol)  in RAM (cost)",
@@ -56,6 +57,14 @@ def summary(sc: Sidecar) -> str:
             f"{GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
             f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})  {place} ({cost[il]:.2f})")
     return "\n".join(lines)
+
+
+def _quality_line(kv: dict) -> str:
+    if "pi2.quality.perplexity" not in kv:
+        return "perplexity     not measured (convert --perplexity-budget records it)"
+    dense, ppl = float(kv["pi2.quality.perplexity_dense"]), float(kv["pi2.quality.perplexity"])
+    return (f"perplexity     {ppl:.3f} predicted, every layer sparse, against {dense:.3f} dense "
+            f"({ppl / dense - 1:+.1%}; budget +{float(kv['pi2.quality.budget']):.1%}) on {kv['pi2.quality.text']}")
 
 
 def hotness(sc: Sidecar, bins: int = HOTNESS_BINS) -> np.ndarray:

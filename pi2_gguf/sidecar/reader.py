@@ -90,6 +90,10 @@ def read(path: str | Path) -> Sidecar:
         if (f.types[0] == GGUFValueType.ARRAY) != is_arr or got != _EXPECT_TYPE[kt]:
             raise SidecarError(f"sidecar {p}: key {key} has type {[t.name for t in f.types]}, expected {kt.value}")
         kv[key] = _field_value(reader, key, p)
+    for key, kt in fmt.OPTIONAL_KEYS.items():  # kept where present with the declared type, else ignored
+        f = reader.get_field(key)
+        if f is not None and f.types and f.types[0] == _EXPECT_TYPE[kt]:
+            kv[key] = _field_value(reader, key, p)
     n_layer = int(kv["pi2.n_layer"])
     for key, kt in keys.items():
         if kt.value.endswith("[]"):

@@ -49,6 +49,15 @@ class LayerData:
         return -(-self.n_ff // self.bundle_neurons)
 
 
+@dataclass(frozen=True)
+class Quality:
+    """Perplexity measured on held-out text when the sidecar was made (FORMAT.md, optional keys)."""
+    text: str
+    perplexity_dense: float
+    perplexity: float
+    budget: float  # the relative increase the configuration was chosen for
+
+
 @dataclass
 class SidecarMeta:
     source_architecture: str
@@ -68,6 +77,7 @@ class SidecarMeta:
     date: str
     layers: list[LayerData] = field(default_factory=list)
     bundle_align: int = fmt.BUNDLE_ALIGN
+    quality: Quality | None = None  # the optional pi2.quality.* keys
 
 
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
@@ -119,6 +129,9 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
     for key, attr in _PER_LAYER.items():
         if key in fmt.keys_of(m.method):
             kv[key] = [getattr(ld, attr) for ld in m.layers]
+    if m.quality is not None:
+        kv.update({"pi2.quality.text": m.quality.text, "pi2.quality.perplexity_dense": m.quality.perplexity_dense,
+                   "pi2.quality.perplexity": m.quality.perplexity, "pi2.quality.budget": m.quality.budget})
     return kv
 
 
@@ -151,8 +164,9 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
     layer's [n_bundles, bundle size] uint8 array."""
     out = Path(path)
     kv = _key_values(meta)
-    if set(kv) != set(fmt.keys_of(meta.method)):
-        raise AssertionError(f"writer keys differ from the format: {sorted(set(kv) ^ set(fmt.keys_of(meta.method)))}")
+    required = set(kv) - set(fmt.OPTIONAL_KEYS)
+    if required != set(fmt.keys_of(meta.method)):
+        raise AssertionError(f"writer keys differ from the format: {sorted(required ^ set(fmt.keys_of(meta.method)))}")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         w = GGUFWriter(tmp, fmt.ARCHITECTURE)
@@ -161,7 +175,7 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
     try:
         w.add_custom_alignment(fmt.BUNDLE_ALIGN)
         for k, v in kv.items():
-            _ADD[fmt.KEYS[k]](w, k, v)
+            _ADD[fmt.KEYS.get(k) or fmt.OPTIONAL_KEYS[k]](w, k, v)
         order: list[tuple[int, str, np.ndarray | None]] = []
         for il, ld in enumerate(meta.layers):
             for name, arr in _small_tensors(il, ld):
