@@ -39,6 +39,7 @@ def _tool(name: str) -> str:
 def _env(**pi2: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PI2_")}
     env["GGML_BACKEND_PATH"] = str(capi.plugin_path())
+    env["PI2_LAYERS"] = "all"  # as in-process models of this suite (conftest): PI2 holds every layer
     env.update(pi2)
     return env
 
@@ -146,6 +147,9 @@ def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar:
     ({"PI2_MEMORY_BUDGET": "60MB"}, ["-lm", "none"], "memory budget 60 MB is too small for this model"),
     ({"PI2_MEMORY_BUDGET": "12XB"}, ["-lm", "none"], "PI2_MEMORY_BUDGET=12XB is not a size"),
     ({"PI2_MODE": "sparse"}, [], "PI2_MODE=sparse is not dense, oracle or predicted"),
+    # a malformed setting is refused even where the default placement would leave every layer to ggml-cpu
+    ({"PI2_LAYERS": "auto", "PI2_DOWN_SPARSE_MAX": "lots"}, [], "PI2_DOWN_SPARSE_MAX=lots is not a fraction"),
+    ({"PI2_LAYERS": "some"}, [], "PI2_LAYERS=some is not all or auto"),
 ])
 def test_tools_refuse_what_cannot_work_at_load(smollm2: Path, smol_sidecar: Path, pi2: dict[str, str],
                                                more: list[str], message: str) -> None:

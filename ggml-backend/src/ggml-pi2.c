@@ -578,6 +578,14 @@ static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor *
 // model being loaded, or leave it to ggml-cpu (placement.h)? A layer left is recorded in its binding.
 static bool pi2_probe_holds(struct pi2_device_ctx * d, int layer) {
     pthread_mutex_lock(&d->lock);
+    if (!d->frontend_load && !d->announced) { // said at placement: a model may leave every layer to ggml-cpu
+        pi2_announce(&d->config);
+        d->announced = true;
+    }
+    if (d->config.error[0] != '\0') { // held, so that the buffer allocation refuses the load with the message
+        pthread_mutex_unlock(&d->lock);
+        return true;
+    }
     struct pi2_binding * b = d->pending;
     const bool holds = pi2_placement_holds(b, d->pending_act, &d->config.defaults, layer);
     if (!holds && b != NULL && layer >= 0 && (uint32_t) layer < b->sc->n_layer) {

@@ -183,7 +183,7 @@ def _perplexity(model: Path, heldout: list[str], sidecar: Path | None, threads: 
     try:
         return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, **kw).ppl
     except Pi2Error as e:
-        raise Pi2Error(f"perplexity for the budget: {e} (--perplexity-budget none skips it)") from e
+        raise Pi2Error(f"{e} (on held-out text for --perplexity-budget)") from e
 
 
 def convert(model_path: str | Path, output: str | Path | None = None, text: str | Path | None = None,
@@ -268,13 +268,18 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         if perplexity_budget is None:
             break
         heldout = corpus_mod.load(text).split()[1]
-        if ppl_dense is None:
-            ppl_dense = _perplexity(model.path, heldout, None, threads, progress)
-        ppl = _perplexity(model.path, heldout, out, threads, progress)
+        try:
+            if ppl_dense is None:
+                ppl_dense = _perplexity(model.path, heldout, None, threads, progress)
+            ppl = _perplexity(model.path, heldout, out, threads, progress)
+        except Pi2Error as e:  # the sidecar stands; only its quality is unknown
+            notes.append(f"perplexity not measured, the target kept: {e}")
+            quality = None
+            break
         quality = Quality(f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {QUALITY_CTX} tokens",
                           ppl_dense, ppl, perplexity_budget)
         within = ppl <= ppl_dense * (1.0 + perplexity_budget)
-        tried.append(f"{target:.2f} ({ppl / ppl_dense - 1:+.1%})")
+        tried.append(f"{target if target is not None else 0.0:.2f} ({ppl / ppl_dense - 1:+.1%})")
         if adaptive and k > 0:
             notes.append(f"sparsity {target:.2f} chosen: the first target whose perplexity stays within "
                          f"+{perplexity_budget:.1%} (tried {', '.join(tried)})"
