@@ -173,17 +173,28 @@ int pi2_config_error(char * err, size_t errlen) {
     return d->config.error[0] != '\0' ? -1 : 0;
 }
 
+// The layers a load left to ggml-cpu (placement.h): their count, the first `cap` of them in out (may be NULL)
+static int pi2_layers_left_of(const struct pi2_binding * b, int32_t * out, int cap) {
+    int n = 0;
+    for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+        if (atomic_load(&b->layer[il].left)) {
+            if (out != NULL && n < cap) {
+                out[n] = (int32_t) il;
+            }
+            ++n;
+        }
+    }
+    return n;
+}
+
 void pi2_load_end(void) {
     struct pi2_device_ctx * d = pi2_device_ctx();
     pthread_mutex_lock(&d->lock);
     struct pi2_binding * old = d->pending;
     if (old != NULL && old != d->env_binding) {
-        uint32_t left = 0;
-        for (uint32_t il = 0; il < old->sc->n_layer; ++il) {
-            left += atomic_load(&old->layer[il].left) ? 1 : 0;
-        }
+        const int left = pi2_layers_left_of(old, NULL, 0);
         if (left > 0) {
-            PI2_LOG_INFO("pi2: sidecar %s: %u of %u FFN layers left to ggml-cpu, where sparse decode in mode %s would "
+            PI2_LOG_INFO("pi2: sidecar %s: %d of %u FFN layers left to ggml-cpu, where sparse decode in mode %s would "
                          "not be faster than its kernels (PI2_LAYERS=all holds them all)\n", old->sc->path, left,
                          old->sc->n_layer, old->load_mode == PI2_MODE_PREDICTED ? "predicted" : "dense");
         }
@@ -229,7 +240,7 @@ int pi2_binding_set_mode(int id, int mode) {
         return -1;
     }
     int rc = 0;
-    if (mode != PI2_MODE_DENSE && mode != b->load_mode && pi2_binding_layers_left(id, NULL, 0) > 0) {
+    if (mode != PI2_MODE_DENSE && mode != b->load_mode && pi2_layers_left_of(b, NULL, 0) > 0) {
         rc = -2;
     } else {
         atomic_store(&b->mode, mode);
@@ -243,15 +254,7 @@ int pi2_binding_layers_left(int id, int32_t * out, int cap) {
     if (b == NULL) {
         return -1;
     }
-    int n = 0;
-    for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
-        if (atomic_load(&b->layer[il].left)) {
-            if (out != NULL && n < cap) {
-                out[n] = (int32_t) il;
-            }
-            ++n;
-        }
-    }
+    const int n = pi2_layers_left_of(b, out, cap);
     pi2_binding_unref(b);
     return n;
 }

@@ -169,6 +169,14 @@ static void pi2_announce(const struct pi2_config * c) {
     }
 }
 
+// the announcement, at the first load outside pi2_load_begin/end (d->lock held)
+static void pi2_announce_once(struct pi2_device_ctx * d) {
+    if (!d->frontend_load && !d->announced) {
+        pi2_announce(&d->config);
+        d->announced = true;
+    }
+}
+
 // the buffer context of a new buffer, bound to the pending model binding; NULL (logged) on failure
 static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     struct pi2_device_ctx * dctx = pi2_device_ctx();
@@ -178,10 +186,7 @@ static struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
     }
-    if (!dctx->frontend_load && !dctx->announced) {
-        pi2_announce(&dctx->config);
-        dctx->announced = true;
-    }
+    pi2_announce_once(dctx);
     // the first buffer of a load: the frontend has set this model's settings by now
     if (dctx->pending != NULL && pi2_binding_prepare(dctx->pending) != 0) {
         PI2_LOG_REFUSAL("pi2: %s\n", dctx->pending->error);
@@ -578,10 +583,7 @@ static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor *
 // model being loaded, or leave it to ggml-cpu (placement.h)? A layer left is recorded in its binding.
 static bool pi2_probe_holds(struct pi2_device_ctx * d, int layer) {
     pthread_mutex_lock(&d->lock);
-    if (!d->frontend_load && !d->announced) { // said at placement: a model may leave every layer to ggml-cpu
-        pi2_announce(&d->config);
-        d->announced = true;
-    }
+    pi2_announce_once(d); // said at placement too: a model may leave every layer to ggml-cpu
     if (d->config.error[0] != '\0') { // held, so that the buffer allocation refuses the load with the message
         pthread_mutex_unlock(&d->lock);
         return true;

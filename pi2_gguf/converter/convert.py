@@ -172,13 +172,11 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
 
 
-def _perplexity(model: Path, heldout: list[str], sidecar: Path | None, threads: int | None, progress: bool) -> float:
+def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads: int | None, progress: bool) -> float:
     """Perplexity of held-out text as decode computes it: dense without a sidecar, else predicted mode with
     every layer sparse (PI2_LAYERS=all: what a memory budget runs; in RAM layers may be left dense)."""
     from ..bench.perplexity import perplexity
 
-    text = "\n\n".join(heldout)
-    ctx = check_context(model, None, "--perplexity-budget", QUALITY_CTX)
     kw: dict = dict(sidecar=sidecar, mode="predicted", settings={"layers": "all"}) if sidecar is not None else {}
     try:
         return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, **kw).ppl
@@ -260,6 +258,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     quality: Quality | None = None
     ppl_dense: float | None = None
     tried: list[str] = []  # "0.50 (+3.6%)" per target measured
+    if perplexity_budget is not None:  # the calibration corpus's held-out documents, scored for every target
+        heldout = "\n\n".join(corpus_mod.load(text).split()[1])
+        ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
     for k, target in enumerate(targets):
         plan_k = dataclasses.replace(plan, target=target)
         planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, progress)
@@ -267,16 +268,15 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         _write(out, model, meta, planned, progress)
         if perplexity_budget is None:
             break
-        heldout = corpus_mod.load(text).split()[1]
         try:
             if ppl_dense is None:
-                ppl_dense = _perplexity(model.path, heldout, None, threads, progress)
-            ppl = _perplexity(model.path, heldout, out, threads, progress)
+                ppl_dense = _perplexity(model.path, heldout, ctx, None, threads, progress)
+            ppl = _perplexity(model.path, heldout, ctx, out, threads, progress)
         except Pi2Error as e:  # the sidecar stands; only its quality is unknown
             notes.append(f"perplexity not measured, the target kept: {e}")
             quality = None
             break
-        quality = Quality(f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {QUALITY_CTX} tokens",
+        quality = Quality(f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {ctx} tokens",
                           ppl_dense, ppl, perplexity_budget)
         within = ppl <= ppl_dense * (1.0 + perplexity_budget)
         tried.append(f"{target if target is not None else 0.0:.2f} ({ppl / ppl_dense - 1:+.1%})")
