@@ -317,7 +317,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
-                  predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget)
+                  predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget,
+                  bundle_type=args.bundle_type)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -622,6 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"neurons per bundle, 1-{fmt.MAX_BUNDLE_NEURONS} (default: 1 where the predictor leaves most "
                         "neurons out, else as many as fill the one bundle size of such layers that pads least: every "
                         "bundle is read each token there)")
+    p.add_argument("--bundle-type", metavar="TYPE",
+                   help="store gate/up rows in the bundles re-quantized to this ggml type (e.g. q3_k, q4_0), and down "
+                        "columns within its error: fewer bytes per neuron read under a memory budget, at a quality "
+                        "the perplexity check measures (default: the model's own rows, byte for byte)")
     _add_profile_args(p)
     p.set_defaults(func=cmd_convert)
 

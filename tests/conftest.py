@@ -70,6 +70,17 @@ def smol_cats_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: py
 
 
 @pytest.fixture(scope="session")
+def smol_q40_sidecar(smollm2: Path, smol_profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The suite's SmolLM2 conversion with its bundles' rows re-quantized from the model's Q4_1 to Q4_0
+    (--bundle-type q4_0: 324 instead of 360 bytes a row)."""
+    prof_path = smol_profile.save(tmp_path_factory.mktemp("profile") / "smol.npz")
+    out = tmp_path_factory.mktemp("sidecar") / "smol-q40.pi2.gguf"
+    convert(smollm2, out, sparsity=SMOL_TARGET, profile=prof_path, ranks=[64], progress=False, perplexity_budget=None,
+            bundle_type="q4_0")
+    return out
+
+
+@pytest.fixture(scope="session")
 def relu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[synthetic.LayerReport]]:
     """(model, sidecar, measured per-layer density report) of a synthetic ReLU model made by our tools."""
     d = tmp_path_factory.mktemp("relu")

@@ -22,7 +22,7 @@ from pi2_gguf.converter.convert import DENSE_PREDICTION
 from pi2_gguf.converter.model_ffn import ModelFfn, activation_values
 from pi2_gguf.converter.predictor import Predictor, score_fn
 from pi2_gguf.converter.profile import Profile
-from pi2_gguf.errors import SidecarError
+from pi2_gguf.errors import Pi2Error, SidecarError
 from pi2_gguf.runtime import native
 from pi2_gguf.sidecar import format as fmt
 from pi2_gguf.sidecar import reader as sidecar
@@ -158,6 +158,41 @@ def test_bundles_round_trip(smollm2: Path, smol_sidecar: Path) -> None:
         assert err.max() <= sc.kv["pi2.bundle.down_tolerance"][il]
         assert err.max() == pytest.approx(sc.kv["pi2.bundle.down_error"][il], rel=1e-4)
         assert err.max() < 0.2  # 4-bit re-quantization of a 4-bit column: same order as Q4_1's own error
+
+
+def test_bundle_type_requantizes_the_rows(smollm2: Path, smol_sidecar: Path, smol_q40_sidecar: Path) -> None:
+    """--bundle-type q4_0 on the Q4_1 model: gate/up rows are ggml's Q4_0 quantization of the model's rows,
+    down columns stay within Q4_0's own error, and a neuron takes fewer bytes than the model's own rows; the
+    fingerprints are still the model's (the sidecar belongs to the same model file)."""
+    sc, ref = sidecar.read(smol_q40_sidecar), sidecar.read(smol_sidecar)
+    model = ModelFfn(smollm2)
+    assert sc.kv["pi2.source.fingerprint"] == ref.kv["pi2.source.fingerprint"]
+    for il in (0, model.n_layer // 2, model.n_layer - 1):
+        ffn = model.layers[il]
+        assert ffn["gate"].qtype == QT.Q4_1
+        assert int(sc.kv["pi2.bundle.gate_type"][il]) == int(sc.kv["pi2.bundle.up_type"][il]) == int(QT.Q4_0)
+        order = sc.layer_tensor(il, "pi2_order").reshape(-1)
+        b = sc.slots(il)
+        gs, us, ds = sc.bundle_slices(il)
+        assert np.array_equal(b[:, gs], bundles.quantize_rows(QT.Q4_0, ffn["gate"].dequantized())[order])
+        assert np.array_equal(b[:, us], bundles.quantize_rows(QT.Q4_0, ffn["up"].dequantized())[order])
+        dtype = QT(sc.kv["pi2.bundle.down_type"][il])
+        assert bundles.bits_per_weight(dtype) <= bundles.bits_per_weight(QT.Q4_0)
+        cols = bundles.dequantize_rows(dtype, b[:, ds], model.n_embd)
+        err = bundles.rel_rmse(cols, ffn["down"].dequantized().T[order])
+        assert err.max() <= sc.kv["pi2.bundle.down_tolerance"][il]
+        assert sc.layout(il).end < ref.layout(il).end  # fewer bytes per neuron
+
+
+@pytest.mark.parametrize("name, says", [("q3_k", "blocks of 256 values, which do not divide"),
+                                        ("iq2_xxs", "not one ggml quantizes without an importance matrix"),
+                                        ("q5", "not a ggml type name")])
+def test_bundle_type_that_cannot_be_stored_is_refused(smollm2: Path, tmp_path: Path, name: str, says: str) -> None:
+    from pi2_gguf.converter.convert import convert
+
+    with pytest.raises(Pi2Error, match=says):
+        convert(smollm2, tmp_path / "x.pi2.gguf", bundle_type=name, progress=False)
+    assert not (tmp_path / "x.pi2.gguf").exists()
 
 
 def test_bundles_hold_several_neurons_where_every_neuron_is_read(smol_sidecar: Path) -> None:

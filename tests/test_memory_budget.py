@@ -125,6 +125,20 @@ def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_si
     assert 0.4 < c.active.sum() / c.neurons.sum() < 0.6 < 0.85 < c.rows[:, 1].sum() / c.neurons.sum() < 0.95
 
 
+def test_bundle_type_decodes_alike_in_ram_and_on_flash(smollm2: Path, smol_sidecar: Path, smol_q40_sidecar: Path) -> None:
+    """A sidecar whose bundles hold Q4_0 rows of the Q4_1 model: in RAM, predicted layers without a predictor
+    compute from the bundles, not from the model's own rows (a Q4_0 dot over Q4_1 bytes would be garbage),
+    so RAM and flash give the same logits; they differ from the model-typed sidecar's only by quantization."""
+    want, got, c, _ = _ram_then_flash(smollm2, smol_q40_sidecar, smol_q40_sidecar, "predicted", 4)
+    assert int(c.misses.sum()) > 0
+    assert np.array_equal(got, want)
+    # the prompt's logits (later steps follow each run's own greedy tokens): 0.17 apart measured; a dot of the
+    # wrong type over the model's rows gives logits as far apart as they are long, or more
+    base, _, _, _ = _ram_then_flash(smollm2, smol_sidecar, smol_sidecar, "predicted", 1)
+    rel = float(np.linalg.norm(want[0] - base[0]) / np.linalg.norm(base[0]))
+    assert 0.0 < rel < 0.3, rel
+
+
 def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_sidecar: Path) -> None:
     """SmolLM2's product layers run without predictors (every bundle read each token), so while a layer
     finishes the cache reads the next layer's first bundles into entries kept for that. The same logits,

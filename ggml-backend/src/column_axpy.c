@@ -1,5 +1,7 @@
 #include "column_axpy.h"
 
+#include <string.h>
+
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
 #include "ggml-cpu.h"
@@ -93,6 +95,46 @@ static void pi2_axpy_q6_k(int64_t n, float * restrict y, float a, const block_q6
             ql += 64;
             qh += 32;
             sc += 8;
+        }
+    }
+}
+
+// the 16 6-bit scales of a Q3_K block, unpacked from its 12 bytes as ggml-quants.c dequantize_row_q3_K does
+static inline void pi2_q3_k_scales(const uint8_t * packed, int8_t * sc) {
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    memcpy(aux, packed, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    memcpy(sc, aux, 16);
+}
+
+// Value 128h + 32j + l of a Q3_K block (h < 2, j < 4, l < 32) is d * (scale[8h + 2j + l / 16] - 32) * q, with
+// q = ((qs[32h + l] >> 2j) & 3) - 4 + 4 * ((hmask[l] >> (4h + j)) & 1): ggml's dequantize_row_q3_K without its
+// branch, so the loops vectorize (ggml's row converter took ~4 ns a value, the whole down pass of a Q3_K layer)
+static void pi2_axpy_q3_k(int64_t n, float * restrict y, float a, const block_q3_K * restrict b) {
+    for (int64_t i = 0; i < n / QK_K; ++i) {
+        const float d = a * pi2_h2f(b[i].d);
+        int8_t sc[16];
+        pi2_q3_k_scales(b[i].scales, sc);
+        const uint8_t * restrict hm = b[i].hmask;
+        float * restrict yb = y + i * QK_K;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t * restrict q = b[i].qs + 32 * h;
+            for (int j = 0; j < 4; ++j) {
+                const int shift = 2 * j, hbit = 4 * h + j;
+                const float s1 = d * (float) (sc[8 * h + 2 * j] - 32), s2 = d * (float) (sc[8 * h + 2 * j + 1] - 32);
+                for (int l = 0; l < 16; ++l) {
+                    yb[l] += s1 * (float) ((int) ((q[l] >> shift) & 3) + 4 * (int) ((hm[l] >> hbit) & 1) - 4);
+                }
+                for (int l = 16; l < 32; ++l) {
+                    yb[l] += s2 * (float) ((int) ((q[l] >> shift) & 3) + 4 * (int) ((hm[l] >> hbit) & 1) - 4);
+                }
+                yb += 32;
+            }
         }
     }
 }
@@ -240,6 +282,39 @@ static void pi2_axpy4_q6_k(int64_t n, float * restrict y, const float * a, const
         }
     }
 }
+
+static void pi2_axpy4_q3_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
+    const block_q3_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
+    const __m256i m3 = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1), k4 = _mm256_set1_epi32(4);
+    for (int64_t i = 0; i < n / QK_K; ++i) {
+        float  d[4];
+        int8_t sc[4][16];
+        for (int c = 0; c < 4; ++c) {
+            d[c] = a[c] * _cvtsh_ss(b[c][i].d);
+            pi2_q3_k_scales(b[c][i].scales, sc[c]);
+        }
+        float * restrict yb = y + i * QK_K;
+        for (int h = 0; h < 2; ++h) { // pi2_axpy_q3_k's values, 8 at a time
+            for (int j = 0; j < 4; ++j) {
+                const __m128i shift = _mm_cvtsi32_si128(2 * j), hshift = _mm_cvtsi32_si128(4 * h + j);
+                for (int l = 0; l < 32; l += 8) {
+                    __m256 acc = _mm256_loadu_ps(yb + l);
+                    for (int c = 0; c < 4; ++c) {
+                        const __m256i qv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b[c][i].qs + 32 * h + l)));
+                        const __m256i hv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b[c][i].hmask + l)));
+                        const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(qv, shift), m3);
+                        const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hv, hshift), one), 2);
+                        const __m256i q  = _mm256_sub_epi32(_mm256_add_epi32(lo, hi), k4);
+                        const float   s  = d[c] * (float) (sc[c][8 * h + 2 * j + l / 16] - 32);
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s), acc);
+                    }
+                    _mm256_storeu_ps(yb + l, acc);
+                }
+                yb += 32;
+            }
+        }
+    }
+}
 #endif
 
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
@@ -249,6 +324,7 @@ void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a
         case GGML_TYPE_Q4_K: pi2_axpy4_q4_k(n, y, a, cols); return;
         case GGML_TYPE_Q8_0: pi2_axpy4_q8_0(n, y, a, cols); return;
         case GGML_TYPE_Q6_K: pi2_axpy4_q6_k(n, y, a, cols); return;
+        case GGML_TYPE_Q3_K: pi2_axpy4_q3_k(n, y, a, cols); return;
         default: break;
     }
 #endif
@@ -264,6 +340,7 @@ bool pi2_column_axpy_is_fast(enum ggml_type type) {
         case GGML_TYPE_Q8_0:
         case GGML_TYPE_Q4_K:
         case GGML_TYPE_Q6_K:
+        case GGML_TYPE_Q3_K:
             return true;
         default:
             return false;
@@ -281,6 +358,7 @@ void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const v
         case GGML_TYPE_Q8_0: pi2_axpy_q8_0(n, y, a, column); return;
         case GGML_TYPE_Q4_K: pi2_axpy_q4_k(n, y, a, column); return;
         case GGML_TYPE_Q6_K: pi2_axpy_q6_k(n, y, a, column); return;
+        case GGML_TYPE_Q3_K: pi2_axpy_q3_k(n, y, a, column); return;
         default:
             ggml_get_type_traits(type)->to_float(column, tmp, n);
             pi2_axpy_f32(n, y, a, tmp);

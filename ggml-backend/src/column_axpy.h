@@ -10,7 +10,7 @@
 
 #include "ggml.h"
 
-// true for the types with a fused kernel (F32, F16, Q8_0, Q4_K, Q6_K); the others go through to_float
+// true for the types with a fused kernel (F32, F16, Q8_0, Q4_K, Q6_K, Q3_K); the others go through to_float
 bool pi2_column_axpy_is_fast(enum ggml_type type);
 
 // true when the type can be a down column at all (a fused kernel or ggml's to_float)

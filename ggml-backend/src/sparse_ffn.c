@@ -135,9 +135,11 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
     p->select = !predicted ? PI2_SELECT_ALL : p->recall_check ? PI2_SELECT_CHECKED : PI2_SELECT_PREDICTED;
     // in RAM, predicted mode without a predictor (it would cost more than it saves): every gate row is
     // computed anyway, so gate and up rows stream from the model's own contiguous matrices in row order
-    // instead of from the 4 KiB-strided bundles
+    // instead of from the 4 KiB-strided bundles; not where the bundles hold the rows in another type (convert
+    // --bundle-type), so that a layer computes the same values in RAM as from flash
     const bool model_rows = !b->flash && mode == PI2_MODE_PREDICTED && !predicted && !p->recall_check &&
                             pi2_setting(&b->settings, b->defaults, PI2_SET_ROWS) != 0.0 &&
+                            p->gate->src[0]->type == p->L->gate_type && p->up->src[0]->type == p->L->up_type &&
                             ggml_is_contiguous(p->gate->src[0]) && ggml_is_contiguous(p->up->src[0]);
     p->source = b->flash ? PI2_SOURCE_CACHE : model_rows ? PI2_SOURCE_MODEL_ROWS : PI2_SOURCE_MAPPED;
     // weights come from the predictor's scores, cheaply only on ReLU models (no activation function to
@@ -169,7 +171,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
     pi2_plan_choose(&p, b, atomic_load(&b->mode));
     const bool alias_gate = pi2_overlaps(r->gate, r->out), alias_up = pi2_overlaps(r->up, r->out);
     struct ggml_tensor gate_scratch = *r->gate, up_scratch = *r->up;
-    // bundles hold the model's gate/up rows byte for byte, so the gate/up types are the model's
+    // the types the bundles hold gate/up rows in: the model's, or convert --bundle-type's (model rows are used only
+    // where the two agree)
     const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(L->gate_type);
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(L->up_type);
     const struct ggml_type_traits_cpu * td = ggml_get_type_traits_cpu(p.w_down->type);

@@ -1,5 +1,6 @@
 """Neuron bundles (docs/FORMAT.md, "Bundle layout"): gate row, up row and down column of one neuron (or
-of a few neurons in a row), padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for byte;
+of a few neurons in a row), padded to a multiple of pi2.bundle.align (4 KiB unless asked). Gate/up rows are copied byte for
+byte (or, with convert --bundle-type, re-quantized to that type);
 down columns are dequantized, transposed and quantized again with ggml's own quantizer (libggml-base
 ggml_quantize_chunk, which covers every type, K-quants included), in the smallest type that keeps the
 model type's own error."""
@@ -90,11 +91,31 @@ def reference_type(src: QT, n_embd: int) -> QT:
     return min(ok, key=bits_per_weight)
 
 
-def down_columns(down: FfnTensor) -> DownColumns:
-    """Transposes and re-quantizes ffn_down [n_embd rows of n_ff] into n_ff columns of n_embd."""
+def check_bundle_type(t: QT, n_embd: int) -> None:
+    """A type gate/up rows and down columns may be stored in (convert --bundle-type): one ggml quantizes
+    without an importance matrix, whose blocks divide a row of n_embd."""
+    if t not in CANDIDATES:
+        names = ", ".join(c.name.lower() for c in CANDIDATES)
+        raise ValueError(f"bundle type {t.name.lower()} is not one ggml quantizes without an importance matrix "
+                         f"({names})")
+    if not fits(t, n_embd):
+        raise ValueError(f"bundle type {t.name.lower()} has blocks of {GGML_QUANT_SIZES[t][0]} values, which do not "
+                         f"divide this model's rows of n_embd = {n_embd}")
+
+
+def bundle_rows(t: FfnTensor, qtype: QT) -> np.ndarray:
+    """Rows of ffn_gate or ffn_up as bundles store them: the model's bytes, or re-quantized to qtype."""
+    if qtype == t.qtype:
+        return t.raw
+    return quantize_rows(qtype, t.dequantized())
+
+
+def down_columns(down: FfnTensor, reference: QT | None = None) -> DownColumns:
+    """Transposes and re-quantizes ffn_down [n_embd rows of n_ff] into n_ff columns of n_embd. reference: the
+    type whose error sets the tolerance (default: the model's down type; convert --bundle-type gives its own)."""
     cols = np.ascontiguousarray(down.dequantized().T)  # [n_ff, n_embd]
     n_embd = cols.shape[1]
-    ref = reference_type(down.qtype, n_embd)
+    ref = reference_type(down.qtype, n_embd) if reference is None else reference
     results: dict[QT, tuple[float, np.ndarray]] = {}
 
     # a type whose error on a sample of columns already exceeds the tolerance fails on all of them (the
@@ -125,14 +146,15 @@ def down_columns(down: FfnTensor) -> DownColumns:
     return DownColumns(chosen, data, tol, err, tuple((t.name, e) for t, (e, _) in results.items()))
 
 
-def layer_bundles(gate: FfnTensor, up: FfnTensor, down: DownColumns, order: np.ndarray,
+def layer_bundles(gate: np.ndarray, up: np.ndarray, down: DownColumns, order: np.ndarray,
                   layout: fmt.BundleLayout) -> np.ndarray:
-    """[n_bundles, bundle size] uint8: bundle slot j (neuron order[j]) at layout.offset(j)."""
+    """[n_bundles, bundle size] uint8: bundle slot j (neuron order[j]) at layout.offset(j). gate, up: the rows
+    as bundles store them (bundle_rows), [n_ff, row bytes] uint8."""
     n_ff, n_bundles = len(order), layout.n_bundles(len(order))
     # every slot of every bundle as a row of `stride` bytes (slots past n_ff stay zero)
     rows = np.zeros((n_bundles * layout.neurons, layout.stride), dtype=np.uint8)
-    rows[:n_ff, :layout.up_offset] = gate.raw[order]
-    rows[:n_ff, layout.up_offset:layout.down_offset] = up.raw[order]
+    rows[:n_ff, :layout.up_offset] = gate[order]
+    rows[:n_ff, layout.up_offset:layout.down_offset] = up[order]
     rows[:n_ff, layout.down_offset:layout.end] = down.data[order]
     out = np.zeros((n_bundles, layout.size), dtype=np.uint8)
     out[:, :layout.neurons * layout.stride] = rows.reshape(n_bundles, -1)

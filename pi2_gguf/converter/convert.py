@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
@@ -64,9 +65,10 @@ class _Planned:
 
 def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
-                 down_cache: dict[int, bundles_mod.DownColumns], progress: bool) -> _Planned:
+                 down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, progress: bool) -> _Planned:
     """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
-    columns do not depend on the plan: kept in down_cache for the next target."""
+    columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
+    store gate/up rows in and measure down columns against (None: the model's own)."""
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
@@ -113,23 +115,24 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         del mag_train
         order = sp.ranking(freq)
         if il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"])
+            down_cache[il] = bundles_mod.down_columns(ffn["down"], bundle_type)
         down = down_cache[il]
         n_embd = model.n_embd
-        costs = pred_mod.Costs(fmt.row_size(ffn["gate"].qtype, n_embd),
-                               fmt.row_size(ffn["up"].qtype, n_embd) + fmt.row_size(down.qtype, n_embd))
+        gate_t = bundle_type if bundle_type is not None else ffn["gate"].qtype
+        up_t = bundle_type if bundle_type is not None else ffn["up"].qtype
+        costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
                                     shipped=shipped.get(il))
         sources.append(fitted.source)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor
-        types.append((int(ffn["gate"].qtype), int(ffn["up"].qtype), int(down.qtype)))
+        types.append((int(gate_t), int(up_t), int(down.qtype)))
         layers.append(LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
             recall=fitted.heldout.recall, precision=fitted.heldout.precision,
             predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
-            gate_type=int(ffn["gate"].qtype), up_type=int(ffn["up"].qtype), down_type=int(down.qtype),
+            gate_type=int(gate_t), up_type=int(up_t), down_type=int(down.qtype),
             down_tolerance=down.tolerance, down_error=down.max_error,
             w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
             product_threshold=tp))
@@ -166,7 +169,10 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
         ffn = model.layers[il]
         lay = fmt.bundle_layout(*planned.types[il], model.n_embd, meta.bundle_align, meta.layers[il].bundle_neurons,
                                 meta.layers[il].bundle_size)
-        return bundles_mod.layer_bundles(ffn["gate"], ffn["up"], planned.downs[il], meta.layers[il].order, lay)
+        gate_t, up_t, _ = planned.types[il]
+        return bundles_mod.layer_bundles(bundles_mod.bundle_rows(ffn["gate"], QT(gate_t)),
+                                         bundles_mod.bundle_rows(ffn["up"], QT(up_t)), planned.downs[il],
+                                         meta.layers[il].order, lay)
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
         write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
@@ -192,13 +198,16 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
             bundle_align: int | None = None, bundle_neurons: int | None = None,
             checkpoint: str | Path | None = None,
-            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET) -> ConvertResult:
+            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
     bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
     perplexity_budget: the held-out perplexity the sparse configuration may add over dense (0.03: +3%). With the
     default sparsity target convert takes the largest of TARGET_STEPS within it; a target or threshold given is
-    kept and only measured. Both perplexities go into the sidecar (pi2.quality.*). None: nothing measured."""
+    kept and only measured. Both perplexities go into the sidecar (pi2.quality.*). None: nothing measured.
+    bundle_type: a ggml type name (q3_k, q4_0, ...) for the gate/up rows and the down columns' reference in the
+    bundles, fewer bytes per neuron read from flash at a quality the perplexity check measures; None: the
+    model's own rows, byte for byte."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -216,6 +225,16 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             fmt.check_bundle_neurons(bundle_neurons)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
+    bundle_qt = None
+    if bundle_type is not None:
+        try:
+            bundle_qt = QT[bundle_type.upper()]
+        except KeyError:
+            raise Pi2Error(f"--bundle-type {bundle_type!r} is not a ggml type name (e.g. q3_k, q4_0, q4_k)") from None
+        try:
+            bundles_mod.check_bundle_type(bundle_qt, model.n_embd)
+        except ValueError as e:
+            raise Pi2Error(str(e)) from e
     if predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
@@ -263,7 +282,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
     for k, target in enumerate(targets):
         plan_k = dataclasses.replace(plan, target=target)
-        planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, progress)
+        planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, bundle_qt,
+                               progress)
         meta = _meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons)
         _write(out, model, meta, planned, progress)
         if perplexity_budget is None:
