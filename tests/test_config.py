@@ -34,6 +34,7 @@ MALFORMED = {
     "PI2_PREFETCH_BYTES": ["8Mi"],
     "PI2_CACHE_MAX": ["600MBs", "lots"],
     "PI2_COLD_SHARE": ["abc", "0.95"],
+    "PI2_OUTPUT_ROWS": ["abc", "4097", "-1", "1.5"],
     "PI2_MODE": ["fast"],
     "PI2_MEMORY_BUDGET": ["0", "600 elephants"],
     "PI2_SIDECAR": ["/nonexistent/x.pi2.gguf"],

@@ -325,6 +325,57 @@ def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], 
     tied.close()
 
 
+OUTPUT_ROWS = 16
+
+
+def test_output_matrix_stays_in_the_model_file(relu_model: tuple[Path, Path, list], tmp_path: Path) -> None:
+    """PI2_OUTPUT_ROWS=16: the output matrix is not kept; a Q3_K copy gives every logit and each token's 16
+    largest are read from the model file and computed in its type. Those equal the in-RAM run's, so greedy
+    decoding follows the same tokens; the rest are the copy's, close to them; the counters count the rows."""
+    model, sidecar, _ = relu_model
+    untied = _untied_copy(model, tmp_path / "untied.gguf")
+    ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
+    want = _steps(ram)
+    ram.close()
+    flash = _load_small_cache(untied, sidecar, settings={"output_rows": OUTPUT_ROWS})
+    pi2_gguf.reset_counters()
+    got = _steps(flash)
+    c = pi2_gguf.read_counters()
+    flash.close()
+    out = next(t for t in GGUFReader(untied).tensors if t.name == "output.weight")
+    row_bytes = int(out.n_bytes) // int(out.shape[1])
+    # one output per eval: the prompt's last token, then each step's token (the last step's logits unread)
+    assert c.output_rows == OUTPUT_ROWS * (len(got) + 1) and c.output_bytes == c.output_rows * row_bytes
+    for w, g in zip(want, got):
+        exact = np.abs(g - w) <= 1e-5 * np.abs(w).max()  # the copy's values are ~15% off: never this close
+        assert np.argmax(g) == np.argmax(w) and exact[np.argmax(w)]
+        assert exact.sum() >= OUTPUT_ROWS
+        rel = np.linalg.norm(g[~exact] - w[~exact]) / np.linalg.norm(w[~exact])
+        assert 0.0 < rel < 0.3, rel
+
+
+def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: tuple[Path, Path, list],
+                                                                  tmp_path: Path) -> None:
+    """Under the same budget the neuron cache gets what the output matrix no longer takes, less its copy (up to
+    the whole FFN: this model's 24 MiB of bundles are barely more than its output matrix)."""
+    model, sidecar, _ = relu_model
+    untied = _untied_copy(model, tmp_path / "untied.gguf")
+    budget = _minimum(untied, sidecar) + 40_000_000
+    sc = read_sidecar(sidecar)
+    all_bundles = sum(sc.layout(il).size * sc.layout(il).n_bundles(int(sc.kv["pi2.n_ff"][il])) for il in range(sc.n_layer))
+    out = next(t for t in GGUFReader(untied).tensors if t.name == "output.weight")
+    freed = int(out.n_bytes) - int(out.n_bytes) * 110 // 256 // 4  # F32 rows -> Q3_K (110 bytes per 256 values)
+    sizes = []
+    for rows in (0, OUTPUT_ROWS):
+        llm = pi2_gguf.Llama(str(untied), sidecar=sidecar, memory_budget=budget, n_ctx=256, n_threads=2, verbose=False,
+                             settings={"output_rows": rows})
+        info = llm.cache_info()
+        _steps(llm, 2)
+        llm.close()
+        sizes.append(info.hot_bytes + info.cold_bytes)
+    assert sizes[1] >= min(sizes[0] + 0.8 * freed, all_bundles) and sizes[1] > sizes[0], (sizes, freed, all_bundles)
+
+
 def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],
                                                              tmp_path: Path) -> None:
     model, sidecar, _ = relu_model

@@ -61,6 +61,9 @@ struct pi2_counters {
     uint64_t nodes_computed;  // nodes executed (views excluded)
     uint32_t n_layers;        // highest layer index seen + 1
     struct pi2_layer_counters layer[PI2_MAX_LAYERS];
+    // a sparse output layer (PI2_OUTPUT_ROWS under a memory budget): rows read from the model file, their bytes
+    uint64_t output_rows;
+    uint64_t output_bytes;
 };
 
 GGML_BACKEND_API ggml_backend_reg_t ggml_backend_pi2_reg(void);
@@ -171,6 +174,8 @@ struct pi2_model_summary {
     int32_t  activation;      // the FFN activation the model states (<arch>.ffn_activation: silu 0, gelu 1,
                               // gelu_erf 2, relu 3, drelu 4, fatrelu 5), or -1 when it states none
     float    activation_threshold; // <arch>.ffn_activation_threshold (FATReLU), else 0
+    uint64_t output_bytes;      // output.weight, a tensor of its own, else 0
+    uint64_t output_copy_bytes; // the in-RAM copy PI2_OUTPUT_ROWS keeps of it instead (0: none would be smaller)
 };
 GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen);
 

@@ -16,7 +16,8 @@
 #include "pi2_log.h"
 #include "gguf.h"
 
-int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
+int pi2_table_open(const char * model_path, const char * name, bool untied_only, struct pi2_embedding ** out, char * err,
+                   size_t errlen) {
     *out = NULL;
     struct ggml_context * meta = NULL;
     struct gguf_init_params params = { /* .no_alloc = */ true, /* .ctx = */ &meta };
@@ -25,17 +26,19 @@ int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, cha
         snprintf(err, errlen, "model %.300s: not a readable GGUF file", model_path);
         return -1;
     }
-    const int64_t id = gguf_find_tensor(g, PI2_EMBD_NAME);
+    const int64_t id = gguf_find_tensor(g, name);
     const bool untied = gguf_find_tensor(g, "output.weight") >= 0;
-    const struct ggml_tensor * t = id >= 0 ? ggml_get_tensor(meta, PI2_EMBD_NAME) : NULL;
+    const struct ggml_tensor * t = id >= 0 ? ggml_get_tensor(meta, name) : NULL;
     int rc = 0;
-    if (t != NULL && untied && ggml_n_dims(t) == 2 && (t->type == GGML_TYPE_F32 || ggml_get_type_traits(t->type)->to_float != NULL)) {
+    if (t != NULL && (untied || !untied_only) && ggml_n_dims(t) == 2 &&
+        (t->type == GGML_TYPE_F32 || ggml_get_type_traits(t->type)->to_float != NULL)) {
         struct pi2_embedding * e = calloc(1, sizeof(*e));
         if (e == NULL) {
             snprintf(err, errlen, "model %.300s: out of memory", model_path);
             rc = -1;
         } else {
             snprintf(e->path, sizeof(e->path), "%s", model_path);
+            snprintf(e->name, sizeof(e->name), "%s", name);
             e->offset   = gguf_get_data_offset(g) + gguf_get_tensor_offset(g, id);
             e->type     = t->type;
             e->n_embd   = t->ne[0];
@@ -50,7 +53,7 @@ int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, cha
                 rc = -1;
             } else if ((uint64_t) st.st_size < e->offset || (uint64_t) st.st_size - e->offset < e->row_size * (uint64_t) e->n_rows) {
                 snprintf(err, errlen, "model %.300s is truncated: %s ends past the file's %" PRIu64 " bytes", model_path,
-                         PI2_EMBD_NAME, (uint64_t) st.st_size);
+                         name, (uint64_t) st.st_size);
                 pi2_embedding_free(e);
                 rc = -1;
             } else {
@@ -66,6 +69,10 @@ int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, cha
     return rc;
 }
 
+int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
+    return pi2_table_open(model_path, PI2_EMBD_NAME, true, out, err, errlen);
+}
+
 void pi2_embedding_free(struct pi2_embedding * e) {
     if (e == NULL) {
         return;
@@ -78,7 +85,7 @@ void pi2_embedding_free(struct pi2_embedding * e) {
 
 bool pi2_embedding_matches(const struct pi2_embedding * e, const struct ggml_tensor * t) {
     return e != NULL && t->type == e->type && t->ne[0] == e->n_embd && t->ne[1] == e->n_rows && t->ne[2] == 1 && t->ne[3] == 1 &&
-           strcmp(t->name, PI2_EMBD_NAME) == 0;
+           strcmp(t->name, e->name) == 0;
 }
 
 // a read of the table as an error text: a file that ends early shrank since it was opened
@@ -93,13 +100,13 @@ void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, siz
     const size_t scratch_size = 1u << 20;
     void * scratch = malloc(scratch_size);
     if (scratch == NULL) {
-        snprintf(e->error, sizeof(e->error), "out of memory checking %s", PI2_EMBD_NAME);
+        snprintf(e->error, sizeof(e->error), "out of memory checking %s", e->name);
         atomic_store(&e->checked, -1);
         return;
     }
     const uint64_t total = e->row_size * (uint64_t) e->n_rows;
     if (offset > total || size > total - offset) {
-        snprintf(e->error, sizeof(e->error), "%s: llama uploaded bytes %zu..%zu of a %" PRIu64 "-byte table", PI2_EMBD_NAME,
+        snprintf(e->error, sizeof(e->error), "%s: llama uploaded bytes %zu..%zu of a %" PRIu64 "-byte table", e->name,
                  offset, offset + size, total);
         atomic_store(&e->checked, -1);
         free(scratch);
@@ -109,10 +116,10 @@ void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, siz
         const size_t n = size - done < scratch_size ? size - done : scratch_size;
         const int r = pi2_read_exact(e->fd, scratch, n, e->offset + offset + done);
         if (r != 0) {
-            snprintf(e->error, sizeof(e->error), "model %.300s: reading %s failed: %s", e->path, PI2_EMBD_NAME, pi2_read_error(r));
+            snprintf(e->error, sizeof(e->error), "model %.300s: reading %s failed: %s", e->path, e->name, pi2_read_error(r));
         } else if (memcmp(scratch, (const char *) data + done, n) != 0) {
             snprintf(e->error, sizeof(e->error), "model %.300s: its %s differs from the one llama.cpp loaded (is it the model "
-                     "being loaded?)", e->path, PI2_EMBD_NAME);
+                     "being loaded?)", e->path, e->name);
         }
         if (e->error[0] != '\0') {
             atomic_store(&e->checked, -1);
@@ -131,31 +138,45 @@ bool pi2_embedding_verified(struct pi2_embedding * e) {
     const long long c = atomic_load(&e->checked);
     if (c >= 0 && (uint64_t) c != e->row_size * (uint64_t) e->n_rows) {
         snprintf(e->error, sizeof(e->error), "model %.300s: %s was not uploaded whole (%lld of %" PRIu64 " bytes), so it could "
-                 "not be checked against the file", e->path, PI2_EMBD_NAME, c, e->row_size * (uint64_t) e->n_rows);
+                 "not be checked against the file", e->path, e->name, c, e->row_size * (uint64_t) e->n_rows);
         return false;
     }
     return c >= 0;
 }
 
-int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size_t id_stride, int64_t n, float * dst,
-                       size_t dst_stride, void * scratch, char * err, size_t errlen) {
-    const ggml_to_float_t to_float = ggml_get_type_traits(e->type)->to_float;
+int pi2_table_unchanged(const struct pi2_embedding * e, char * err, size_t errlen) {
     struct stat st; // rewritten in place, the file would give another model's rows
     if (fstat(e->fd, &st) != 0 || (uint64_t) st.st_size != e->file_size ||
         (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != e->mtime_ns) {
         snprintf(err, errlen, "model %.300s changed on disk while the model was running (its %s is read from it)", e->path,
-                 PI2_EMBD_NAME);
+                 e->name);
+        return -1;
+    }
+    return 0;
+}
+
+int pi2_table_read_row(const struct pi2_embedding * e, int64_t id, void * dst, char * err, size_t errlen) {
+    if (id < 0 || id >= e->n_rows) {
+        snprintf(err, errlen, "%s: row %" PRId64 " is outside the table's %" PRId64 " rows", e->name, id, e->n_rows);
+        return -1;
+    }
+    const int r = pi2_read_exact(e->fd, dst, e->row_size, e->offset + (uint64_t) id * e->row_size);
+    if (r != 0) {
+        snprintf(err, errlen, "model %.300s: reading %s row %" PRId64 " failed: %s", e->path, e->name, id, pi2_read_error(r));
+        return -1;
+    }
+    return 0;
+}
+
+int pi2_embedding_rows(const struct pi2_embedding * e, const int32_t * ids, size_t id_stride, int64_t n, float * dst,
+                       size_t dst_stride, void * scratch, char * err, size_t errlen) {
+    const ggml_to_float_t to_float = ggml_get_type_traits(e->type)->to_float;
+    if (pi2_table_unchanged(e, err, errlen) != 0) {
         return -1;
     }
     for (int64_t k = 0; k < n; ++k) {
         const int32_t id = *(const int32_t *) ((const char *) ids + (size_t) k * id_stride);
-        if (id < 0 || id >= e->n_rows) {
-            snprintf(err, errlen, "%s: token id %d is outside the table's %" PRId64 " rows", PI2_EMBD_NAME, id, e->n_rows);
-            return -1;
-        }
-        const int r = pi2_read_exact(e->fd, scratch, e->row_size, e->offset + (uint64_t) id * e->row_size);
-        if (r != 0) {
-            snprintf(err, errlen, "model %.300s: reading %s row %d failed: %s", e->path, PI2_EMBD_NAME, id, pi2_read_error(r));
+        if (pi2_table_read_row(e, id, scratch, err, errlen) != 0) {
             return -1;
         }
         float * row = (float *) ((char *) dst + (size_t) k * dst_stride);

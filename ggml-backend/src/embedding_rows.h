@@ -1,7 +1,8 @@
-// The token embedding of a model under a memory budget, left in the model file. A decode step reads only
-// the rows of its tokens (GET_ROWS), so the table (131 MB on Qwen2.5-1.5B) need not be resident; rows are
-// read with pread as tokens arrive. Only for models whose output matrix is a separate tensor: a tied
-// embedding is the output matmul's weight too, read whole every token, and stays in RAM.
+// A weight table of a model under a memory budget left in the model file, read row by row with pread: the
+// token embedding, whose decode step needs only the rows of its tokens (GET_ROWS), so the table (131 MB on
+// Qwen2.5-1.5B) need not be resident (only for models whose output matrix is a separate tensor: a tied
+// embedding is the output matmul's weight too, read whole every token, and stays in RAM), and the output
+// matrix's exact rows (output_rows.h).
 #pragma once
 
 #include <stdatomic.h>
@@ -15,6 +16,7 @@
 
 struct pi2_embedding {
     char           path[4096];
+    char           name[64]; // the tensor
     int            fd;
     uint64_t       offset;   // of row 0 in the file
     uint64_t       file_size;
@@ -27,8 +29,11 @@ struct pi2_embedding {
     char           error[512];
 };
 
-// Opens model_path's token embedding. 1 with *out set, 0 when the model has no separate output matrix
-// (or no token_embd.weight), -1 with err set when the file cannot be read as a GGUF model.
+// Opens model_path's 2-D tensor `name`. 1 with *out set; 0 when the model has no such tensor (or, untied_only,
+// no separate output matrix), -1 with err set when the file cannot be read as a GGUF model or is truncated.
+int  pi2_table_open(const char * model_path, const char * name, bool untied_only, struct pi2_embedding ** out, char * err,
+                    size_t errlen);
+// pi2_table_open of the token embedding, untied only.
 int  pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen);
 void pi2_embedding_free(struct pi2_embedding * e);
 
@@ -40,6 +45,11 @@ void pi2_embedding_check_upload(struct pi2_embedding * e, const void * data, siz
 
 // The whole table was uploaded and matched the file; otherwise false with e->error set.
 bool pi2_embedding_verified(struct pi2_embedding * e);
+
+// 0 while the file has the size and mtime it had when opened; else -1 with err set.
+int pi2_table_unchanged(const struct pi2_embedding * e, char * err, size_t errlen);
+// Row id's bytes (row_size) into dst; 0, or -1 with err set (an id out of range, a failed or short read).
+int pi2_table_read_row(const struct pi2_embedding * e, int64_t id, void * dst, char * err, size_t errlen);
 
 // dst row k (f32, n_embd values, rows dst_stride bytes apart) = row ids[k] of the table; scratch holds one
 // row (row_size bytes). 0, or -1 with err set (an id out of range, a failed or short read).

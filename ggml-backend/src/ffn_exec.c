@@ -104,6 +104,23 @@ static void pi2_mul_mat_span(void * arg, const char * xq, size_t xq_stride, int6
     pi2_dense_rows(&a, r0, r1);
 }
 
+enum ggml_status pi2_exec_mul_mat_with(struct pi2_backend_ctx * ctx, struct ggml_tensor * node, enum ggml_type type,
+                                       const void * data, size_t stride) {
+    const struct ggml_tensor * w = node->src[0];
+    const struct ggml_tensor * x = node->src[1];
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(type);
+    struct pi2_dense_args args = {
+        .w          = (const char *) data,
+        .w_stride   = stride,
+        .k          = w->ne[0],
+        .n_tokens   = x->ne[1],
+        .dst        = (float *) node->data,
+        .dst_stride = (int64_t) (node->nb[1] / sizeof(float)),
+        .vec_dot    = tt->vec_dot,
+    };
+    return pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], pi2_mul_mat_span, &args);
+}
+
 enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
     const struct ggml_tensor * w = node->src[0];
     const struct ggml_tensor * x = node->src[1];
@@ -114,17 +131,7 @@ enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tens
         PI2_LOG_ERROR("pi2: MUL_MAT on %s, which PI2 does not own\n", w->name);
         return GGML_STATUS_FAILED;
     }
-    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
-    struct pi2_dense_args args = {
-        .w          = (const char *) w->data,
-        .w_stride   = w->nb[1],
-        .k          = w->ne[0],
-        .n_tokens   = x->ne[1],
-        .dst        = (float *) node->data,
-        .dst_stride = (int64_t) (node->nb[1] / sizeof(float)),
-        .vec_dot    = tt->vec_dot,
-    };
-    const enum ggml_status st = pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], pi2_mul_mat_span, &args);
+    const enum ggml_status st = pi2_exec_mul_mat_with(ctx, node, w->type, w->data, w->nb[1]);
     if (st == GGML_STATUS_SUCCESS) {
         pi2_count_matmul(&ctx->dev->counters, w, x->ne[1]);
     }

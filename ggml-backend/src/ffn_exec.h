@@ -8,6 +8,10 @@
 #include "pi2_context.h"
 
 enum ggml_status pi2_exec_mul_mat(struct pi2_backend_ctx * ctx, struct ggml_tensor * node);
+// node's product with rows of `type` at data, `stride` bytes apart, in place of its weight's (the in-RAM copy
+// of a weight left in the model file, output_rows.h); not counted
+enum ggml_status pi2_exec_mul_mat_with(struct pi2_backend_ctx * ctx, struct ggml_tensor * node, enum ggml_type type,
+                                       const void * data, size_t stride);
 // a GLU node alone (its products computed before), with the activation act
 enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node, const struct pi2_ffn_act * act);
 

@@ -86,6 +86,12 @@ static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_t
         pi2_embedding_check_upload(bc->binding->embd, data, offset, size);
         return;
     }
+    if (bc->binding != NULL && pi2_output_matches(bc->binding->output, tensor)) {
+        atomic_store(&bc->binding->uploading, true);
+        pi2_output_upload(bc->binding->output, (int64_t) pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS), data, offset,
+                          size);
+        return;
+    }
     if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
         PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
         return;
@@ -391,9 +397,11 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             }
         }
         switch (node->op) {
-            case GGML_OP_MUL_MAT:
-                st = pi2_exec_mul_mat(ctx, node);
-                break;
+            case GGML_OP_MUL_MAT: {
+                struct pi2_binding * b = pi2_weight_binding(node->src[0]);
+                st = b != NULL && pi2_output_matches(b->output, node->src[0]) ? pi2_exec_output(ctx, b, node)
+                                                                              : pi2_exec_mul_mat(ctx, node);
+            } break;
             case GGML_OP_GLU: {
                 // alone (its products ran on the CPU, a prompt batch): the model's activation if it states one
                 const struct pi2_stated_act sa = pi2_weight_act(node->src[0]->src[0]);
@@ -692,6 +700,25 @@ static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggm
            op->ne[0] == w->ne[0] && op->ne[1] == ids->ne[0] && op->ne[2] == 1 && op->ne[3] == 1;
 }
 
+// MUL_MAT of an output matrix left in the model file (a flash binding with PI2_OUTPUT_ROWS > 0)
+static bool pi2_supports_output_mul_mat(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * w = op->src[0];
+    const struct ggml_tensor * x = op->src[1];
+    struct pi2_device_ctx * d = dev->context;
+    if (w == NULL || x == NULL || w->buffer == NULL || w->buffer->buft != &d->flash_buft) {
+        return false;
+    }
+    // as for the embedding: the probe's zero-size buffer has no context, so the pending load's binding
+    const struct pi2_buffer_ctx * bc = w->buffer->context;
+    pthread_mutex_lock(&d->lock);
+    const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
+    const bool output = b != NULL && pi2_output_matches(b->output, w) && pi2_binding_setting(b, PI2_SET_OUTPUT_ROWS) > 0;
+    pthread_mutex_unlock(&d->lock);
+    return output && x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[2] == 1 && x->ne[3] == 1 &&
+           x->nb[0] == sizeof(float) && ggml_is_contiguous_rows(x) && op->type == GGML_TYPE_F32 &&
+           op->nb[0] == sizeof(float) && op->ne[0] == w->ne[1] && op->ne[1] == x->ne[1];
+}
+
 // Prompt batches (more tokens than the sparse limit) go to ggml-cpu's own kernels, which read the
 // weights in place from PI2's host buffer: its batched matmul measured 1.5-2.5x PI2's row-by-row kernel
 // here. llama's weight-placement probe asks with a 512-token batch and an empty buffer; that must still
@@ -725,7 +752,7 @@ static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_ten
             // llama checks that pre-allocated tensors in PI2 buffers can be used "by" PI2
             return pi2_is_own_buffer(dev, op) || (op->view_src != NULL && pi2_is_own_buffer(dev, op->view_src));
         case GGML_OP_MUL_MAT:
-            return pi2_supports_ffn_mul_mat(dev, op);
+            return pi2_supports_ffn_mul_mat(dev, op) || pi2_supports_output_mul_mat(dev, op);
         case GGML_OP_GET_ROWS:
             return pi2_supports_embedding_rows(dev, op);
         case GGML_OP_GLU:

@@ -20,6 +20,7 @@
 static void pi2_binding_destroy(struct pi2_binding * b) {
     pi2_pipeline_free(b->pipe);
     pi2_embedding_free(b->embd);
+    pi2_output_free(b->output);
     pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {
         for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
@@ -153,7 +154,8 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
             return NULL;
         }
     }
-    if (flash && model_path != NULL && pi2_embedding_open(model_path, &b->embd, err, errlen) < 0) {
+    if (flash && model_path != NULL && (pi2_embedding_open(model_path, &b->embd, err, errlen) < 0 ||
+                                        pi2_output_open(model_path, &b->output, err, errlen) < 0)) {
         pi2_binding_destroy(b);
         return NULL;
     }

@@ -14,6 +14,7 @@
 #include "ggml-pi2.h"
 #include "ggml.h"
 #include "embedding_rows.h"
+#include "output_rows.h"
 #include "config.h"
 #include "neuron_cache.h"
 #include "predictor.h"
@@ -53,6 +54,7 @@ struct pi2_binding {
     struct pi2_pipeline *     pipe;        // the neuron cache and the reads behind it (pipeline.h)
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
     struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
+    struct pi2_output *       output;      // the output matrix, if PI2_OUTPUT_ROWS leaves it in the model file
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
 };
 

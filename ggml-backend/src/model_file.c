@@ -15,6 +15,7 @@
 #include "fingerprint.h"
 #include "ggml-pi2.h"
 #include "gguf_file.h"
+#include "output_rows.h"
 #include "sidecar_format.h"
 
 #define PI2_MODEL "model file"
@@ -92,8 +93,15 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
     out->n_layer     = il;
     out->fingerprint = il > 0 ? pi2_fingerprint_model(fps, PI2_N_MATRIX * (size_t) il) : 0;
     const int64_t embd = gguf_find_tensor(f->gguf, "token_embd.weight");
-    if (embd >= 0 && gguf_find_tensor(f->gguf, "output.weight") >= 0) {
+    const int64_t output = gguf_find_tensor(f->gguf, PI2_OUTPUT_NAME);
+    if (embd >= 0 && output >= 0) {
         out->embedding_bytes = gguf_get_tensor_size(f->gguf, embd);
+    }
+    const struct ggml_tensor * ot = output >= 0 ? ggml_get_tensor(f->meta, PI2_OUTPUT_NAME) : NULL;
+    if (ot != NULL && ggml_n_dims(ot) == 2) {
+        out->output_bytes = gguf_get_tensor_size(f->gguf, output);
+        const enum ggml_type copy = pi2_output_copy_type(ot->type, ot->ne[0]);
+        out->output_copy_bytes = copy != GGML_TYPE_COUNT ? ggml_row_size(copy, ot->ne[0]) * (uint64_t) ot->ne[1] : 0;
     }
     return 0;
 }

@@ -54,6 +54,8 @@ class Pi2Counters(ctypes.Structure):
         ("nodes_computed", c_uint64),
         ("n_layers", c_uint32),
         ("layer", Pi2LayerCounters * MAX_LAYERS),
+        ("output_rows", c_uint64),
+        ("output_bytes", c_uint64),
     ]
 
 
@@ -82,6 +84,8 @@ class Pi2ModelSummary(ctypes.Structure):
         ("n_layer", c_uint32),
         ("activation", c_int32),
         ("activation_threshold", c_float),
+        ("output_bytes", c_uint64),
+        ("output_copy_bytes", c_uint64),
     ]
 
 

@@ -44,6 +44,9 @@ class Counters:
     io_requests: np.ndarray
     io_wait_ns: np.ndarray
     prefetched: np.ndarray
+    # a sparse output layer (PI2_OUTPUT_ROWS under a memory budget): exact rows read from the model file, bytes
+    output_rows: int = 0
+    output_bytes: int = 0
 
     def active_per_token(self) -> np.ndarray:
         """Mean active neurons per sparsely decoded token, per layer (nan where none ran sparse)."""
@@ -72,7 +75,7 @@ def read_counters() -> Counters:
         else:
             fields[name] = np.array([getattr(lc, name) for lc in layers], dtype=np.uint64)
     return Counters(graph_computes=int(raw.graph_computes), nodes_computed=int(raw.nodes_computed), n_layers=n,
-                    **fields)
+                    output_rows=int(raw.output_rows), output_bytes=int(raw.output_bytes), **fields)
 
 
 def reset_counters() -> None:

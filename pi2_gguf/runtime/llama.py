@@ -96,6 +96,16 @@ def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
 # Models load one at a time: the plugin ties the weight buffers llama allocates between load_begin and load_end
 # to that load's binding (it refuses a second load_begin meanwhile); models constructed in several threads
 # wait for each other here, and then run side by side.
+def _output_rows(settings: Settings | None) -> int:
+    """This model's PI2_OUTPUT_ROWS as the budget precheck counts it (0 where it is malformed: the plugin then
+    refuses the load with its own message)."""
+    value = (settings or {}).get("output_rows", os.environ.get("PI2_OUTPUT_ROWS") or 0)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
 _LOADING = threading.Lock()
 
 
@@ -131,7 +141,7 @@ class Llama(llama_cpp.Llama):
                 raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
             kwargs["use_mmap"] = False
             kwargs.setdefault("n_batch", 32)
-            budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar)
+            budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar, _output_rows(settings))
         with _LOADING:  # the weights llama allocates until load_end belong to this binding
             self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode,
                                                  flash=self.pi2_memory_budget is not None, model=path)

@@ -28,6 +28,8 @@ class ModelSummary:
     activation: int       # the FFN activation the model states (<arch>.ffn_activation): index into
                           # sidecar.format.ACTIVATIONS, or -1 when it states none
     activation_threshold: float  # <arch>.ffn_activation_threshold (FATReLU), else 0
+    output_bytes: int = 0       # output.weight, a tensor of its own, else 0
+    output_copy_bytes: int = 0  # its in-RAM copy under PI2_OUTPUT_ROWS (0: none would be smaller, it stays in RAM)
 
 
 def model_summary_c(path: Pathish) -> ModelSummary:
