@@ -364,12 +364,24 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         if n_tokens < args.ctx:
             raise Pi2Error(f"the text has {n_tokens} tokens; perplexity needs at least one chunk of {args.ctx} "
                            f"(-c/--ctx {args.ctx})")
-    if args.all_layers and args.no_plugin:
-        raise Pi2Error("--all-layers needs the plugin (drop --no-plugin)")
+    if (args.all_layers or args.memory_budget or args.variants) and args.no_plugin:
+        raise Pi2Error("--all-layers, --memory-budget and --with need the plugin (drop --no-plugin)")
+    budget = None
+    if args.memory_budget:
+        from .runtime.memory_budget import parse_size
+
+        budget = parse_size(args.memory_budget, "--memory-budget")
+        if sidecar is None:
+            raise Pi2Error(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {model}`")
+    settings = {"layers": "all"} if args.all_layers else {}
+    for extra in args.variants or []:
+        settings.update(extra)
     res = perplexity(model, text, args.ctx, args.chunks, plugin=not args.no_plugin, threads=args.threads,
-                     sidecar=sidecar, mode=mode, settings={"layers": "all"} if args.all_layers else None)
+                     sidecar=sidecar, mode=mode, settings=settings or None, memory_budget=budget)
     print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.running)))
     how = "stock llama.cpp" if args.no_plugin else f"pi2 plugin, mode {mode}" + (", all layers" if args.all_layers else "")
+    how += f", memory budget {budget / 1e6:.0f} MB" if budget else ""
+    how += "".join(f", {k}={v}" for extra in args.variants or [] for k, v in extra.items())
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}  ({res.chunks} chunks of {args.ctx}, "
           f"{res.scored_tokens} tokens scored, {how})")
     if mode != "dense":
@@ -387,6 +399,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import cgroup
     from .bench.memory_limit import format_table, run_bench
     from .gguf_file import check_context, check_model_file
+    from .runtime import plugin
     from .runtime.llama import prepare_sidecar
     from .runtime.memory_budget import parse_size
 
@@ -409,8 +422,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     why = cgroup.available()
     if why:
         raise Pi2Error(f"bench: {why}")
+    if args.variants:
+        plugin.register()
+    for settings in args.variants or []:
+        for name, value in settings.items():
+            try:
+                plugin.configure(name, value)  # this process's defaults: the check alone (models load in children)
+            except ValueError as e:
+                raise Pi2Error(f"--with {name}={value}: {e}") from e
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
-                     args.skip_unlimited, progress=not args.json, rounds=args.rounds)
+                     args.skip_unlimited, progress=not args.json, rounds=args.rounds, variants=args.variants)
     if args.json:
         json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
                    "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
@@ -476,6 +497,17 @@ def _perplexity_budget(text: str) -> float | None:
     if not (math.isfinite(value) and 0.0 <= value <= 100.0):
         raise argparse.ArgumentTypeError(f"{text} is not a percentage from 0 to 100")
     return value / 100.0
+
+
+def _settings(text: str) -> dict[str, str]:
+    """--with: NAME=VALUE pairs, comma-separated (the values are checked by the plugin before anything runs)."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"'{text}' is not NAME=VALUE[,NAME=VALUE] (e.g. output_rows=64)")
+        out[name.strip()] = value.strip()
+    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -653,6 +685,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--all-layers scores every layer sparse, as a memory budget runs them")
     p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it, if any)")
     p.add_argument("--all-layers", action="store_true", help="PI2 holds every FFN layer (PI2_LAYERS=all)")
+    p.add_argument("--memory-budget", help="score as decode under this budget computes (the FFN on flash), e.g. 2GB: "
+                   "settings only a budget uses, such as --with output_rows=64, then count")
+    p.add_argument("--with", dest="variants", type=_settings, action="append", metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="per-model settings (docs/SETTINGS.md) for this run; repeatable")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("bench", help="stock llama.cpp vs pi2 under a memory limit (cgroup v1, cold page cache; "
@@ -672,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_count(1), default=1,
                    help="run the configurations in turn this many times; report medians and ratio ranges")
     p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
+    p.add_argument("--with", dest="variants", type=_settings, action="append", metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="one more pi2 row per sidecar under the limit with these per-model settings (docs/SETTINGS.md), "
+                        "e.g. --with output_rows=64; repeatable")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_bench)
     return ap

@@ -393,4 +393,8 @@ CASES: list[Case] = [
     Case("bench", "negative --timeout", (S, "--sidecar", B, "--memory-limit", "300MB", "--timeout=-5"),
          "argument --timeout: -5 is not a positive number of seconds"),
     Case("bench", "missing --memory-limit", (S,), "the following arguments are required: --memory-limit"),
+    Case("bench", "--with without a value", (S, "--sidecar", B, "--memory-limit", "300MB", "--with", "output_rows"),
+         "argument --with: 'output_rows' is not NAME=VALUE"),
+    Case("bench", "--with a malformed value", (S, "--sidecar", B, "--memory-limit", "300MB", "--with", "output_rows=lots"),
+         "--with output_rows=lots: PI2_OUTPUT_ROWS=lots is not"),
 ]

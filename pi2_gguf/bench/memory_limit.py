@@ -31,7 +31,7 @@ class Row:
 
 
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
-             skip_unlimited: bool) -> list[tuple[Row, list[str], int | None]]:
+             skip_unlimited: bool, variants: list[dict[str, str]] | None = None) -> list[tuple[Row, list[str], int | None]]:
     common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False)
     rows = [
         (Row("stock llama.cpp, defaults (mmap, repack)", True), greedy_command(model, pi2=False, **common), limit),
@@ -39,8 +39,11 @@ def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n:
     ]
     for sc in sidecars:
         name = f" ({sc.name})" if len(sidecars) > 1 else ""
-        rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB", True),
-                     greedy_command(model, pi2=True, sidecar=sc, mode=mode, memory_budget=limit, **common), limit))
+        for settings in [{}, *(variants or [])]:
+            with_ = "".join(f", {k}={v}" for k, v in settings.items())
+            rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB{with_}", True),
+                         greedy_command(model, pi2=True, sidecar=sc, mode=mode, memory_budget=limit, settings=settings,
+                                        **common), limit))
     if not skip_unlimited:
         rows.append((Row("pi2, all in RAM (no limit)", False),
                      greedy_command(model, pi2=True, sidecar=sidecars[0], mode=mode, **common), None))
@@ -89,11 +92,13 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
 
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
-              skip_unlimited: bool = False, progress: bool = True, rounds: int = 1) -> list[Row]:
-    """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each."""
+              skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
+              variants: list[dict[str, str]] | None = None) -> list[Row]:
+    """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each. variants: per-model
+    settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
-    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited)
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants)
     runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
     series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
     return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]

@@ -43,10 +43,12 @@ SPARSE_UBATCH = 4  # the plugin's default sparse batch limit (PI2_SPARSE_BATCH)
 def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: int | None = None,
                plugin: bool = True, threads: int | None = None, progress: bool = True,
                sidecar: str | Path | None = None, mode: str = "dense",
-               settings: Mapping[str, str | int | float | bool] | None = None) -> Perplexity:
+               settings: Mapping[str, str | int | float | bool] | None = None,
+               memory_budget: int | None = None) -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
     micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees.
-    settings: PI2_* settings for the model (pi2_gguf.Llama's settings=)."""
+    settings: PI2_* settings for the model (pi2_gguf.Llama's settings=). memory_budget: the FFN on flash behind
+    a neuron cache, as decode under that budget computes it (and what only a budget does: PI2_OUTPUT_ROWS)."""
     from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
@@ -59,7 +61,7 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
         register()
     ubatch = SPARSE_UBATCH if mode != "dense" else None
     with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True, sidecar=sidecar, mode=mode,
-                     n_ubatch=ubatch, settings=settings) as r:
+                     n_ubatch=ubatch, settings=settings, memory_budget=memory_budget) as r:
         tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
         n_chunk = len(tokens) // n_ctx
         if max_chunks is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import Pi2Error
+from ..errors import Pi2Error, SidecarError
 from ..gguf_file import check_model_file, load_failure
 from . import ggml_base
 
@@ -36,8 +36,11 @@ class LlamaRunner:
                  watch: Iterable[str] = (), sink: TensorSink | None = None, all_logits: bool = False,
                  use_mmap: bool = True, verbose: bool = False, sidecar: str | Path | None = None,
                  mode: str = "dense", n_ubatch: int | None = None,
-                 settings: Mapping[str, str | int | float | bool] | None = None, repack: bool = True) -> None:
+                 settings: Mapping[str, str | int | float | bool] | None = None, repack: bool = True,
+                 memory_budget: int | None = None) -> None:
         """sidecar/mode: bind the model to a pi2 sidecar in the PI2 plugin (registered by the caller).
+        memory_budget: the FFN stays on flash as under pi2_gguf.Llama's budget, the neuron cache sized from it once
+        the context exists (the compute buffers then in use count as resident); loads without mmap.
         repack: llama's CPU weight repacking (its default); off, prompt batches of Q4_K models ran faster here.
         n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch.
         settings: PI2_* settings for the binding (without a sidecar: the defaults), as pi2_gguf.Llama's."""
@@ -54,13 +57,16 @@ class LlamaRunner:
         set_verbose(verbose)  # llama-cpp-python's log callback; quiet unless asked
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
-        mp.use_mmap = use_mmap
+        if not use_mmap or memory_budget is not None:  # a budget's FFN must not be mapped (the plugin refuses it)
+            mp.load_mode = lc.LLAMA_LOAD_MODE_NONE
         mp.use_extra_bufts = repack
         from . import plugin
 
+        if memory_budget is not None and sidecar is None:
+            raise Pi2Error(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`")
         # with PI2 in the process it is told the model, whose stated FFN activation it then computes
         if sidecar is not None or mode != "dense" or settings or plugin.is_registered():
-            self._binding = plugin.load_begin(sidecar, mode, model=path)
+            self._binding = plugin.load_begin(sidecar, mode, flash=memory_budget is not None, model=path)
             try:
                 for name, value in (settings or {}).items():
                     plugin.configure(name, value, self._binding)
@@ -99,6 +105,15 @@ class LlamaRunner:
         self.batch = lc.llama_batch_init(n_ctx, 0, 1)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = lc.llama_vocab_bos(self.vocab)
+        if memory_budget is not None:
+            why = plugin.binding_error(self._binding)
+            try:
+                if why:
+                    raise SidecarError(why)
+                plugin.set_budget(self._binding, memory_budget, 0)
+            except Pi2Error:
+                self.close()
+                raise
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
