@@ -364,8 +364,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         if n_tokens < args.ctx:
             raise Pi2Error(f"the text has {n_tokens} tokens; perplexity needs at least one chunk of {args.ctx} "
                            f"(-c/--ctx {args.ctx})")
-    if (args.all_layers or args.memory_budget or args.variants) and args.no_plugin:
-        raise Pi2Error("--all-layers, --memory-budget and --with need the plugin (drop --no-plugin)")
+    for flag, given in (("--all-layers", args.all_layers), ("--memory-budget", args.memory_budget), ("--with", args.variants)):
+        if given and args.no_plugin:
+            raise Pi2Error(f"{flag} needs the plugin (drop --no-plugin)")
     budget = None
     if args.memory_budget:
         from .runtime.memory_budget import parse_size

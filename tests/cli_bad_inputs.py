@@ -361,6 +361,10 @@ CASES: list[Case] = [
     Case("perplexity", "sparse mode without sidecar", (S, "--mode", "oracle"), "mode oracle needs a sidecar"),
     Case("perplexity", "--all-layers with --no-plugin", (S, "--all-layers", "--no-plugin"),
          "--all-layers needs the plugin"),
+    Case("perplexity", "--memory-budget without a sidecar", (S, "--memory-budget", "2GB"),
+         "a memory budget needs the model's sidecar"),
+    Case("perplexity", "--with a malformed setting", (S, "--with", "output_rows"),
+         "argument --with: 'output_rows' is not NAME=VALUE"),
     # --- bench (each refused before it runs a configuration) ---
     Case("bench", "missing model file", ("{missing}", "--memory-limit", "300MB"), "model file not found: {missing}"),
     Case("bench", "sidecar given as model", ("{sidecar}", "--memory-limit", "300MB"), "is a pi2 sidecar, not a model"),
