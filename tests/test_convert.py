@@ -195,6 +195,26 @@ def test_bundle_type_that_cannot_be_stored_is_refused(smollm2: Path, tmp_path: P
     assert not (tmp_path / "x.pi2.gguf").exists()
 
 
+def test_down_type_sets_the_down_columns_error(smollm2: Path) -> None:
+    """A down reference above the model's type (Q8_0 for SmolLM2's Q4_1) keeps the columns within Q8_0's own
+    error, a fraction of what re-quantizing to Q4_1 costs, in a type of at least 8 bits."""
+    down = ModelFfn(smollm2).layers[3]["down"]
+    own, q8 = bundles.down_columns(down), bundles.down_columns(down, QT.Q8_0)
+    assert own.qtype == QT.Q4_1 or bundles.bits_per_weight(own.qtype) <= bundles.bits_per_weight(QT.Q4_1)
+    assert bundles.bits_per_weight(q8.qtype) >= 8.0
+    assert q8.max_error <= q8.tolerance < own.max_error / 5
+    cols = bundles.dequantize_rows(q8.qtype, q8.data, down.dequantized().shape[0])
+    assert bundles.rel_rmse(cols, down.dequantized().T).max() == pytest.approx(q8.max_error, rel=1e-6)
+
+
+def test_down_type_that_cannot_be_stored_is_refused(smollm2: Path, tmp_path: Path) -> None:
+    from pi2_gguf.converter.convert import convert
+
+    with pytest.raises(Pi2Error, match="--down-type: bundle type q6_k has blocks of 256 values"):
+        convert(smollm2, tmp_path / "x.pi2.gguf", down_type="q6_k", progress=False)
+    assert not (tmp_path / "x.pi2.gguf").exists()
+
+
 def test_bundles_hold_several_neurons_where_every_neuron_is_read(smol_sidecar: Path) -> None:
     """Layers whose predictor selects at least 90% of the neurons (all of SmolLM2's at 50% product) pack
     several neurons to a bundle, all in bundles of one size; the others one neuron per bundle."""

@@ -682,20 +682,35 @@ static bool pi2_supports_ffn_elementwise(ggml_backend_dev_t dev, const struct gg
 }
 
 // GET_ROWS of a token embedding left in the model file (a flash binding with an embedding)
-static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
-    const struct ggml_tensor * w   = op->src[0];
-    const struct ggml_tensor * ids = op->src[1];
+// Whether w is a table a flash binding leaves in the model file (its embedding, or its output matrix), as
+// matches says. llama's placement probe asks with a zero-size buffer, which has no context: then the pending
+// load's binding.
+static bool pi2_flash_table_is(ggml_backend_dev_t dev, const struct ggml_tensor * w,
+                               bool (*matches)(const struct pi2_binding *, const struct ggml_tensor *)) {
     struct pi2_device_ctx * d = dev->context;
-    if (w == NULL || ids == NULL || w->buffer == NULL || w->buffer->buft != &d->flash_buft) {
+    if (w == NULL || w->buffer == NULL || w->buffer->buft != &d->flash_buft) {
         return false;
     }
-    // llama's placement probe asks with a zero-size buffer, which has no context: the pending load's binding
     const struct pi2_buffer_ctx * bc = w->buffer->context;
     pthread_mutex_lock(&d->lock);
     const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
-    const bool embd = b != NULL && pi2_embedding_matches(b->embd, w);
+    const bool yes = b != NULL && matches(b, w);
     pthread_mutex_unlock(&d->lock);
-    return embd && ids->type == GGML_TYPE_I32 &&
+    return yes;
+}
+
+static bool pi2_is_embedding_table(const struct pi2_binding * b, const struct ggml_tensor * w) {
+    return pi2_embedding_matches(b->embd, w);
+}
+
+static bool pi2_is_output_table(const struct pi2_binding * b, const struct ggml_tensor * w) {
+    return pi2_output_matches(b->output, w) && pi2_binding_setting(b, PI2_SET_OUTPUT_ROWS) > 0;
+}
+
+static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * w   = op->src[0];
+    const struct ggml_tensor * ids = op->src[1];
+    return ids != NULL && pi2_flash_table_is(dev, w, pi2_is_embedding_table) && ids->type == GGML_TYPE_I32 &&
            ids->ne[1] == 1 && ids->ne[2] == 1 && ids->ne[3] == 1 && op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) &&
            op->ne[0] == w->ne[0] && op->ne[1] == ids->ne[0] && op->ne[2] == 1 && op->ne[3] == 1;
 }
@@ -704,17 +719,8 @@ static bool pi2_supports_embedding_rows(ggml_backend_dev_t dev, const struct ggm
 static bool pi2_supports_output_mul_mat(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0];
     const struct ggml_tensor * x = op->src[1];
-    struct pi2_device_ctx * d = dev->context;
-    if (w == NULL || x == NULL || w->buffer == NULL || w->buffer->buft != &d->flash_buft) {
-        return false;
-    }
-    // as for the embedding: the probe's zero-size buffer has no context, so the pending load's binding
-    const struct pi2_buffer_ctx * bc = w->buffer->context;
-    pthread_mutex_lock(&d->lock);
-    const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
-    const bool output = b != NULL && pi2_output_matches(b->output, w) && pi2_binding_setting(b, PI2_SET_OUTPUT_ROWS) > 0;
-    pthread_mutex_unlock(&d->lock);
-    return output && x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[2] == 1 && x->ne[3] == 1 &&
+    return x != NULL && pi2_flash_table_is(dev, w, pi2_is_output_table) && x->type == GGML_TYPE_F32 &&
+           x->ne[0] == w->ne[0] && x->ne[2] == 1 && x->ne[3] == 1 &&
            x->nb[0] == sizeof(float) && ggml_is_contiguous_rows(x) && op->type == GGML_TYPE_F32 &&
            op->nb[0] == sizeof(float) && op->ne[0] == w->ne[1] && op->ne[1] == x->ne[1];
 }

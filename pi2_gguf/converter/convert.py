@@ -64,12 +64,29 @@ class _Planned:
     sources: list[str]                 # where each layer's predictor came from
 
 
+def _bundle_qtype(name: str | None, flag: str, n_embd: int) -> QT | None:
+    """The ggml type a --bundle-type/--down-type names, checked to be one bundles can store for rows of n_embd."""
+    if name is None:
+        return None
+    try:
+        qt = QT[name.upper()]
+    except KeyError:
+        raise Pi2Error(f"{flag} {name!r} is not a ggml type name (e.g. q3_k, q4_0, q4_k)") from None
+    try:
+        bundles_mod.check_bundle_type(qt, n_embd)
+    except ValueError as e:
+        raise Pi2Error(f"{flag}: {e}") from e
+    return qt
+
+
 def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
-                 down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, progress: bool) -> _Planned:
+                 down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
+                 progress: bool) -> _Planned:
     """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
     columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
-    store gate/up rows in and measure down columns against (None: the model's own)."""
+    store gate/up rows in and measure down columns against (None: the model's own); down_type, where given, the
+    one down columns are measured against instead."""
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
@@ -116,7 +133,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         del mag_train
         order = sp.ranking(freq)
         if il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"], bundle_type)
+            down_cache[il] = bundles_mod.down_columns(ffn["down"], bundle_type if down_type is None else down_type)
         down = down_cache[il]
         n_embd = model.n_embd
         gate_t = bundle_type if bundle_type is not None else ffn["gate"].qtype
@@ -205,7 +222,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
             bundle_align: int | None = None, bundle_neurons: int | None = None,
             checkpoint: str | Path | None = None,
-            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None) -> ConvertResult:
+            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None,
+            down_type: str | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
     bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
@@ -214,7 +232,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     kept and only measured. Both perplexities go into the sidecar (pi2.quality.*). None: nothing measured.
     bundle_type: a ggml type name (q3_k, q4_0, ...) for the gate/up rows and the down columns' reference in the
     bundles, fewer bytes per neuron read from flash at a quality the perplexity check measures; None: the
-    model's own rows, byte for byte."""
+    model's own rows, byte for byte.
+    down_type: a ggml type name whose re-quantization error the down columns keep (the smallest type within it is
+    stored); None: bundle_type's, or the model's down type's."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -232,16 +252,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             fmt.check_bundle_neurons(bundle_neurons)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
-    bundle_qt = None
-    if bundle_type is not None:
-        try:
-            bundle_qt = QT[bundle_type.upper()]
-        except KeyError:
-            raise Pi2Error(f"--bundle-type {bundle_type!r} is not a ggml type name (e.g. q3_k, q4_0, q4_k)") from None
-        try:
-            bundles_mod.check_bundle_type(bundle_qt, model.n_embd)
-        except ValueError as e:
-            raise Pi2Error(str(e)) from e
+    bundle_qt = _bundle_qtype(bundle_type, "--bundle-type", model.n_embd)
+    down_qt = _bundle_qtype(down_type, "--down-type", model.n_embd)
     if predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
@@ -290,7 +302,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     for k, target in enumerate(targets):
         plan_k = dataclasses.replace(plan, target=target)
         planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, bundle_qt,
-                               progress)
+                               down_qt, progress)
         meta = _meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons)
         _write(out, model, meta, planned, progress)
         if perplexity_budget is None:
