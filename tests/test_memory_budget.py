@@ -532,6 +532,9 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
         if r["limited"]:
             assert r["peak_mb"] * 1e6 <= limit and all(x["peak_mb"] * 1e6 <= limit for x in r["rounds"])
     assert pi2["read_per_token_mb"] > 0 and 0 < pi2["cache_hit_rate"] < 1
+    # the cache's segments fit the limit (with the model's other weights) and the in-RAM run has none
+    assert pi2["hot_mb"] > 0 and pi2["cold_mb"] > 0 and (pi2["hot_mb"] + pi2["cold_mb"]) * 1e6 < limit
+    assert ram["hot_mb"] == ram["cold_mb"] == 0
 
     def row(d: dict) -> Row:
         return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})
@@ -539,3 +542,4 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     table = format_table(model, limit, None, [row(r) for r in rows])
     assert "2 rounds in turn" in table
     assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\dx\) \|", table), table
+    assert f"| {pi2['hot_mb']:.0f} + {pi2['cold_mb']:.0f} |" in table

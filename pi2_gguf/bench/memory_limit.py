@@ -26,6 +26,8 @@ class Row:
     read_per_token_mb: float = 0.0   # during decode (/proc/self/io of the process)
     io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
     cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
+    hot_mb: float = 0.0              # pi2: the neuron cache's hot segment (profiled hottest bundles, fixed)
+    cold_mb: float = 0.0             # pi2: its cold segment (CLOCK-managed bundles read on misses)
     major_faults: int = 0
     rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
 
@@ -73,6 +75,7 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
         if needed:
             row.cache_hit_rate = 1.0 - g.io["misses"] / needed
+        row.hot_mb, row.cold_mb = g.io.get("hot_bytes", 0) / 1e6, g.io.get("cold_bytes", 0) / 1e6
     return row
 
 
@@ -84,7 +87,8 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
     failed = rows[-1] if series.failure else None
     out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
     if failed is None:
-        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate"):
+        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate",
+                     "hot_mb", "cold_mb"):
             setattr(out, name, series.median(name))
     out.peak_mb = max(r.peak_mb for r in rows)
     return out
@@ -120,13 +124,14 @@ def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row])
              f"read cap {f'{read_bps / 1e6:.0f} MB/s' if read_bps else 'none'}, cold page cache"
              + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else ""),
              "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
-             "| cache hits | decode vs stock (repack off) | decode vs pi2 in RAM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache hot + cold MB | cache hits | decode vs stock (repack off) | decode vs pi2 in RAM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
         wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
         hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
+        cache = f"{r.hot_mb:.0f} + {r.cold_mb:.0f}" if ok and (r.hot_mb or r.cold_mb) else "-"
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
-                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {hits} | {_ratio(r, base)} | "
+                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {cache} | {hits} | {_ratio(r, base)} | "
                      f"{_ratio(r, pi2_ram)} |")
     return "\n".join(lines)
