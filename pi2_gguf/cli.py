@@ -318,7 +318,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
                   predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget,
-                  bundle_type=args.bundle_type, down_type=args.down_type)
+                  bundle_type=args.bundle_type, down_type=args.down_type, bundle_type_layers=args.bundle_type_layers)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -660,6 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store gate/up rows in the bundles re-quantized to this ggml type (e.g. q3_k, q4_0), and down "
                         "columns within its error: fewer bytes per neuron read under a memory budget, at a quality "
                         "the perplexity check measures (default: the model's own rows, byte for byte)")
+    p.add_argument("--bundle-type-layers", metavar="LAYERS",
+                   help="the layers --bundle-type applies to, e.g. 4-23 or 0,2,5-7 (default: all); the others keep the "
+                        "model's rows, so the layers a lower precision hurts least can take it alone")
     p.add_argument("--down-type", metavar="TYPE",
                    help="down columns keep this ggml type's re-quantization error (e.g. q8_0, q6_k): the smallest type "
                         "within it is stored. Down columns are always re-quantized (a neuron's column crosses the "

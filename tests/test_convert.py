@@ -195,6 +195,40 @@ def test_bundle_type_that_cannot_be_stored_is_refused(smollm2: Path, tmp_path: P
     assert not (tmp_path / "x.pi2.gguf").exists()
 
 
+def test_bundle_type_layers_take_the_type_alone(smollm2: Path, smol_profile: Profile, tmp_path: Path) -> None:
+    """--bundle-type q4_0 --bundle-type-layers 0,5-6: those layers' rows are Q4_0, every other layer's are the
+    model's own bytes (Q4_1) with down columns measured against the model's type."""
+    from pi2_gguf.converter.convert import convert
+
+    prof = smol_profile.save(tmp_path / "smol.npz")
+    out = convert(smollm2, tmp_path / "mixed.pi2.gguf", sparsity=TARGET, profile=prof, ranks=[64], progress=False,
+                  perplexity_budget=None, bundle_type="q4_0", bundle_type_layers="0,5-6").path
+    sc, model = sidecar.read(out), ModelFfn(smollm2)
+    gate_types = [int(t) for t in sc.kv["pi2.bundle.gate_type"]]
+    assert [il for il, t in enumerate(gate_types) if t == int(QT.Q4_0)] == [0, 5, 6]
+    assert all(t == int(QT.Q4_1) for il, t in enumerate(gate_types) if il not in (0, 5, 6))
+    for il in (1, 5):
+        ffn, order = model.layers[il], sc.layer_tensor(il, "pi2_order").reshape(-1)
+        gs, _, _ = sc.bundle_slices(il)
+        want = ffn["gate"].raw if il == 1 else bundles.quantize_rows(QT.Q4_0, ffn["gate"].dequantized())
+        assert np.array_equal(sc.slots(il)[:, gs], want[order])
+        own = bundles.down_columns(ffn["down"], None if il == 1 else QT.Q4_0)
+        assert float(sc.kv["pi2.bundle.down_tolerance"][il]) == pytest.approx(own.tolerance)
+
+
+@pytest.mark.parametrize("layers, says", [("4-2", "'4-2' runs backwards"),
+                                          ("30", "'30' is not within the model's layers 0-29"),
+                                          ("a-b", "'a-b' is not a layer or a range of layers")])
+def test_bundle_type_layers_out_of_the_model_are_refused(smollm2: Path, tmp_path: Path, layers: str, says: str) -> None:
+    from pi2_gguf.converter.convert import convert
+
+    with pytest.raises(Pi2Error, match=says):
+        convert(smollm2, tmp_path / "x.pi2.gguf", bundle_type="q4_0", bundle_type_layers=layers, progress=False)
+    with pytest.raises(Pi2Error, match="--bundle-type-layers needs --bundle-type"):
+        convert(smollm2, tmp_path / "x.pi2.gguf", bundle_type_layers="0-3", progress=False)
+    assert not (tmp_path / "x.pi2.gguf").exists()
+
+
 def test_down_type_sets_the_down_columns_error(smollm2: Path) -> None:
     """A down reference above the model's type (Q8_0 for SmolLM2's Q4_1) keeps the columns within Q8_0's own
     error, a fraction of what re-quantizing to Q4_1 costs, in a type of at least 8 bits."""

@@ -79,14 +79,31 @@ def _bundle_qtype(name: str | None, flag: str, n_embd: int) -> QT | None:
     return qt
 
 
+def parse_layers(spec: str, n_layer: int, flag: str) -> frozenset[int]:
+    """'4-23' or '0,2,5-7' -> those layer indices, each checked to be one of the model's n_layer."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise Pi2Error(f"{flag} {spec!r}: {part.strip()!r} is not a layer or a range of layers like 4-23") from None
+        if a > b:
+            raise Pi2Error(f"{flag} {spec!r}: {part.strip()!r} runs backwards")
+        if not 0 <= a <= b < n_layer:
+            raise Pi2Error(f"{flag} {spec!r}: {part.strip()!r} is not within the model's layers 0-{n_layer - 1}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
 def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
-                 progress: bool) -> _Planned:
+                 bundle_layers: frozenset[int] | None, progress: bool) -> _Planned:
     """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
     columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
     store gate/up rows in and measure down columns against (None: the model's own); down_type, where given, the
-    one down columns are measured against instead."""
+    one down columns are measured against instead. bundle_layers: the layers bundle_type applies to (None: all)."""
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
@@ -132,12 +149,13 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
         del mag_train
         order = sp.ranking(freq)
+        layer_type = bundle_type if bundle_layers is None or il in bundle_layers else None
         if il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"], bundle_type if down_type is None else down_type)
+            down_cache[il] = bundles_mod.down_columns(ffn["down"], layer_type if down_type is None else down_type)
         down = down_cache[il]
         n_embd = model.n_embd
-        gate_t = bundle_type if bundle_type is not None else ffn["gate"].qtype
-        up_t = bundle_type if bundle_type is not None else ffn["up"].qtype
+        gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
+        up_t = layer_type if layer_type is not None else ffn["up"].qtype
         costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
@@ -223,7 +241,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             bundle_align: int | None = None, bundle_neurons: int | None = None,
             checkpoint: str | Path | None = None,
             perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None,
-            down_type: str | None = None) -> ConvertResult:
+            down_type: str | None = None, bundle_type_layers: str | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
     bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
@@ -234,7 +252,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     bundles, fewer bytes per neuron read from flash at a quality the perplexity check measures; None: the
     model's own rows, byte for byte.
     down_type: a ggml type name whose re-quantization error the down columns keep (the smallest type within it is
-    stored); None: bundle_type's, or the model's down type's."""
+    stored); None: bundle_type's, or the model's down type's.
+    bundle_type_layers: the layers bundle_type applies to, e.g. '4-23' (None: all); the others keep the model's
+    rows and down reference."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -254,6 +274,11 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         raise Pi2Error(str(e)) from e
     bundle_qt = _bundle_qtype(bundle_type, "--bundle-type", model.n_embd)
     down_qt = _bundle_qtype(down_type, "--down-type", model.n_embd)
+    bundle_layers = None
+    if bundle_type_layers is not None:
+        if bundle_qt is None:
+            raise Pi2Error("--bundle-type-layers needs --bundle-type (the type those layers' bundles take)")
+        bundle_layers = parse_layers(bundle_type_layers, model.n_layer, "--bundle-type-layers")
     if predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
@@ -302,7 +327,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     for k, target in enumerate(targets):
         plan_k = dataclasses.replace(plan, target=target)
         planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, bundle_qt,
-                               down_qt, progress)
+                               down_qt, bundle_layers, progress)
         meta = _meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons)
         _write(out, model, meta, planned, progress)
         if perplexity_budget is None:
