@@ -344,7 +344,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                           ppl_dense, ppl, perplexity_budget)
         within = ppl <= ppl_dense * (1.0 + perplexity_budget)
         tried.append(f"{target if target is not None else 0.0:.2f} ({ppl / ppl_dense - 1:+.1%})")
-        if adaptive and k > 0:
+        if adaptive and k > 0 and (within or k == len(targets) - 1):  # one note: the choice, or that none held
             notes.append(f"sparsity {target:.2f} chosen: the first target whose perplexity stays within "
                          f"+{perplexity_budget:.1%} (tried {', '.join(tried)})"
                          if within else f"no sparsity target down to {target:.2f} stays within "
