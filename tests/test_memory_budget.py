@@ -373,7 +373,10 @@ def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: t
         _steps(llm, 2)
         llm.close()
         sizes.append(info.hot_bytes + info.cold_bytes)
-    assert sizes[1] >= min(sizes[0] + 0.8 * freed, all_bundles) and sizes[1] > sizes[0], (sizes, freed, all_bundles)
+    assert sizes[1] >= min(sizes[0] + 0.8 * freed, all_bundles), (sizes, freed, all_bundles)
+    # where the cache without it already held every bundle there is nothing more to give (the segments are sized
+    # from the process's resident memory at load, which differs between the two loads by a few MB)
+    assert sizes[1] > sizes[0] or sizes[0] >= all_bundles, (sizes, freed, all_bundles)
 
 
 def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],
