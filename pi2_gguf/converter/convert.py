@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import datetime as dt
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
