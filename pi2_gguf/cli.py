@@ -318,7 +318,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
                   predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget,
-                  bundle_type=args.bundle_type, down_type=args.down_type, bundle_type_layers=args.bundle_type_layers)
+                  bundle_type=args.bundle_type, down_type=args.down_type, bundle_type_layers=args.bundle_type_layers,
+                  output_rows=args.output_rows)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -665,7 +666,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="down columns keep this ggml type's re-quantization error (e.g. q8_0, q6_k): the smallest type "
                         "within it is stored. Down columns are always re-quantized (a neuron's column crosses the "
                         "model's blocks), so a type above the model's buys back quality for bytes (default: "
-                        "--bundle-type's, else the model's down type)")
+                        "--bundle-type's, else the model's down type). Without --bundle-type/--down-type and --sparsity, "
+                        "where no target holds the perplexity budget convert measures Q8_0 down columns too")
+    p.add_argument("--output-rows", type=_count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
+                   help="under a memory budget, leave the output matrix in the model file and read a token's N most "
+                        "likely rows exactly (recorded in the sidecar as PI2_OUTPUT_ROWS, which overrides it; 0: "
+                        f"none). Default {conv_mod.DEFAULT_OUTPUT_ROWS} where the model has an output matrix of its own "
+                        "and the perplexity budget measures it")
     _add_profile_args(p)
     p.set_defaults(func=cmd_convert)
 

@@ -10,6 +10,7 @@ import mmap
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -377,6 +378,56 @@ def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: t
     # where the cache without it already held every bundle there is nothing more to give (the segments are sized
     # from the process's resident memory at load, which differs between the two loads by a few MB)
     assert sizes[1] > sizes[0] or sizes[0] >= all_bundles, (sizes, freed, all_bundles)
+
+
+@pytest.fixture(scope="module")
+def relu_rows16(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic ReLU model's sidecar recording 16 output rows (convert --output-rows 16)."""
+    return convert(relu_model[0], tmp_path_factory.mktemp("rows16") / "rows16.pi2.gguf", train_tokens=2048,
+                   heldout_tokens=512, progress=False, perplexity_budget=None, output_rows=OUTPUT_ROWS).path
+
+
+def test_output_rows_the_sidecar_records_apply_under_a_budget(relu_model: tuple[Path, Path, list], relu_rows16: Path,
+                                                              tmp_path: Path) -> None:
+    """convert --output-rows 16 records pi2.budget.output_rows; under a budget the plugin then reads 16 exact rows
+    a token without being told, and the model's own setting (or PI2_OUTPUT_ROWS) overrides it. In RAM it does
+    nothing. Without --output-rows and without a perplexity check nothing is recorded."""
+    model, sidecar, _ = relu_model
+    assert read_sidecar(relu_rows16).kv["pi2.budget.output_rows"] == OUTPUT_ROWS
+    assert "pi2.budget.output_rows" not in read_sidecar(sidecar).kv
+    untied = _untied_copy(model, tmp_path / "untied.gguf")
+    counted = []
+    for settings in (None, {"output_rows": 0}):
+        flash = _load_small_cache(untied, relu_rows16, settings=settings)
+        pi2_gguf.reset_counters()
+        got = _steps(flash, 4)
+        counted.append(pi2_gguf.read_counters().output_rows)
+        flash.close()
+    assert counted == [OUTPUT_ROWS * (len(got) + 1), 0]
+    ram = pi2_gguf.Llama(str(untied), sidecar=relu_rows16, n_ctx=256, n_threads=2, verbose=False)
+    pi2_gguf.reset_counters()
+    _steps(ram, 2)
+    assert pi2_gguf.read_counters().output_rows == 0
+    ram.close()
+
+
+def test_malformed_recorded_output_rows_are_refused(relu_rows16: Path, tmp_path: Path) -> None:
+    """pi2.budget.output_rows is PI2_OUTPUT_ROWS's value: out of its range, or not a u32, both readers refuse the
+    sidecar naming the key."""
+    from pi2_gguf.runtime import native
+
+    data = relu_rows16.read_bytes()
+    key = b"pi2.budget.output_rows"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, OUTPUT_ROWS)  # GGUF type UINT32, the value
+    for name, patch, why in (("big", struct.pack("<II", 4, 5000), "PI2_OUTPUT_ROWS=5000 is not"),
+                             ("float", struct.pack("<If", 6, 16.0), "expected u32")):
+        bad = tmp_path / f"{name}.pi2.gguf"
+        bad.write_bytes(data[:at] + patch + data[at + 8:])
+        with pytest.raises(SidecarError, match=f"pi2.budget.output_rows.*{why}"):
+            read_sidecar(bad)
+        with pytest.raises(SidecarError, match=f"pi2.budget.output_rows.*{why}"):
+            native.validate_sidecar_c(bad)
 
 
 def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],

@@ -65,7 +65,7 @@ void pi2_registry_init(struct pi2_device_ctx * d) {
         snprintf(model, sizeof(model), "%.*s.gguf", (int) (n - strlen(suffix)), path);
     }
     const bool beside = model[0] != '\0' && access(model, R_OK) == 0;
-    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) c->mode, c->memory_budget > 0, beside ? model : NULL, &c->defaults,
+    d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) c->mode, c->memory_budget > 0, beside ? model : NULL, c,
                                         err, sizeof(err));
     if (d->env_binding == NULL) {
         snprintf(c->error, sizeof(c->error), "PI2_SIDECAR: %s", err);
@@ -131,7 +131,7 @@ static int pi2_load_begin_impl(const char * sidecar_path, int mode, bool flash, 
         snprintf(err, errlen, "more than %d models with sidecars are loaded", PI2_MAX_BINDINGS);
         return -1;
     }
-    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, model_path, &d->config.defaults,
+    struct pi2_binding * b = pi2_binding_create(id, sidecar_path, (enum pi2_mode) mode, flash, model_path, &d->config,
                                                 err, errlen);
     if (b == NULL) {
         return -1;

@@ -205,6 +205,7 @@ void pi2_config_read(struct pi2_config * out, pi2_config_lookup lookup, void * c
                 return;
             }
             atomic_store(&out->defaults.v[which], x);
+            out->set[which] = true;
         }
     }
     const char * mode = pi2_env(lookup, ctx, pi2_process_vars[PI2_VAR_MODE]);

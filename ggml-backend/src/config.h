@@ -45,6 +45,7 @@ struct pi2_config {
     bool                mode_set;
     uint64_t            memory_budget;         // PI2_MEMORY_BUDGET (0 unset)
     struct pi2_settings defaults;              // every per-model setting, from the environment or the table
+    bool                set[PI2_N_SETTINGS];   // the environment gave it (a sidecar's recorded value then yields)
     char                error[512];            // the first refused variable ("" if none)
 };
 

@@ -138,8 +138,11 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t pref
         hot_k[items[k].layer]++;
     }
     out->hot_k = hot_k;
+    // no more cold entries than bundles besides the prefetch room: a budget far above the FFN (a model's
+    // every bundle hot) once capped the cold segment below that room and the cache refused its own plan
     const uint64_t cold_entries = (bytes - best_used) / entry;
-    out->n_cold     = (uint32_t) (cold_entries < n_items ? cold_entries : n_items);
+    const uint64_t cold_cap     = (uint64_t) n_items + n_pf;
+    out->n_cold     = (uint32_t) (cold_entries < cold_cap ? cold_entries : cold_cap);
     out->n_prefetch = (uint32_t) n_pf;
     out->cold_bytes = (uint64_t) out->n_cold * entry;
     free(items);

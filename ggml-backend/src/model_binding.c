@@ -106,7 +106,7 @@ int pi2_binding_prepare(struct pi2_binding * b) {
 }
 
 struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, const char * model_path,
-                                        const struct pi2_settings * defaults, char * err, size_t errlen) {
+                                        const struct pi2_config * config, char * err, size_t errlen) {
     struct pi2_binding * b = calloc(1, sizeof(*b));
     if (b == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
@@ -118,7 +118,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     b->load_mode = mode;
     atomic_init(&b->check_recall, 0);
     pi2_settings_unset(&b->settings);
-    b->defaults = defaults;
+    b->defaults = &config->defaults;
     pthread_mutex_init(&b->cache_lock, NULL);
     b->flash      = flash;
     atomic_init(&b->uploading, false);
@@ -137,6 +137,9 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     if (pi2_sidecar_open(sidecar_path, &b->sc, err, errlen) != 0) {
         free(b);
         return NULL;
+    }
+    if (b->sc->output_rows >= 0 && !config->set[PI2_SET_OUTPUT_ROWS]) {
+        atomic_store(&b->settings.v[PI2_SET_OUTPUT_ROWS], (double) b->sc->output_rows);
     }
     b->layer = calloc(b->sc->n_layer, sizeof(*b->layer));
     if (b->layer == NULL) {

@@ -64,9 +64,11 @@ void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, con
 
 // Opens the sidecar and maps its bundles; NULL with err set on failure. flash: bundles are read through a
 // neuron cache (memory_budget.h) instead of a mapping; model_path (may be NULL) is the model file, whose
-// token embedding then stays there (embedding_rows.h). defaults: the settings a model without its own follows.
+// token embedding then stays there (embedding_rows.h). config: the device's settings, which a model without
+// its own follows; a setting the sidecar records (pi2.budget.output_rows) becomes the model's own unless the
+// environment set it.
 struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum pi2_mode mode, bool flash, const char * model_path,
-                                        const struct pi2_settings * defaults, char * err, size_t errlen);
+                                        const struct pi2_config * config, char * err, size_t errlen);
 // Prepares the predictors, once, when llama allocates the model's first weight buffer (after the frontend
 // had its chance to set PI2_PREDICTOR for this model): on flash only those that run are kept. 0, or -1
 // with b->error set.

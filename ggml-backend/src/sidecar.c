@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "bundle_io.h"
+#include "config.h"
 #include "fingerprint.h"
 #include "gguf.h"
 #include "gguf_file.h"
@@ -347,6 +348,25 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     if (fp != sc->fingerprint) {
         return pi2_fail(rd, "is inconsistent: %s is 0x%016" PRIx64 " but its %s hash to 0x%016" PRIx64,
                         PI2_KEY_SOURCE_FINGERPRINT, sc->fingerprint, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS, fp);
+    }
+    // optional: checked as the setting it is, by the setting's own parser
+    sc->output_rows = -1;
+    const int64_t orows = pi2_find(rd, PI2_KEY_BUDGET_OUTPUT_ROWS);
+    if (orows >= 0) {
+        const enum gguf_type kt = gguf_get_kv_type(rd->file.gguf, orows);
+        if (kt != GGUF_TYPE_UINT32) {
+            return pi2_fail(rd, "key %s is %s%s, expected u32", PI2_KEY_BUDGET_OUTPUT_ROWS, kt == GGUF_TYPE_ARRAY ? "an array of " : "",
+                            pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->file.gguf, orows) : kt));
+        }
+        const uint32_t v = gguf_get_val_u32(rd->file.gguf, orows);
+        char value[16], why[192];
+        enum pi2_setting which;
+        double x;
+        snprintf(value, sizeof(value), "%" PRIu32, v);
+        if (pi2_setting_parse("PI2_OUTPUT_ROWS", value, &which, &x, why, sizeof(why)) != 0) {
+            return pi2_fail(rd, "key %s: %s", PI2_KEY_BUDGET_OUTPUT_ROWS, why);
+        }
+        sc->output_rows = (int32_t) v;
     }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));

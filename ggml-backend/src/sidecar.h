@@ -72,6 +72,7 @@ struct pi2_sidecar {
     uint32_t bundle_align; // pi2.bundle.align: bundle sizes, and so their file offsets, are multiples of it
     char *   source_arch;
     char *   source_name;
+    int32_t  output_rows; // pi2.budget.output_rows, -1 where the sidecar records none
 
     struct pi2_ffn_act       activation;
     enum pi2_sparsity_method sparsity_method;

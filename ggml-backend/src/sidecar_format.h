@@ -47,6 +47,9 @@
 #define PI2_KEY_BUNDLE_DOWN_TYPE           "pi2.bundle.down_type"           // u32[n_layer]
 #define PI2_KEY_BUNDLE_DOWN_TOLERANCE      "pi2.bundle.down_tolerance"      // f32[n_layer]
 #define PI2_KEY_BUNDLE_DOWN_ERROR          "pi2.bundle.down_error"          // f32[n_layer]
+// optional: the PI2_OUTPUT_ROWS convert measured the sidecar's quality with (applied under a memory budget
+// unless the environment or the model's own settings say otherwise)
+#define PI2_KEY_BUDGET_OUTPUT_ROWS         "pi2.budget.output_rows"         // u32
 
 // values of the string keys pi2.activation and pi2.sparsity.method
 #define PI2_ACTIVATION_SILU     "silu"

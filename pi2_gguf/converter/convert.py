@@ -36,6 +36,13 @@ TARGET_STEPS = (0.4, 0.3, 0.2, 0.1)
 # held-out text scored per candidate: 4 chunks of 256 tokens (about 500 tokens scored, as many for dense)
 QUALITY_CTX = 256
 QUALITY_CHUNKS = 4
+# the down columns' reference tried when no sparsity target holds the budget: SmolLM2-135M's Q4_1 columns
+# re-quantized cost +4% at sparsity 0.1, Q8_0 ones +0.6%
+HIGHER_DOWN_TYPE = QT.Q8_0
+# exact output rows a token reads under a memory budget where the model has an output matrix of its own
+# (PI2_OUTPUT_ROWS, recorded in the sidecar): on Qwen2.5-1.5B under 600 MB, 11-17% more tok/s (the ~160 MB
+# the matrix frees go to the neuron cache) for +0.3-0.4% held-out perplexity (docs/MEASUREMENTS.md, 2026-11-25)
+DEFAULT_OUTPUT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -220,11 +227,14 @@ def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads:
     In RAM layers may be left dense and many-active downs take the model's own rows, which a budget does not
     have: Qwen2.5-1.5B at 50% product scored +1.8% in RAM with every layer held, +3.6% under a budget (2026-11-25)."""
     from ..bench.perplexity import perplexity
+    from ..runtime.native import resident_bytes
 
     kw: dict = {}
     if sidecar is not None:
+        # the budget counts this process too, which holds the profile and the down columns convert made (on
+        # Qwen2.5-1.5B a budget of model + sidecar + 1 GB left too little by 8 MB once two types' columns were held)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = min(model.stat().st_size + sidecar.stat().st_size + (1 << 30), int(0.8 * ram))
+        budget = min(resident_bytes() + model.stat().st_size + sidecar.stat().st_size + (1 << 30), int(0.8 * ram))
         kw = dict(sidecar=sidecar, mode="predicted", memory_budget=budget)
     try:
         return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, **kw).ppl
@@ -241,7 +251,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             bundle_align: int | None = None, bundle_neurons: int | None = None,
             checkpoint: str | Path | None = None,
             perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None,
-            down_type: str | None = None, bundle_type_layers: str | None = None) -> ConvertResult:
+            down_type: str | None = None, bundle_type_layers: str | None = None,
+            output_rows: int | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
     bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
@@ -254,7 +265,12 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     down_type: a ggml type name whose re-quantization error the down columns keep (the smallest type within it is
     stored); None: bundle_type's, or the model's down type's.
     bundle_type_layers: the layers bundle_type applies to, e.g. '4-23' (None: all); the others keep the model's
-    rows and down reference."""
+    rows and down reference.
+    output_rows: the exact output rows a token reads under a memory budget, recorded in the sidecar
+    (pi2.budget.output_rows; 0: none recorded); None: DEFAULT_OUTPUT_ROWS where the model has an output matrix of
+    its own and the quality is measured.
+    Without a precision asked for (bundle_type, down_type), where no target holds the budget the default target
+    also measures the down columns against Q8_0 and keeps the better."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -279,6 +295,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         if bundle_qt is None:
             raise Pi2Error("--bundle-type-layers needs --bundle-type (the type those layers' bundles take)")
         bundle_layers = parse_layers(bundle_type_layers, model.n_layer, "--bundle-type-layers")
+    if output_rows is not None and not 0 <= output_rows <= fmt.MAX_OUTPUT_ROWS:
+        raise Pi2Error(f"--output-rows {output_rows}: a number of rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
     if predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
@@ -313,50 +331,122 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                        f"{model.n_layer} of width {model.n_embd}")
     ranks = ranks or default_ranks(model.n_embd)
 
-    # The target: the one asked for, or by default the largest of TARGET_STEPS whose perplexity on held-out
-    # text stays within the budget (each candidate written, then measured as decode computes it)
+    # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
+    # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
+    # and then measured as a memory budget decodes it; where none holds, more precise down columns
     adaptive = sparsity is None and threshold is None and plan.method != "relu" and perplexity_budget is not None
     targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
+    rows = output_rows if output_rows is not None else \
+        DEFAULT_OUTPUT_ROWS if model.has_output and perplexity_budget is not None else None
+    rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
     down_cache: dict[int, bundles_mod.DownColumns] = {}
-    quality: Quality | None = None
-    ppl_dense: float | None = None
-    tried: list[str] = []  # "0.50 (+3.6%)" per target measured
-    if perplexity_budget is not None:  # the calibration corpus's held-out documents, scored for every target
-        heldout = "\n\n".join(corpus_mod.load(text).split()[1])
-        ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
-    for k, target in enumerate(targets):
+    choice: list[str] = []
+
+    def plan_at(target: float | None, down: QT | None = down_qt,
+                cache: dict[int, bundles_mod.DownColumns] = down_cache) -> tuple[sp.SparsityPlan, _Planned]:
         plan_k = dataclasses.replace(plan, target=target)
-        planned = _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, down_cache, bundle_qt,
-                               down_qt, bundle_layers, progress)
-        meta = _meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons)
+        return plan_k, _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, cache, bundle_qt,
+                                    down, bundle_layers, progress)
+
+    plan_k, planned = plan_at(targets[0])
+    if adaptive and all(ld.predicted_density >= DENSE_PREDICTION for ld in planned.layers):
+        # each token reads every bundle at any target: the lowest keeps the most quality for the same bytes
+        choice.append(f"sparsity {targets[-1]:.2f}: at {targets[0]:.2f} every layer's predictor already selects "
+                      f">= {DENSE_PREDICTION:.0%} of its neurons, so a token reads every bundle at any target")
+        targets = targets[-1:]
+        plan_k, planned = plan_at(targets[0])
+
+    def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
+        return dataclasses.replace(_meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons),
+                                   output_rows=rows)
+
+    if perplexity_budget is None:
+        meta = meta_of(plan_k, planned)
         _write(out, model, meta, planned, progress)
-        if perplexity_budget is None:
-            break
+        return _result(out, t0, t_prof, meta, planned, shipped, recall, predictor, notes)
+
+    heldout = "\n\n".join(corpus_mod.load(text).split()[1])  # the calibration corpus's held-out documents
+    ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
+    dense: list[float] = []
+
+    def measure(plan_k: sp.SparsityPlan, planned: _Planned) -> tuple[SidecarMeta, float | None]:
+        """Writes the candidate and scores it; None (and a note) where the perplexity tool cannot run."""
+        meta = meta_of(plan_k, planned)
+        _write(out, model, meta, planned, progress)
         try:
-            if ppl_dense is None:
-                ppl_dense = _perplexity(model.path, heldout, ctx, None, threads, progress)
-            ppl = _perplexity(model.path, heldout, ctx, out, threads, progress)
+            if not dense:
+                dense.append(_perplexity(model.path, heldout, ctx, None, threads, progress))
+            return meta, _perplexity(model.path, heldout, ctx, out, threads, progress)
         except Pi2Error as e:  # the sidecar stands; only its quality is unknown
-            notes.append(f"perplexity not measured, the target kept: {e}")
-            quality = None
+            notes.append(f"perplexity not measured, the configuration kept: {e}")
+            return meta, None
+
+    def within(ppl: float) -> bool:
+        return ppl <= dense[0] * (1.0 + perplexity_budget)
+
+    def rel(ppl: float) -> str:
+        return f"{ppl / dense[0] - 1:+.1%}"
+
+    tried: list[str] = []  # "0.50 (+3.6%)" per target measured
+    best: tuple[sp.SparsityPlan, _Planned, SidecarMeta, float] | None = None
+    for k, target in enumerate(targets):
+        if k > 0:
+            plan_k, planned = plan_at(target)
+        meta, ppl = measure(plan_k, planned)
+        if ppl is None:
+            best = None
             break
-        quality = Quality(f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {ctx} tokens",
-                          ppl_dense, ppl, perplexity_budget)
-        within = ppl <= ppl_dense * (1.0 + perplexity_budget)
-        tried.append(f"{target if target is not None else 0.0:.2f} ({ppl / ppl_dense - 1:+.1%})")
-        if adaptive and k > 0 and (within or k == len(targets) - 1):  # one note: the choice, or that none held
-            notes.append(f"sparsity {target:.2f} chosen: the first target whose perplexity stays within "
-                         f"+{perplexity_budget:.1%} (tried {', '.join(tried)})"
-                         if within else f"no sparsity target down to {target:.2f} stays within "
-                         f"+{perplexity_budget:.1%} (tried {', '.join(tried)})")
-        if not within and not adaptive:
-            notes.append(f"perplexity {ppl:.3f} is {ppl / ppl_dense - 1:+.1%} over dense ({ppl_dense:.3f}), beyond the "
-                         f"budget of +{perplexity_budget:.1%}: a lower --sparsity keeps more quality")
-        if within or not adaptive:
+        best = (plan_k, planned, meta, ppl)
+        tried.append(f"{target if target is not None else 0.0:.2f} ({rel(ppl)})")
+        if within(ppl) or not adaptive:
             break
-    if quality is not None:  # recorded in the sidecar: written again, with the same layers
-        meta = dataclasses.replace(meta, quality=quality)
-        _write(out, model, meta, planned, progress)
+    if best is not None and adaptive:
+        t, held, packed = best[0].target, within(best[3]), targets[0] != plan.target
+        if not choice:
+            choice.append(f"sparsity {t:.2f}, " + ("the first target within the budget" if held else
+                                                   "no target within the budget") + f" (tried {', '.join(tried)})")
+        if packed or len(tried) > 1:  # one note: the choice, or that none held
+            why = (choice[0].partition(": ")[2] if packed else
+                   f"the first target whose perplexity stays within +{perplexity_budget:.1%} (tried {', '.join(tried)})")
+            notes.append(f"sparsity {t:.2f} chosen: {why}" if held else
+                         f"no sparsity target down to {t:.2f} stays within +{perplexity_budget:.1%} (tried {', '.join(tried)})")
+    elif best is not None:
+        choice.append(f"sparsity {best[0].target:.2f} as given" if best[0].target is not None else "threshold as given")
+        if not within(best[3]):
+            notes.append(f"perplexity {best[3]:.3f} is {rel(best[3])} over dense ({dense[0]:.3f}), beyond the budget of "
+                         f"+{perplexity_budget:.1%}: a lower --sparsity keeps more quality")
+
+    precision_free = adaptive and bundle_qt is None and down_qt is None
+    if best is not None and precision_free and not within(best[3]) and any(
+            bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE) for d in best[1].downs):
+        # no target holds with the model's down precision: the re-quantized down columns may be what costs
+        plan_k, planned = plan_at(best[0].target, HIGHER_DOWN_TYPE, {})
+        meta, ppl = measure(plan_k, planned)
+        if ppl is not None:
+            verdict = "within the budget" if within(ppl) else "still beyond the budget"
+            notes.append(f"down columns measured against {HIGHER_DOWN_TYPE.name}: {rel(ppl)} at sparsity "
+                         f"{best[0].target:.2f}, {verdict} (the model's types: {rel(best[3])})")
+            if ppl < best[3]:
+                choice.append(f"down columns against {HIGHER_DOWN_TYPE.name} ({rel(ppl)}; the model's types "
+                              f"{rel(best[3])})")
+                best = (plan_k, planned, meta, ppl)
+
+    if rows is not None:
+        choice.append(f"output matrix left in the model file under a memory budget, {rows} exact rows a token")
+
+    if best is None:  # not measured: the last candidate written stands, without quality keys
+        meta, planned = meta_of(plan_k, planned), planned
+    else:
+        plan_k, planned, meta, ppl = best
+        meta = dataclasses.replace(meta, quality=Quality(
+            f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {ctx} tokens", dense[0], ppl,
+            perplexity_budget, "; ".join(choice)))
+    _write(out, model, meta, planned, progress)  # the choice, with its quality recorded
+    return _result(out, t0, t_prof, meta, planned, shipped, recall, predictor, notes)
+
+
+def _result(out: Path, t0: float, t_prof: float, meta: SidecarMeta, planned: _Planned,
+            shipped: dict[int, pred_mod.Predictor], recall: float, predictor: str, notes: list[str]) -> ConvertResult:
     sources = planned.sources
     if shipped:
         used = [il for il, src in enumerate(sources) if src == "checkpoint"]

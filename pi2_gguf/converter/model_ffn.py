@@ -90,6 +90,9 @@ class ModelFfn:
         if any(l_["gate"].ne0 != self.n_embd for l_ in self.layers):
             raise ModelFileError(f"{self.path}: FFN layers differ in input width")
         self.activation, self.activation_threshold = self._activation()
+        # an output matrix of its own (not tied to the token embedding): under a memory budget the plugin can
+        # leave it in the file and read a token's top rows (PI2_OUTPUT_ROWS)
+        self.has_output = "output.weight" in tensors
 
     @property
     def n_layer(self) -> int:

@@ -96,10 +96,13 @@ def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
 # Models load one at a time: the plugin ties the weight buffers llama allocates between load_begin and load_end
 # to that load's binding (it refuses a second load_begin meanwhile); models constructed in several threads
 # wait for each other here, and then run side by side.
-def _output_rows(settings: Settings | None) -> int:
+def _output_rows(settings: Settings | None) -> int | None:
     """This model's PI2_OUTPUT_ROWS as the budget precheck counts it (0 where it is malformed: the plugin then
-    refuses the load with its own message)."""
-    value = (settings or {}).get("output_rows", os.environ.get("PI2_OUTPUT_ROWS") or 0)
+    refuses the load with its own message); None where neither the settings nor the environment give one (the
+    sidecar's recorded value then holds)."""
+    value = (settings or {}).get("output_rows", os.environ.get("PI2_OUTPUT_ROWS") or None)
+    if value is None:
+        return None
     try:
         return int(value)
     except (TypeError, ValueError):

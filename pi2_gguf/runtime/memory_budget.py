@@ -38,21 +38,23 @@ def parse_size(value: str | int | float, what: str = "memory budget") -> int:
     return size
 
 
-def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path, output_rows: int = 0) -> None:
+def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path, output_rows: int | None = None) -> None:
     """Refuses, before anything loads, a budget below what the model needs at the very least: what this
     process holds now, the model's resident non-FFN weights, one layer of bundles and the margin (the
     plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
     the load). A token embedding apart from the output matrix stays in the model file (the plugin reads
     its rows per token), so it does not count; with output_rows > 0 (PI2_OUTPUT_ROWS) the output matrix
-    counts as its smaller in-RAM copy."""
+    counts as its smaller in-RAM copy (None: the value the sidecar records, pi2.budget.output_rows, else 0)."""
     from ..sidecar import reader as sidecar_mod
 
     gc.collect()  # unmaps what GGUF readers the caller dropped still map: mapped pages count as resident
     held = native.resident_bytes()  # before the reader below maps (and counts) file pages
+    kv = sidecar_mod.read(sidecar).kv
+    if output_rows is None:
+        output_rows = int(kv.get("pi2.budget.output_rows", 0))
     non_ffn = model.file_size - model.ffn_bytes - model.embedding_bytes
     if output_rows > 0 and model.output_copy_bytes > 0:
         non_ffn -= model.output_bytes - model.output_copy_bytes
-    kv = sidecar_mod.read(sidecar).kv
     one_layer = max(-(-int(f) // int(g)) * int(b)
                     for f, g, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.neurons"], kv["pi2.bundle.size"]))
     need = held + non_ffn + one_layer + MARGIN

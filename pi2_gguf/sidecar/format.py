@@ -82,7 +82,11 @@ OPTIONAL_KEYS: dict[str, KT] = {
     "pi2.quality.perplexity_dense": KT.F32,
     "pi2.quality.perplexity": KT.F32,
     "pi2.quality.budget": KT.F32,
+    "pi2.quality.choice": KT.STR,
+    "pi2.budget.output_rows": KT.U32,
 }
+# the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
+MAX_OUTPUT_ROWS = 4096
 
 # per-layer tensors: suffix -> (ggml type name, shape in ggml order with symbolic dims)
 TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {

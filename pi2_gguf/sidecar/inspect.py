@@ -35,9 +35,13 @@ def summary(sc: Sidecar) -> str:
         f"calibration    {kv['pi2.calib.corpus']}, {kv['pi2.calib.tokens']} tokens + "
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
         _quality_line(kv),
+        *(["choice         " + kv["pi2.quality.choice"]] if "pi2.quality.choice" in kv else []),
+        *([f"memory budget  output matrix left in the model file, {kv['pi2.budget.output_rows']} exact rows a token "
+           f"(PI2_OUTPUT_ROWS; the environment or a model setting overrides it)"]
+          if kv.get("pi2.budget.output_rows") else []),
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")
-        + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  down type (err/tol)  in RAM (cost)",
+        + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  rows  down type (err/tol)  in RAM (cost)",
     ]
     # the plugin's placement rule (docs/BACKEND.md, "Which layers PI2 holds"): in predicted mode a layer is
     # held where sparse decode is estimated faster than ggml-cpu (cost < 1), and always for the ReLU family
@@ -54,7 +58,7 @@ def summary(sc: Sidecar) -> str:
             + (f"{g('pi2.sparsity.product_thresholds'):8.4f} " if product else "") + f"{g('pi2.sparsity.density'):8.3f} "
             f"{g('pi2.predictor.rank'):5d} {g('pi2.predictor.recall'):7.4f} {g('pi2.predictor.precision'):7.3f} "
             f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d} ({g('pi2.bundle.neurons'):2d})  "
-            f"{GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
+            f"{GGMLQuantizationType(g('pi2.bundle.gate_type')).name:>4}  {GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
             f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})  {place} ({cost[il]:.2f})")
     return "\n".join(lines)
 

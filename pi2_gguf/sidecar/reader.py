@@ -94,6 +94,15 @@ def read(path: str | Path) -> Sidecar:
         f = reader.get_field(key)
         if f is not None and f.types and f.types[0] == _EXPECT_TYPE[kt]:
             kv[key] = _field_value(reader, key, p)
+    # ... except the one the plugin applies: a malformed setting is refused, as the plugin refuses it
+    f = reader.get_field("pi2.budget.output_rows")
+    if f is not None:
+        rows = kv.get("pi2.budget.output_rows")
+        if rows is None:
+            raise SidecarError(f"sidecar {p}: key pi2.budget.output_rows has type {[t.name for t in f.types]}, expected u32")
+        if rows > fmt.MAX_OUTPUT_ROWS:
+            raise SidecarError(f"sidecar {p}: key pi2.budget.output_rows: PI2_OUTPUT_ROWS={rows} is not a number of "
+                               f"rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
     n_layer = int(kv["pi2.n_layer"])
     for key, kt in keys.items():
         if kt.value.endswith("[]"):

@@ -56,6 +56,7 @@ class Quality:
     perplexity_dense: float
     perplexity: float
     budget: float  # the relative increase the configuration was chosen for
+    choice: str = ""  # what convert chose within the budget, and why (one line)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class SidecarMeta:
     layers: list[LayerData] = field(default_factory=list)
     bundle_align: int = fmt.BUNDLE_ALIGN
     quality: Quality | None = None  # the optional pi2.quality.* keys
+    output_rows: int | None = None  # pi2.budget.output_rows: PI2_OUTPUT_ROWS under a memory budget (None: not recorded)
 
 
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
@@ -132,6 +134,12 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
     if m.quality is not None:
         kv.update({"pi2.quality.text": m.quality.text, "pi2.quality.perplexity_dense": m.quality.perplexity_dense,
                    "pi2.quality.perplexity": m.quality.perplexity, "pi2.quality.budget": m.quality.budget})
+        if m.quality.choice:
+            kv["pi2.quality.choice"] = m.quality.choice
+    if m.output_rows is not None:
+        if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
+            raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
+        kv["pi2.budget.output_rows"] = m.output_rows
     return kv
 
 
