@@ -435,7 +435,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         choice.append(f"output matrix left in the model file under a memory budget, {rows} exact rows a token")
 
     if best is None:  # not measured: the last candidate written stands, without quality keys
-        meta, planned = meta_of(plan_k, planned), planned
+        meta = meta_of(plan_k, planned)
     else:
         plan_k, planned, meta, ppl = best
         meta = dataclasses.replace(meta, quality=Quality(
