@@ -349,14 +349,13 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         return pi2_fail(rd, "is inconsistent: %s is 0x%016" PRIx64 " but its %s hash to 0x%016" PRIx64,
                         PI2_KEY_SOURCE_FINGERPRINT, sc->fingerprint, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS, fp);
     }
-    // optional: checked as the setting it is, by the setting's own parser
+    // optional: its type checked as every key's, its value as the setting it is, by the setting's own parser
+    static const struct pi2_key_spec output_rows = { PI2_KEY_BUDGET_OUTPUT_ROWS, GGUF_TYPE_UINT32, PI2_LEN_SCALAR, "u32", NULL };
     sc->output_rows = -1;
     const int64_t orows = pi2_find(rd, PI2_KEY_BUDGET_OUTPUT_ROWS);
     if (orows >= 0) {
-        const enum gguf_type kt = gguf_get_kv_type(rd->file.gguf, orows);
-        if (kt != GGUF_TYPE_UINT32) {
-            return pi2_fail(rd, "key %s is %s%s, expected u32", PI2_KEY_BUDGET_OUTPUT_ROWS, kt == GGUF_TYPE_ARRAY ? "an array of " : "",
-                            pi2_gguf_type_name(kt == GGUF_TYPE_ARRAY ? gguf_get_arr_type(rd->file.gguf, orows) : kt));
+        if (pi2_check_key(rd, &output_rows, sc->n_layer) != 0) {
+            return -1;
         }
         const uint32_t v = gguf_get_val_u32(rd->file.gguf, orows);
         char value[16], why[192];
