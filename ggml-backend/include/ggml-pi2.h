@@ -54,6 +54,12 @@ struct pi2_layer_counters {
     uint64_t io_requests;        // reads issued (consecutive bundles share one)
     uint64_t io_wait_ns;         // time the compute threads waited for bundles (per thread, on average)
     uint64_t prefetched;         // of the misses, read ahead while the layer before finished
+    // routed experts (MUL_MAT_ID of blk.N.ffn_{gate,up,down}_exps.weight), counted at the gate product
+    uint64_t expert_tokens;      // tokens through the layer's routed experts
+    uint64_t experts_routed;     // (token, expert) pairs computed: n_expert_used per token
+    uint64_t experts_loaded;     // distinct experts computed per batch, summed (each expert's rows read once a batch)
+    uint64_t expert_neurons;     // n_ff summed over the pairs
+    uint64_t expert_active;      // of those, neurons whose gate passed a ReLU-family cut (their up row computed)
 };
 
 struct pi2_counters {

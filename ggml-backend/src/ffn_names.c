@@ -11,7 +11,13 @@ static const char * const pi2_ffn_suffix[PI2_N_MATRIX] = {
     [PI2_MATRIX_DOWN] = "ffn_down.weight",
 };
 
-bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
+static const char * const pi2_expert_suffix[PI2_N_MATRIX] = {
+    [PI2_MATRIX_GATE] = "ffn_gate_exps.weight",
+    [PI2_MATRIX_UP]   = "ffn_up_exps.weight",
+    [PI2_MATRIX_DOWN] = "ffn_down_exps.weight",
+};
+
+static bool pi2_weight_parse(const char * name, const char * const suffix[PI2_N_MATRIX], int * layer, enum pi2_matrix * matrix) {
     if (name == NULL || strncmp(name, "blk.", 4) != 0) {
         return false;
     }
@@ -26,13 +32,21 @@ bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matr
         return false;
     }
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        if (strcmp(end + 1, pi2_ffn_suffix[m]) == 0) {
+        if (strcmp(end + 1, suffix[m]) == 0) {
             *layer  = (int) il;
             *matrix = (enum pi2_matrix) m;
             return true;
         }
     }
     return false;
+}
+
+bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
+    return pi2_weight_parse(name, pi2_ffn_suffix, layer, matrix);
+}
+
+bool pi2_expert_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
+    return pi2_weight_parse(name, pi2_expert_suffix, layer, matrix);
 }
 
 void pi2_ffn_weight_name(int layer, enum pi2_matrix matrix, char * buf, size_t size) {

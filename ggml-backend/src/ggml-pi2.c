@@ -15,6 +15,7 @@
 
 #include "build_info.h"
 #include "column_axpy.h"
+#include "expert_ffn.h"
 #include "ffn_exec.h"
 #include "ffn_names.h"
 #include "ggml-backend-impl.h"
@@ -396,7 +397,23 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
                 continue;
             }
         }
+        if (node->op == GGML_OP_MUL_MAT_ID) {
+            const struct pi2_stated_act sa = pi2_weight_act(node->src[0]);
+            struct pi2_expert_region r;
+            if (pi2_expert_region_find(cgraph, i, &sa, &r)) {
+                st = pi2_exec_expert_region(ctx, &r);
+                if (st != GGML_STATUS_SUCCESS) {
+                    return st;
+                }
+                pi2_count(&ctx->dev->counters.nodes_computed, 3);
+                i += 2;
+                continue;
+            }
+        }
         switch (node->op) {
+            case GGML_OP_MUL_MAT_ID:
+                st = pi2_exec_mul_mat_id(ctx, node);
+                break;
             case GGML_OP_MUL_MAT: {
                 struct pi2_binding * b = pi2_weight_binding(node->src[0]);
                 st = b != NULL && pi2_output_matches(b->output, node->src[0]) ? pi2_exec_output(ctx, b, node)
@@ -632,6 +649,38 @@ static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_t
            w->ne[0] % ggml_blck_size(w->type) == 0;
 }
 
+// MUL_MAT_ID of a routed-expert weight held in PI2's in-RAM buffer (expert_ffn.h). llama's placement probe asks
+// with a zero-size buffer: PI2 holds a model's experts where it must (a ReLU-family activation, which an
+// unmodified llama.cpp's MoE graph computes as SwiGLU) or where PI2_LAYERS=all says so; else ggml-cpu.
+static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * w = op->src[0];
+    struct pi2_device_ctx * d = dev->context;
+    int layer = 0;
+    enum pi2_matrix matrix = PI2_MATRIX_GATE;
+    if (w == NULL || w->buffer == NULL || w->buffer->buft != &d->buft || !pi2_expert_weight_parse(w->name, &layer, &matrix)) {
+        return false;
+    }
+    if (ggml_backend_buffer_get_size(w->buffer) == 0) {
+        const struct pi2_stated_act sa = pi2_weight_act(w);
+        pthread_mutex_lock(&d->lock);
+        pi2_announce_once(d);
+        const bool config_error = d->config.error[0] != '\0';
+        pthread_mutex_unlock(&d->lock);
+        if (!config_error && !(sa.stated && pi2_act_relu_family(sa.act.kind)) &&
+            pi2_setting(NULL, &d->config.defaults, PI2_SET_LAYERS) == 0.0) {
+            return false;
+        }
+    }
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
+    if (tt == NULL || tt->vec_dot == NULL) {
+        return false;
+    }
+    if (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL) {
+        return false;
+    }
+    return pi2_expert_mul_mat_id_shapes(op);
+}
+
 // the own FFN weight whose product t derives from through at most `depth` elementwise ops, or NULL
 static const struct ggml_tensor * pi2_ffn_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t, int depth) {
     if (t == NULL) {
@@ -651,9 +700,35 @@ static const struct ggml_tensor * pi2_ffn_product_weight(ggml_backend_dev_t dev,
 
 // the FFN's GLU: both inputs are products of PI2-owned FFN weights (for a model that states a ReLU-family
 // activation, possibly through the elementwise ops a patched llama.cpp spells it with)
+// an own routed-expert product (MUL_MAT_ID), or NULL
+static const struct ggml_tensor * pi2_expert_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
+    int layer = 0;
+    enum pi2_matrix m;
+    return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_is_own_buffer(dev, t->src[0]) &&
+           pi2_expert_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
+}
+
+// the routed experts' GLU: both inputs are PI2's expert products (expert_ffn.h), contiguous
+static bool pi2_supports_expert_glu(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    const struct ggml_tensor * a = op->src[0];
+    const struct ggml_tensor * b = op->src[1];
+    const struct ggml_tensor * wa = pi2_expert_product_weight(dev, a);
+    if (wa == NULL || pi2_expert_product_weight(dev, b) == NULL) {
+        return false;
+    }
+    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !pi2_weight_act(wa).stated) {
+        return false;
+    }
+    return a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 && ggml_are_same_shape(a, b) &&
+           ggml_is_contiguous(a) && ggml_is_contiguous(b) && ggml_is_contiguous(op);
+}
+
 static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * a = op->src[0];
     const struct ggml_tensor * b = op->src[1];
+    if (pi2_expert_product_weight(dev, a) != NULL) {
+        return pi2_supports_expert_glu(dev, op);
+    }
     const struct ggml_tensor * wa = pi2_ffn_product_weight(dev, a, 3);
     if (b == NULL || wa == NULL || pi2_ffn_product_weight(dev, b, 3) == NULL) {
         return false;
@@ -743,9 +818,10 @@ static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) 
 }
 
 static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
-    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
-        const struct ggml_tensor * w = op->op == GGML_OP_MUL_MAT ? op->src[0] : op->src[0]->src[0];
-        if (w != NULL && pi2_is_prompt_batch(w, op->ne[1])) {
+    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
+        const bool by_id = op->op == GGML_OP_MUL_MAT_ID || op->src[0]->op == GGML_OP_MUL_MAT_ID;
+        const struct ggml_tensor * w = op->op == GGML_OP_GLU ? op->src[0]->src[0] : op->src[0];
+        if (w != NULL && pi2_is_prompt_batch(w, by_id ? op->ne[2] : op->ne[1])) {
             return false;
         }
     }
@@ -759,6 +835,8 @@ static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_ten
             return pi2_is_own_buffer(dev, op) || (op->view_src != NULL && pi2_is_own_buffer(dev, op->view_src));
         case GGML_OP_MUL_MAT:
             return pi2_supports_ffn_mul_mat(dev, op) || pi2_supports_output_mul_mat(dev, op);
+        case GGML_OP_MUL_MAT_ID:
+            return pi2_supports_expert_mul_mat_id(dev, op);
         case GGML_OP_GET_ROWS:
             return pi2_supports_embedding_rows(dev, op);
         case GGML_OP_GLU:

@@ -45,6 +45,11 @@ class Pi2LayerCounters(ctypes.Structure):
         ("io_requests", c_uint64),
         ("io_wait_ns", c_uint64),
         ("prefetched", c_uint64),
+        ("expert_tokens", c_uint64),
+        ("experts_routed", c_uint64),
+        ("experts_loaded", c_uint64),
+        ("expert_neurons", c_uint64),
+        ("expert_active", c_uint64),
     ]
 
 

@@ -44,6 +44,14 @@ class Counters:
     io_requests: np.ndarray
     io_wait_ns: np.ndarray
     prefetched: np.ndarray
+    # routed experts (MoE layers), per layer: tokens through them, (token, expert) pairs computed (n_expert_used
+    # a token), distinct experts computed per batch (summed), n_ff over the pairs, of those the neurons whose
+    # ReLU-family gate fired (their up row computed; all of them for other activations)
+    expert_tokens: np.ndarray
+    experts_routed: np.ndarray
+    experts_loaded: np.ndarray
+    expert_neurons: np.ndarray
+    expert_active: np.ndarray
     # a sparse output layer (PI2_OUTPUT_ROWS under a memory budget): exact rows read from the model file, bytes
     output_rows: int = 0
     output_bytes: int = 0

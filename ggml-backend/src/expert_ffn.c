@@ -1,0 +1,260 @@
+#include "expert_ffn.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "ggml-cpu.h"
+#include "ffn_names.h"
+#include "glu.h"
+#include "pi2_log.h"
+
+// a product's operands, as MUL_MAT_ID defines them: out[:, s, t] = W[ids[s, t]] . x[:, s % n_b, t]
+struct pi2_id_operands {
+    const struct ggml_tensor * w, * x, * ids;
+    struct ggml_tensor *       out;
+    int64_t k, n_rows, n_expert, n_b, n_used, n_tokens;
+};
+
+static struct pi2_id_operands pi2_id_operands(struct ggml_tensor * node) {
+    const struct ggml_tensor * w = node->src[0];
+    const struct ggml_tensor * x = node->src[1];
+    const struct ggml_tensor * ids = node->src[2];
+    return (struct pi2_id_operands) {
+        .w = w, .x = x, .ids = ids, .out = node,
+        .k = w->ne[0], .n_rows = w->ne[1], .n_expert = w->ne[2], .n_b = x->ne[1], .n_used = ids->ne[0], .n_tokens = ids->ne[1],
+    };
+}
+
+bool pi2_expert_mul_mat_id_shapes(const struct ggml_tensor * op) {
+    const struct ggml_tensor * w = op->src[0];
+    const struct ggml_tensor * x = op->src[1];
+    const struct ggml_tensor * ids = op->src[2];
+    if (w == NULL || x == NULL || ids == NULL) {
+        return false;
+    }
+    return ggml_is_contiguous(w) && w->ne[3] == 1 && w->ne[0] % ggml_blck_size(w->type) == 0 &&
+           x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[3] == 1 && x->nb[0] == sizeof(float) &&
+           ids->type == GGML_TYPE_I32 && ids->ne[1] == x->ne[2] && ids->ne[2] == 1 && ids->ne[3] == 1 && ids->nb[0] == sizeof(int32_t) &&
+           (x->ne[1] == 1 || x->ne[1] == ids->ne[0]) &&
+           op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) && op->ne[0] == w->ne[1] &&
+           op->ne[1] == ids->ne[0] && op->ne[2] == ids->ne[1] && op->ne[3] == 1;
+}
+
+static int32_t pi2_id_at(const struct pi2_id_operands * o, int64_t s, int64_t t) {
+    return *(const int32_t *) ((const char *) o->ids->data + t * o->ids->nb[1] + s * o->ids->nb[0]);
+}
+
+static float * pi2_id_out(const struct ggml_tensor * out, int64_t s, int64_t t) {
+    return (float *) ((char *) out->data + t * out->nb[2] + s * out->nb[1]);
+}
+
+static void pi2_count_experts(struct pi2_counters * c, const struct pi2_id_operands * o, int layer, enum pi2_matrix m,
+                              int64_t n_loaded, uint64_t rows) {
+    pi2_count_layer_seen(c, layer);
+    struct pi2_layer_counters * L = &c->layer[layer];
+    pi2_count(&L->matmul_calls[m], 1);
+    pi2_count(&L->matmul_tokens[m], (uint64_t) o->n_tokens);
+    pi2_count(&L->rows[m], rows);
+    pi2_count(&L->weight_bytes[m], (uint64_t) n_loaded * (uint64_t) o->n_rows * o->w->nb[1]);
+    if (m == PI2_MATRIX_GATE) {
+        pi2_count(&L->expert_tokens, (uint64_t) o->n_tokens);
+        pi2_count(&L->experts_routed, (uint64_t) (o->n_used * o->n_tokens));
+        pi2_count(&L->experts_loaded, (uint64_t) n_loaded);
+        pi2_count(&L->expert_neurons, (uint64_t) (o->n_rows * o->n_used * o->n_tokens));
+    } else if (m == PI2_MATRIX_UP) {
+        pi2_count(&L->expert_active, rows);
+    }
+}
+
+// One MUL_MAT_ID. The (slot, token) pairs are grouped by expert; work units are (expert used, span of rows), each
+// computing its rows for every pair routed to that expert. With `gate` (the region's gate product, same shape as
+// node) a row is computed only where act passes its cut on the gate, else written 0.
+static enum ggml_status pi2_run_mul_mat_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node,
+                                           const struct ggml_tensor * gate, const struct pi2_ffn_act * act) {
+    const struct pi2_id_operands o = pi2_id_operands(node);
+    int layer = 0;
+    enum pi2_matrix m = PI2_MATRIX_GATE;
+    if (!pi2_expert_weight_parse(o.w->name, &layer, &m)) {
+        PI2_LOG_ERROR("pi2: MUL_MAT_ID on %s, which PI2 does not own\n", o.w->name);
+        return GGML_STATUS_FAILED;
+    }
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(o.w->type);
+    const enum ggml_type vdt = tt->vec_dot_type;
+    const bool convert = vdt != GGML_TYPE_F32;
+    const size_t xq_stride = convert ? ggml_row_size(vdt, o.k) : (size_t) o.k * sizeof(float);
+    const int64_t n_cols = o.n_b * o.n_tokens;
+    const int64_t n_pairs = o.n_used * o.n_tokens;
+
+    // work: converted columns, then per expert its count and first pair, the pairs by expert, the experts used
+    const size_t xq_bytes = ((xq_stride * (size_t) n_cols) + 63) & ~(size_t) 63;
+    const size_t need = xq_bytes + sizeof(int64_t) * (size_t) (2 * o.n_expert + n_pairs + o.n_expert);
+    if (pi2_work_reserve(ctx, need) == NULL) {
+        PI2_LOG_ERROR("pi2: out of memory for %lld routed tokens\n", (long long) o.n_tokens);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    char *    xq     = ctx->work;
+    int64_t * count  = (int64_t *) (ctx->work + xq_bytes);
+    int64_t * first  = count + o.n_expert;
+    int64_t * pairs  = first + o.n_expert;  // s + t * n_used, grouped by expert
+    int64_t * used   = pairs + n_pairs;     // the experts with pairs, in expert order
+    memset(count, 0, sizeof(int64_t) * (size_t) o.n_expert);
+    for (int64_t t = 0; t < o.n_tokens; ++t) {
+        for (int64_t s = 0; s < o.n_used; ++s) {
+            const int32_t e = pi2_id_at(&o, s, t);
+            if (e < 0 || e >= o.n_expert) {
+                PI2_LOG_ERROR("pi2: %s: token %lld routed to expert %d of %lld\n", o.w->name, (long long) t, e, (long long) o.n_expert);
+                return GGML_STATUS_FAILED;
+            }
+            count[e]++;
+        }
+    }
+    int64_t n_loaded = 0;
+    for (int64_t e = 0, at = 0; e < o.n_expert; ++e) {
+        first[e] = at;
+        at += count[e];
+        if (count[e] > 0) {
+            used[n_loaded++] = e;
+        }
+        count[e] = 0; // refilled below as the fill position
+    }
+    for (int64_t t = 0; t < o.n_tokens; ++t) {
+        for (int64_t s = 0; s < o.n_used; ++s) {
+            const int32_t e = pi2_id_at(&o, s, t);
+            pairs[first[e] + count[e]++] = s + t * o.n_used;
+        }
+    }
+
+    // one token an expert: long spans stream its rows; several: short spans keep a tile in cache for all of them
+    const int64_t span    = o.n_tokens == 1 ? 64 : 16;
+    const int64_t n_spans = (o.n_rows + span - 1) / span;
+    const int64_t n_units = n_loaded * n_spans;
+    const int     want    = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    const int     nth     = n_units < want ? (int) (n_units > 0 ? n_units : 1) : want;
+    ggml_from_float_t to_vec_dot = convert ? ggml_get_type_traits_cpu(vdt)->from_float : NULL;
+    const bool masked = gate != NULL && pi2_act_relu_family(act->kind);
+    const float cut = masked && act->kind == PI2_ACT_FATRELU ? act->threshold : 0.0f;
+    atomic_llong next = 0;
+    atomic_ullong computed = 0;
+
+    #pragma omp parallel num_threads(nth)
+    {
+        const int ith = omp_get_thread_num();
+        const int nt  = omp_get_num_threads();
+        for (int64_t c = n_cols * ith / nt; c < n_cols * (ith + 1) / nt; ++c) {
+            const float * src = (const float *) ((const char *) o.x->data + (c / o.n_b) * o.x->nb[2] + (c % o.n_b) * o.x->nb[1]);
+            if (convert) {
+                to_vec_dot(src, xq + (size_t) c * xq_stride, o.k);
+            } else {
+                memcpy(xq + (size_t) c * xq_stride, src, xq_stride);
+            }
+        }
+        #pragma omp barrier
+        uint64_t mine = 0;
+        for (;;) {
+            const long long u = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
+            if (u >= n_units) {
+                break;
+            }
+            const int64_t e  = used[u / n_spans];
+            const int64_t r0 = (u % n_spans) * span;
+            const int64_t r1 = r0 + span < o.n_rows ? r0 + span : o.n_rows;
+            const char * we = (const char *) o.w->data + (size_t) e * o.w->nb[2];
+            for (int64_t p = first[e]; p < first[e] + count[e]; ++p) {
+                const int64_t s = pairs[p] % o.n_used;
+                const int64_t t = pairs[p] / o.n_used;
+                const char * xc = xq + (size_t) (t * o.n_b + s % o.n_b) * xq_stride;
+                float * d = pi2_id_out(o.out, s, t);
+                const float * g = masked ? pi2_id_out(gate, s, t) : NULL;
+                for (int64_t r = r0; r < r1; ++r) {
+                    if (masked && !(g[r] > cut)) {
+                        d[r] = 0.0f;
+                        continue;
+                    }
+                    tt->vec_dot((int) o.k, d + r, 0, we + (size_t) r * o.w->nb[1], 0, xc, 0, 1);
+                    mine++;
+                }
+            }
+        }
+        atomic_fetch_add_explicit(&computed, mine, memory_order_relaxed);
+    }
+    pi2_count_experts(&ctx->dev->counters, &o, layer, m, n_loaded, (uint64_t) atomic_load(&computed));
+    return GGML_STATUS_SUCCESS;
+}
+
+enum ggml_status pi2_exec_mul_mat_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
+    return pi2_run_mul_mat_id(ctx, node, NULL, NULL);
+}
+
+static bool pi2_is_expert_product(const struct ggml_tensor * t, int layer, enum pi2_matrix want) {
+    int l = 0;
+    enum pi2_matrix m = PI2_MATRIX_GATE;
+    return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_expert_weight_parse(t->src[0]->name, &l, &m) && l == layer && m == want;
+}
+
+bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_expert_region * r) {
+    const int n = ggml_graph_n_nodes(g);
+    if (i + 2 >= n) {
+        return false;
+    }
+    // ggml orders a node's sources first to last: the GLU's gate product, then its up product, then the GLU
+    struct ggml_tensor * gate = ggml_graph_node(g, i);
+    int layer = 0;
+    enum pi2_matrix m = PI2_MATRIX_GATE;
+    if (gate->op != GGML_OP_MUL_MAT_ID || !pi2_expert_weight_parse(gate->src[0]->name, &layer, &m) || m != PI2_MATRIX_GATE) {
+        return false;
+    }
+    struct ggml_tensor * up  = ggml_graph_node(g, i + 1);
+    struct ggml_tensor * glu = ggml_graph_node(g, i + 2);
+    if (!pi2_is_expert_product(up, layer, PI2_MATRIX_UP) || gate->src[1] != up->src[1] || gate->src[2] != up->src[2] ||
+        !ggml_are_same_shape(gate, up) || glu->op != GGML_OP_GLU || glu->src[0] != gate || glu->src[1] != up ||
+        ((const int32_t *) glu->op_params)[1] != 0 || !ggml_are_same_shape(glu, gate) ||
+        !ggml_is_contiguous(glu) || !ggml_is_contiguous(gate) || !ggml_is_contiguous(up)) {
+        return false;
+    }
+    struct pi2_ffn_act act = stated->act;
+    if (!stated->stated && !pi2_act_from_glu(ggml_get_glu_op(glu), &act)) {
+        return false;
+    }
+    *r = (struct pi2_expert_region) { .layer = layer, .up = up, .gate = gate, .glu = glu, .act = act };
+    return true;
+}
+
+// act(gate, up) over the region's [n_ff, n_used, n_tokens], each thread a share of the (slot, token) rows
+static enum ggml_status pi2_expert_act(struct pi2_backend_ctx * ctx, const struct pi2_expert_region * r) {
+    const int64_t nc = r->glu->ne[0];
+    const int64_t nr = ggml_nrows(r->glu);
+    const int     want = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    const int     nth = nr < want ? (int) nr : want;
+    atomic_int failed = 0;
+    #pragma omp parallel for num_threads(nth > 0 ? nth : 1) schedule(static)
+    for (int64_t row = 0; row < nr; ++row) {
+        float * y = (float *) ((char *) r->glu->data + row * r->glu->nb[1]);
+        const float * xg = (const float *) ((const char *) r->gate->data + row * r->gate->nb[1]);
+        const float * xu = (const float *) ((const char *) r->up->data + row * r->up->nb[1]);
+        if (!pi2_glu_span(&ctx->dev->glu, &r->act, (int) nc, y, xg, xu)) {
+            atomic_store(&failed, 1);
+        }
+    }
+    if (atomic_load(&failed)) {
+        PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[r->act.kind]);
+        return GGML_STATUS_FAILED;
+    }
+    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
+    pi2_count(&L->glu_calls, 1);
+    pi2_count(&L->glu_tokens, (uint64_t) r->glu->ne[2]);
+    return GGML_STATUS_SUCCESS;
+}
+
+enum ggml_status pi2_exec_expert_region(struct pi2_backend_ctx * ctx, const struct pi2_expert_region * r) {
+    enum ggml_status st = pi2_run_mul_mat_id(ctx, r->gate, NULL, NULL);
+    if (st == GGML_STATUS_SUCCESS) {
+        st = pi2_run_mul_mat_id(ctx, r->up, r->gate, &r->act);
+    }
+    if (st == GGML_STATUS_SUCCESS) {
+        st = pi2_expert_act(ctx, r);
+    }
+    return st;
+}

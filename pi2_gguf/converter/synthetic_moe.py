@@ -1,0 +1,377 @@
+"""Synthetic MoE GGUF models (routed experts), in the three layouts llama.cpp runs them: llama (Mixtral,
+TurboSparse-Mixtral), qwen3moe (Qwen3-30B-A3B) and smallthinker (router read before attention). Their text is
+meaningless; their shape, size, routing and sparsity inside experts are the point.
+
+How the model is made (dense synthetic models: synthetic.py):
+- Residual dimension 0 carries a constant (embeddings set it; nothing writes it), so after the RMS norm x_0 is
+  nearly the same on every token: gate column 0 acts as a per-neuron bias, router column 0 as a per-expert bias.
+- Routing skew: expert e's router bias is skew * log(p_e) for Zipf popularities p_e ~ 1/(rank + 1).
+- Routing locality: dimensions 1..n_embd/8 are context dimensions. Only attention writes them, and its queries
+  and keys read dimension 0 alone, so every score depends on the distance between positions only (RoPE) and
+  peaks at distance 0: they hold a recency-weighted mean of the recent tokens. The router reads them with
+  weight `locality` and the token dimensions with weight 1 - locality, so consecutive tokens share experts
+  more often as locality grows.
+- Sparsity inside experts: each neuron gets a firing frequency (synthetic.Sparsity); its bias is the quantile
+  of its pre-activation under the normed residual's distribution (dimension 0 constant, the rest Gaussian)
+  that gives that frequency. The frequencies a text really gives are measured by running it
+  (tools/make_model.py reports them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
+from tqdm import tqdm
+
+from ..errors import Pi2Error
+from . import bundles
+from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields
+
+ARCHS = ("llama", "qwen3moe", "smallthinker")
+CONTEXT_DIMS_DIV = 8  # n_embd / this residual dimensions carry context (written by attention only)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    n_embd: int = 1024
+    n_ff: int = 2816      # per expert
+    n_layer: int = 16
+    n_head: int = 16
+    n_head_kv: int = 4
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ctx: int = 2048
+
+    def params(self, n_vocab: int) -> int:
+        hd = self.n_embd // self.n_head
+        attn = self.n_embd * self.n_embd * 2 + self.n_embd * hd * self.n_head_kv * 2
+        experts = self.n_expert * 3 * self.n_embd * self.n_ff + self.n_expert * self.n_embd
+        return self.n_layer * (experts + attn + 2 * self.n_embd) + n_vocab * self.n_embd + self.n_embd
+
+    def active_params(self, n_vocab: int) -> int:
+        hd = self.n_embd // self.n_head
+        attn = self.n_embd * self.n_embd * 2 + self.n_embd * hd * self.n_head_kv * 2
+        return self.n_layer * (self.n_expert_used * 3 * self.n_embd * self.n_ff + attn) + n_vocab * self.n_embd
+
+
+@dataclass(frozen=True)
+class Routing:
+    skew: float = 1.0      # router bias = skew * log(Zipf popularity): 0 is uniform
+    locality: float = 0.5  # weight of the context dimensions in the router's logits, in [0, 1]
+
+
+def _inv_norm_cdf(p: np.ndarray) -> np.ndarray:
+    """Acklam's rational approximation of the standard normal quantile (|error| < 1.2e-9)."""
+    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02,
+         -3.066479806614716e+01, 2.506628277459239e+00)
+    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01,
+         -1.328068155288572e+01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549732539343734e+00,
+         4.374664141464968e+00, 2.938163982698783e+00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00)
+    p = np.clip(np.asarray(p, np.float64), 1e-12, 1 - 1e-12)
+    out = np.empty_like(p)
+    lo, hi = p < 0.02425, p > 1 - 0.02425
+    mid = ~(lo | hi)
+    q = np.sqrt(-2 * np.log(p[lo]))
+    out[lo] = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+              ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    q = np.sqrt(-2 * np.log(1 - p[hi]))
+    out[hi] = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    q = p[mid] - 0.5
+    r = q * q
+    out[mid] = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
+               (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+    return out
+
+
+class _MoeWeights:
+    """All weights as float32, layer by layer from a seed."""
+
+    def __init__(self, shape: MoeShape, sparsity: Sparsity, routing: Routing, activation: str, threshold: float,
+                 n_vocab: int, seed: int) -> None:
+        self.shape, self.sparsity, self.routing = shape, sparsity, routing
+        self.activation, self.threshold, self.n_vocab, self.seed = activation, threshold, n_vocab, seed
+        self.n_ctx_dims = max(1, shape.n_embd // CONTEXT_DIMS_DIV)
+        self.resid_const = float(np.sqrt(3.0 * shape.n_embd))
+        self.bias: list[np.ndarray | None] = [None] * shape.n_layer  # [n_expert, n_ff] once calibrated
+
+    def embeddings(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 1])
+        e = rng.standard_normal((self.n_vocab, self.shape.n_embd), dtype=np.float32)
+        e[:, 0] = self.resid_const
+        e[:, 1:1 + self.n_ctx_dims] = 0.0  # context dimensions: attention writes them
+        return e
+
+    def freq(self, il: int, e: int, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Target firing frequency of each neuron of expert e in layer il (regenerable from the seed)."""
+        if self.activation == "silu":
+            return np.full(self.shape.n_ff, 0.5, np.float32)
+        return self.sparsity.frequencies(self.shape.n_ff, np.random.default_rng([self.seed, 3, il, e]))
+
+    def layer(self, il: int, arch: str) -> dict[str, np.ndarray]:
+        s, m = self.shape, self.n_ctx_dims
+        rng = np.random.default_rng([self.seed, 2, il])
+        hd = s.n_embd // s.n_head
+        n_kv = hd * s.n_head_kv
+        sc = 1.0 / np.sqrt(s.n_embd)
+        tok = slice(1 + m, s.n_embd)
+        # normed residual: dimension 0 about sqrt(3 n / 4), the others variance about 1/4
+        x0 = float(np.sqrt(0.75 * s.n_embd))
+        w: dict[str, np.ndarray] = {"attn_norm": np.ones(s.n_embd, np.float32), "ffn_norm": np.ones(s.n_embd, np.float32)}
+        # queries and keys read dimension 0 only: scores depend on distance alone, highest at distance 0
+        q = np.zeros((s.n_embd, s.n_embd), np.float32)
+        k = np.zeros((n_kv, s.n_embd), np.float32)
+        q[:, 0] = 3.0 / x0
+        k[:, 0] = 3.0 / x0
+        w["attn_q"], w["attn_k"] = q, k
+        v = np.zeros((n_kv, s.n_embd), np.float32)
+        v[:, tok] = rng.standard_normal((n_kv, s.n_embd - 1 - m), dtype=np.float32) * sc
+        w["attn_v"] = v
+        o = np.zeros((s.n_embd, s.n_embd), np.float32)  # writes the context dimensions only
+        o[1:1 + m, :] = rng.standard_normal((m, s.n_embd), dtype=np.float32) * (4.0 * sc)
+        w["attn_output"] = o
+        if arch == "qwen3moe":
+            w["attn_q_norm"] = np.ones(hd, np.float32)
+            w["attn_k_norm"] = np.ones(hd, np.float32)
+        # router: token dimensions, context dimensions, and a Zipf bias in column 0
+        r = np.zeros((s.n_expert, s.n_embd), np.float32)
+        lam = self.routing.locality
+        r[:, tok] = rng.standard_normal((s.n_expert, s.n_embd - 1 - m), dtype=np.float32) * (2.0 * (1 - lam) / np.sqrt(s.n_embd - 1 - m) * 2)
+        r[:, 1:1 + m] = rng.standard_normal((s.n_expert, m), dtype=np.float32) * (2.0 * lam / np.sqrt(m) * 2)
+        pop = 1.0 / (rng.permutation(s.n_expert) + 1.0)
+        r[:, 0] = (self.routing.skew * np.log(pop) / x0).astype(np.float32)
+        w["ffn_gate_inp"] = r
+        gates, ups, downs = [], [], []
+        t = self.threshold if self.activation == "fatrelu" else 0.0
+        for e in range(s.n_expert):
+            g = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc
+            g[:, 1:1 + m] = 0.0  # experts read the token dimensions
+            sigma = np.sqrt(np.sum(g[:, tok] ** 2, axis=1)) * 0.5
+            freq = self.freq(il, e, rng)
+            # first guess, the normed residual taken as Gaussian: P(g.x + b x0 > t) = freq  =>
+            # b = (t + sigma * Phi^-1(1 - freq)) / x0; calibration replaces it with measured quantiles
+            bias = self.bias[il]
+            g[:, 0] = bias[e] if bias is not None else ((t + sigma * _inv_norm_cdf(1.0 - freq)) / x0).astype(np.float32)
+            gates.append(g)
+            ups.append(rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc)
+            dn = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * (1.0 / np.sqrt(s.n_ff * self.sparsity.density))
+            dn[:1 + m, :] = 0.0  # never write dimension 0 or the context dimensions
+            downs.append(dn)
+        w["ffn_gate_exps"] = np.stack(gates)
+        w["ffn_up_exps"] = np.stack(ups)
+        w["ffn_down_exps"] = np.stack(downs)
+        return w
+
+
+def _as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
+    if a.ndim == 1 or qtype == QT.F32 or a.shape[0] == 0:
+        return np.ascontiguousarray(a, np.float32), None, None
+    if qtype == QT.F16:
+        return np.ascontiguousarray(a, np.float16), None, None
+    if a.ndim == 3:
+        q = bundles.quantize_rows(qtype, a.reshape(-1, a.shape[-1]))
+        return q.reshape(a.shape[0], a.shape[1], -1), None, qtype
+    return bundles.quantize_rows(qtype, a), None, qtype
+
+
+def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qtype: QT, name: str,
+                    progress: bool = True) -> Path:
+    """Writes the GGUF atomically (temp file in the same directory, then rename)."""
+    s = w.shape
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        gw = GGUFWriter(tmp, arch)
+        gw.add_name(name)
+        gw.add_context_length(s.n_ctx)
+        gw.add_embedding_length(s.n_embd)
+        gw.add_block_count(s.n_layer)
+        gw.add_feed_forward_length(s.n_ff)
+        gw.add_expert_feed_forward_length(s.n_ff)
+        gw.add_expert_count(s.n_expert)
+        gw.add_expert_used_count(s.n_expert_used)
+        gw.add_head_count(s.n_head)
+        gw.add_head_count_kv(s.n_head_kv)
+        gw.add_rope_dimension_count(s.n_embd // s.n_head)
+        gw.add_layer_norm_rms_eps(1e-5)
+        if arch == "smallthinker":
+            gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+        gw.add_string(f"{arch}.ffn_activation", w.activation)
+        if w.activation == "fatrelu":
+            gw.add_float32(f"{arch}.ffn_activation_threshold", w.threshold)
+        gw.add_string("pi2.synthetic.note", "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless")
+        for key, vtype, val in tok_fields:
+            if vtype == GGUFValueType.ARRAY:
+                gw.add_array(key, val)  # type: ignore[arg-type]
+            else:
+                gw.add_key_value(key, val, vtype)
+        gw.add_tensor("token_embd.weight", *_as_tensor(w.embeddings(), qtype if qtype != QT.F32 else QT.F16))
+        gw.add_tensor("output_norm.weight", np.ones(s.n_embd, np.float32))
+        for il in tqdm(range(s.n_layer), desc="write layers", unit="layer", disable=not progress):
+            for k, a in w.layer(il, arch).items():
+                gw.add_tensor(f"blk.{il}.{k}.weight", *_as_tensor(a, QT.F32 if k == "ffn_gate_inp" else qtype))
+        gw.write_header_to_file()
+        gw.write_kv_data_to_file()
+        gw.write_tensors_to_file(progress=False)
+        gw.close()
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass(frozen=True)
+class MoeLayerReport:
+    target_density: float    # mean target firing frequency inside the experts
+    density: float           # measured: fired gates / neurons of the routed experts (held-out text)
+    top_expert_share: float  # share of routed choices that went to the layer's most used expert
+    lru_hits: dict[int, float]  # cache size in experts (this layer's) -> LRU hit rate over the tokens
+
+
+def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
+    """Hit rate of an LRU cache of `size` experts over a token sequence's routed experts (each an index array)."""
+    cache: dict[int, int] = {}
+    hits = total = 0
+    for step, sel in enumerate(routes):
+        for e in sel.tolist():
+            total += 1
+            if e in cache:
+                hits += 1
+            elif len(cache) >= size:
+                del cache[min(cache, key=cache.__getitem__)]
+            cache[e] = step
+    return hits / max(total, 1)
+
+
+def _profile(path: Path, tokens: list[int], n_layer: int, threads: int | None) -> tuple[dict, dict]:
+    """Per layer, the FFN inputs [n_tok, n_embd] and router logits [n_tok, n_expert] of `tokens` (one window,
+    through the plugin: it computes the stated activation, which llama.cpp's MoE graph alone does not)."""
+    from .. import register
+    from ..runtime.runner import LlamaRunner
+
+    seen: dict[tuple[str, int], list[np.ndarray]] = {}
+    register()
+    with LlamaRunner(path, n_ctx=len(tokens) + 8, n_threads=threads, watch=("ffn_norm", "ffn_moe_logits"),
+                     sink=lambda il, name, a: seen.setdefault((name, il), []).append(a.copy()), repack=False) as r:
+        r.decode(tokens)
+    xs = {il: np.concatenate(seen[("ffn_norm", il)]) for il in range(n_layer)}
+    lg = {il: np.concatenate(seen[("ffn_moe_logits", il)]) for il in range(n_layer)}
+    return xs, lg
+
+
+def _routes(logits: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]  # softmax keeps the order of the logits
+
+
+def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
+    """Sets each expert neuron's bias so that its gate passes the cut on its target share of the tokens routed to
+    that expert (all tokens where fewer than 16 were)."""
+    s = w.shape
+    t = w.threshold
+    for il in range(s.n_layer):
+        x = xs[il].astype(np.float32)
+        routed = _routes(lg[il], s.n_expert_used)
+        gates = w.layer(il, arch)["ffn_gate_exps"]
+        bias = np.empty((s.n_expert, s.n_ff), np.float32)
+        for e in range(s.n_expert):
+            xe = x[(routed == e).any(axis=1)]
+            if xe.shape[0] < 16:
+                xe = x
+            g = gates[e].copy()
+            g[:, 0] = 0.0
+            z = np.sort(xe @ g.T, axis=0)
+            idx = np.clip(np.floor((1.0 - w.freq(il, e)) * (z.shape[0] - 1)).astype(int), 0, z.shape[0] - 1)
+            cut = z[idx, np.arange(s.n_ff)]
+            bias[e] = (t - cut) / float(np.mean(xe[:, 0]))
+        w.bias[il] = bias
+
+
+def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerReport]:
+    s = w.shape
+    out = []
+    sizes = sorted({max(1, s.n_expert // 8), max(1, s.n_expert // 4), max(1, s.n_expert // 2), s.n_expert_used})
+    for il in range(s.n_layer):
+        x = xs[il].astype(np.float32)
+        routed = _routes(lg[il], s.n_expert_used)
+        gates = w.layer(il, arch)["ffn_gate_exps"]
+        fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
+        counts = np.bincount(routed.ravel(), minlength=s.n_expert)
+        target = float(np.mean([w.freq(il, e).mean() for e in range(s.n_expert)]))
+        out.append(MoeLayerReport(target, fired / (routed.size * s.n_ff), float(counts.max() / counts.sum()),
+                                  {c: lru_hit_rate(list(routed), c) for c in sizes}))
+    return out
+
+
+def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Routing, arch: str = "llama",
+             activation: str = "drelu", qtype: QT = QT.Q4_K, seed: int = 0, tokenizer_from: str | Path | None = None,
+             threshold: float = FATRELU_THRESHOLD, progress: bool = True, text: str | Path | None = None,
+             calib_tokens: int = 0, heldout_tokens: int = 0, rounds: int = 2,
+             threads: int | None = None) -> list[MoeLayerReport]:
+    """Writes a synthetic MoE model to path. With calib_tokens, the experts' biases are calibrated on that many
+    tokens of text (`rounds` times, each rewriting the model); with heldout_tokens, returns per-layer densities
+    and routing measured on held-out text (else an empty list)."""
+    from ..assets import corpus as corpus_mod
+    from ..assets import models
+
+    if arch not in ARCHS:
+        raise Pi2Error(f"arch '{arch}' is not one of {', '.join(ARCHS)}")
+    if activation not in ACTIVATIONS:
+        raise Pi2Error(f"activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
+    if arch == "smallthinker" and activation == "silu":
+        raise Pi2Error("smallthinker's experts are ReLU-family: llama.cpp's graph computes ReGLU for them; "
+                       "--activation silu would state what that graph does not compute")
+    if not 1 <= shape.n_expert_used <= shape.n_expert:
+        raise Pi2Error(f"--n-expert-used must be in [1, n_expert={shape.n_expert}], got {shape.n_expert_used}")
+    if not (0.0 <= routing.locality <= 1.0 and math.isfinite(routing.skew) and routing.skew >= 0):
+        raise Pi2Error(f"routing locality must be in [0, 1] and skew >= 0, got {routing.locality} and {routing.skew}")
+    if shape.n_embd % shape.n_head or (shape.n_embd // shape.n_head) % 2:
+        raise Pi2Error(f"n_embd {shape.n_embd} must split into {shape.n_head} heads of even size")
+    for n, what in ((shape.n_embd, "n_embd"), (shape.n_ff, "n_ff")):
+        if qtype not in (QT.F32, QT.F16) and n % bundles.GGML_QUANT_SIZES[qtype][0]:
+            raise Pi2Error(f"{qtype.name} rows need a multiple of {bundles.GGML_QUANT_SIZES[qtype][0]} values; {what} is {n}")
+    if not 0.0 < sparsity.density < 1.0:
+        raise Pi2Error(f"density must be in (0, 1), got {sparsity.density}")
+    out = Path(path)
+    if not out.parent.is_dir():
+        raise Pi2Error(f"output directory {out.parent} does not exist")
+    tok_src = Path(tokenizer_from) if tokenizer_from is not None else models.fetch(models.DEFAULT_MODEL, progress)
+    tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
+    w = _MoeWeights(shape, sparsity, routing, activation, threshold if activation == "fatrelu" else 0.0,
+                    _n_vocab(tok_fields), seed)
+    name = (f"pi2-synthetic-moe-{arch}-{activation}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}"
+            f"-e{shape.n_expert}k{shape.n_expert_used}-d{sparsity.density:g}")
+    write_moe_model(out, w, tok_fields, arch, qtype, name, progress)
+    if not (calib_tokens or heldout_tokens):
+        return []
+    from ..runtime.runner import LlamaRunner
+
+    corpus = corpus_mod.load(text)
+    train_docs, held_docs = corpus.split()
+    def first_tokens(r: LlamaRunner, docs: list[str], n: int) -> list[int]:
+        toks: list[int] = []
+        for d in docs:
+            if len(toks) >= n:
+                break
+            toks += r.tokenize(d + "\n\n")
+        return toks[:n]
+
+    with LlamaRunner(out, n_ctx=64) as r:  # tokens only
+        calib = first_tokens(r, train_docs, calib_tokens)
+        held = first_tokens(r, held_docs, heldout_tokens)
+    if len(calib) < calib_tokens or len(held) < heldout_tokens:
+        raise Pi2Error(f"the corpus {corpus.name} gives {len(calib)} calibration and {len(held)} held-out tokens; "
+                       f"{calib_tokens} and {heldout_tokens} were asked")
+    if calib_tokens and activation != "silu":
+        for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
+            _calibrate(w, arch, *_profile(out, calib, shape.n_layer, threads))
+            write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
+    return _report(w, arch, *_profile(out, held, shape.n_layer, threads)) if heldout_tokens else []

@@ -1,0 +1,156 @@
+"""Routed experts (MoE) in PI2: MUL_MAT_ID of blk.N.ffn_{gate,up,down}_exps.weight on the three layouts llama.cpp
+runs (llama, qwen3moe, smallthinker), synthetic models made by our tools. Each MoE layer's output through the
+plugin is compared with a numpy computation of the same layer from the GGUF's weights, on the layer input llama
+computed; only the routed experts are computed, and for ReLU-family experts only the up rows of fired neurons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+
+import pi2_gguf
+from pi2_gguf.converter import synthetic, synthetic_moe
+from pi2_gguf.errors import Pi2Error
+from pi2_gguf.runtime.isolated import greedy_in_subprocess
+from pi2_gguf.runtime.runner import LlamaRunner
+
+PROMPT = "The history of the Roman Empire begins with the founding of the city"
+FATRELU_T = 0.05
+# (arch, activation, n_expert, n_expert_used)
+CASES = [("llama", "drelu", 8, 2), ("qwen3moe", "fatrelu", 16, 4), ("smallthinker", "relu", 8, 2), ("llama", "silu", 8, 2)]
+
+
+def _shape(n_expert: int, n_used: int) -> synthetic_moe.MoeShape:
+    return synthetic_moe.MoeShape(n_embd=256, n_ff=512, n_layer=3, n_head=4, n_head_kv=2, n_expert=n_expert,
+                                  n_expert_used=n_used, n_ctx=512)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple, Path]:
+    arch, act, ne, nu = request.param
+    path = tmp_path_factory.mktemp("moe") / f"{arch}-{act}.gguf"
+    synthetic_moe.make_moe(path, _shape(ne, nu), synthetic.Sparsity(density=0.15), synthetic_moe.Routing(1.0, 0.5),
+                           arch, act, QT.F32, threshold=FATRELU_T, progress=False)
+    return request.param, path
+
+
+def _numpy_moe(r: GGUFReader, il: int, x: np.ndarray, logits: np.ndarray, act: str, n_used: int) -> tuple[np.ndarray, int]:
+    """llama.cpp's build_moe_ffn with softmax gating and normalized weights, in float64: x [n_tok, n_embd], the
+    router's logits [n_tok, n_expert] as llama computed them (smallthinker's router reads the layer input, the
+    others' the FFN input). Also the number of (token, routed expert, neuron) whose gate passes the ReLU-family cut."""
+    t = {f.name: np.asarray(f.data, np.float64) for f in r.tensors if f.name.startswith(f"blk.{il}.ffn_")}
+    gate, up, down = (t[f"blk.{il}.ffn_{k}.weight"] for k in ("gate_exps", "up_exps", "down_exps"))
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    fired = 0
+    for i in range(x.shape[0]):
+        sel = np.argsort(-p[i], kind="stable")[:n_used]
+        w = p[i, sel] / p[i, sel].sum()
+        for e, we in zip(sel, w):
+            g, u = gate[e] @ x[i], up[e] @ x[i]
+            fired += int(np.sum(g > (FATRELU_T if act == "fatrelu" else 0.0)))
+            if act == "silu":
+                a = g / (1 + np.exp(-g)) * u
+            elif act == "drelu":
+                a = np.maximum(g, 0) * np.maximum(u, 0)
+            elif act == "fatrelu":
+                a = np.where(g > FATRELU_T, g, 0) * u
+            else:
+                a = np.maximum(g, 0) * u
+            out[i] += we * (down[e] @ a)
+    return out, fired
+
+
+def _layers(path: Path, out_name: str, settings: dict | None = None) -> tuple[dict, dict, dict]:
+    """Per layer, the MoE input (ffn_norm), router logits and output llama computed with the plugin for PROMPT,
+    token by token after the first 4 (so decode steps run too)."""
+    seen: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    def sink(layer: int, name: str, a: np.ndarray) -> None:
+        seen.setdefault((name, layer), []).append(a.copy())
+
+    pi2_gguf.register()
+    runner = LlamaRunner(path, n_ctx=128, n_threads=2, watch=("ffn_norm", "ffn_moe_logits", out_name), sink=sink, repack=False,
+                         settings=settings)
+    try:
+        toks = runner.tokenize(PROMPT)
+        runner.decode(toks[:4])
+        for i in range(4, len(toks)):
+            runner.decode([toks[i]])
+    finally:
+        runner.close()
+    ins = {il: np.concatenate(v) for (n, il), v in seen.items() if n == "ffn_norm"}
+    logits = {il: np.concatenate(v) for (n, il), v in seen.items() if n == "ffn_moe_logits"}
+    outs = {il: np.concatenate(v) for (n, il), v in seen.items() if n == out_name}
+    return ins, logits, outs
+
+
+def test_moe_layers_equal_numpy(moe_model: tuple[tuple, Path]) -> None:
+    (arch, act, _, n_used), path = moe_model
+    r = GGUFReader(path)
+    pi2_gguf.reset_counters()
+    # smallthinker's graph renames the MoE output ffn_out; llama's ffn_out is the residual sum after it
+    ins, logits, outs = _layers(path, "ffn_out" if arch == "smallthinker" else "ffn_moe_out",
+                                settings=None if act != "silu" else {"layers": "all"})
+    c = pi2_gguf.read_counters()
+    n_tok = ins[0].shape[0]
+    assert len(outs) == 3 and n_tok > 8
+    fired = []
+    for il in range(3):
+        ref, f = _numpy_moe(r, il, ins[il].astype(np.float64), logits[il].astype(np.float64), act, n_used)
+        err = np.abs(outs[il] - ref).max()
+        assert err <= 1e-4 * np.abs(ref).max(), (il, err)
+        fired.append(f)
+    # only the routed experts: n_expert_used a token, and each expert read at most once a batch
+    assert (c.expert_tokens[:3] == n_tok).all()
+    assert (c.experts_routed[:3] == n_used * n_tok).all()
+    assert (c.expert_neurons[:3] == 512 * n_used * n_tok).all()
+    assert (c.experts_loaded[:3] <= c.experts_routed[:3]).all() and (c.experts_loaded[:3] > 0).all()
+    # up rows: only the fired neurons' for the ReLU family, all of them for SiLU
+    assert (c.rows[:3, 1] == c.expert_active[:3]).all() and (c.rows[:3, 0] == c.expert_neurons[:3]).all()
+    if act == "silu":
+        assert (c.expert_active[:3] == c.expert_neurons[:3]).all()
+    else:  # as many as numpy counts on the same inputs (float rounding may move a gate across the cut)
+        assert np.abs(c.expert_active[:3].astype(float) - fired).max() <= 1e-3 * max(fired)
+        assert (c.expert_active[:3] < 0.95 * c.expert_neurons[:3]).all()
+
+
+def test_unpatched_graph_differs_without_the_plugin(moe_model: tuple[tuple, Path]) -> None:
+    """llama.cpp alone computes SwiGLU for llama/qwen3moe experts (ReGLU for smallthinker's): for a model that
+    states another activation its logits differ from the plugin's, which the test above checks against numpy."""
+    (arch, act, _, _), path = moe_model
+    if (arch, act) in (("llama", "silu"), ("smallthinker", "relu")):
+        pytest.skip("the graph's own activation is the stated one")
+    alone = greedy_in_subprocess(path, [PROMPT], 2, pi2=False, repack=False)[0]
+    plugin = greedy_in_subprocess(path, [PROMPT], 2, pi2=True)[0]
+    assert plugin.pi2_matmuls > 0
+    ref = np.array(plugin.logits_first)
+    assert np.abs(np.array(alone.logits_first) - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+def test_quantized_silu_experts_equal_stock(tmp_path: Path) -> None:
+    """Q4_K experts held by PI2 (layers=all): decode logits bit-identical to stock llama.cpp with repacking off (the
+    same vec_dot per row); prompts run in ggml-cpu either way."""
+    path = tmp_path / "q4k.gguf"
+    synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.15), synthetic_moe.Routing(1.0, 0.5),
+                           "qwen3moe", "silu", QT.Q4_K, progress=False)
+    ref = greedy_in_subprocess(path, [PROMPT], 16, pi2=False, repack=False)[0]
+    run = greedy_in_subprocess(path, [PROMPT], 16, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert run.pi2_matmuls > 0 and run.tokens == ref.tokens
+    assert np.array_equal(np.array(run.logits_first), np.array(ref.logits_first))
+
+
+def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
+    sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
+    with pytest.raises(Pi2Error, match="n-expert-used"):
+        synthetic_moe.make_moe(tmp_path / "a.gguf", _shape(4, 5), sp, ro, progress=False)
+    with pytest.raises(Pi2Error, match="ReLU-family"):
+        synthetic_moe.make_moe(tmp_path / "b.gguf", _shape(8, 2), sp, ro, "smallthinker", "silu", progress=False)
+    with pytest.raises(Pi2Error, match="locality"):
+        synthetic_moe.make_moe(tmp_path / "c.gguf", _shape(8, 2), sp, synthetic_moe.Routing(1.0, 1.5), progress=False)
+    assert not list(tmp_path.iterdir())
