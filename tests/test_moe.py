@@ -154,3 +154,30 @@ def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     with pytest.raises(Pi2Error, match="locality"):
         synthetic_moe.make_moe(tmp_path / "c.gguf", _shape(8, 2), sp, synthetic_moe.Routing(1.0, 1.5), progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_make_model_moe_calibrates_and_reports_routing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/make_model.py --n-expert: calibrated gate densities near the target on held-out text, and the LRU
+    expert-cache hit curve (rising with the cache size) in its report."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_model", Path(__file__).parent.parent / "tools" / "make_model.py")
+    assert spec is not None and spec.loader is not None
+    mm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mm)
+    out = tmp_path / "moe.gguf"
+    rc = mm.main([str(out), "--n-embd", "256", "--n-ff", "512", "--n-layer", "3", "--n-head", "4", "--n-head-kv", "2",
+                  "--n-expert", "8", "--n-expert-used", "2", "--arch", "qwen3moe", "--activation", "relu",
+                  "--density", "0.15", "--type", "F32", "--calib-tokens", "256", "--heldout-tokens", "256"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = [line.split("|") for line in text.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    assert len(rows) == 3
+    for r in rows:
+        target, measured = float(r[1]), float(r[2])
+        assert abs(measured - target) <= 0.35 * target, (target, measured)
+        hits = [float(x) for x in r[4:]]
+        assert hits == sorted(hits) and 0.0 <= hits[0] and hits[-1] <= 1.0
+    assert "mean LRU hit rate" in text
+    with pytest.raises(SystemExit):
+        mm.main([str(tmp_path / "x.gguf"), "--n-expert", "-1"])
