@@ -93,8 +93,9 @@ def test_doc_tables_are_parsed(doc_keys: dict[str, str], doc_tensors: dict) -> N
     assert doc_tensors["pi2_bundles"] == ("I8", ("bundle size", "n_bundles"))
 
 
-# the optional key the plugin reads (a setting convert measured the quality with); the C reader knows no other
-PLUGIN_OPTIONAL_KEYS = {"pi2.budget.output_rows"}
+# the optional keys the plugin reads (a setting convert measured the quality with; an MoE sidecar's expert count); the C
+# reader knows no other
+PLUGIN_OPTIONAL_KEYS = {"pi2.budget.output_rows", "pi2.moe.expert_count"}
 
 
 def _doc_optional_keys(spec_text: str) -> dict[str, str]:

@@ -9,7 +9,9 @@
 #include "ggml-cpu.h"
 #include "ffn_names.h"
 #include "glu.h"
+#include "model_binding.h"
 #include "pi2_log.h"
+#include "sparse_ffn.h"
 
 // a product's operands, as MUL_MAT_ID defines them: out[:, s, t] = W[ids[s, t]] . x[:, s % n_b, t]
 struct pi2_id_operands {
@@ -218,7 +220,12 @@ bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stat
     if (!stated->stated && !pi2_act_from_glu(ggml_get_glu_op(glu), &act)) {
         return false;
     }
-    *r = (struct pi2_expert_region) { .layer = layer, .up = up, .gate = gate, .glu = glu, .act = act };
+    struct ggml_tensor * down = i + 3 < n ? ggml_graph_node(g, i + 3) : NULL;
+    if (down != NULL && !(pi2_is_expert_product(down, layer, PI2_MATRIX_DOWN) && down->src[1] == glu && down->src[2] == gate->src[2] &&
+                          ggml_is_contiguous(down))) {
+        down = NULL;
+    }
+    *r = (struct pi2_expert_region) { .layer = layer, .up = up, .gate = gate, .glu = glu, .down = down, .act = act };
     return true;
 }
 
@@ -257,4 +264,78 @@ enum ggml_status pi2_exec_expert_region(struct pi2_backend_ctx * ctx, const stru
         st = pi2_expert_act(ctx, r);
     }
     return st;
+}
+
+// the expert's matrix of a stacked [k, rows, n_expert] weight, as a 2-D tensor
+static struct ggml_tensor pi2_expert_matrix(const struct ggml_tensor * w, int64_t e) {
+    struct ggml_tensor m = *w;
+    m.ne[2] = 1;
+    m.nb[3] = m.nb[2];
+    m.data  = (char *) w->data + (size_t) e * w->nb[2];
+    return m;
+}
+
+// column (s, t) of a [n, slots, tokens] tensor as an [n, 1] tensor
+static struct ggml_tensor pi2_pair_column(const struct ggml_tensor * t, int64_t s, int64_t tok) {
+    struct ggml_tensor c = *t;
+    c.ne[1] = c.ne[2] = c.ne[3] = 1;
+    c.nb[2] = c.nb[3] = c.nb[1];
+    c.data  = (char *) t->data + tok * t->nb[2] + s * t->nb[1];
+    return c;
+}
+
+int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
+                                  enum ggml_status * st) {
+    const struct pi2_id_operands o = pi2_id_operands(r->gate);
+    const int mode = atomic_load(&b->mode);
+    if (r->down == NULL || b->sc->n_expert == 0 || mode == PI2_MODE_DENSE ||
+        (!b->flash && o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
+        return 0;
+    }
+    if ((int64_t) b->sc->n_expert != o.n_expert || (uint32_t) ((r->layer + 1) * o.n_expert) > b->sc->n_layer) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s describes %u layers of %u experts, but the model's layer %d has %lld "
+                 "experts: the sidecar was made for another model", b->sc->path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert,
+                 r->layer, (long long) o.n_expert);
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        *st = GGML_STATUS_FAILED;
+        return 4;
+    }
+    for (int64_t t = 0; t < o.n_tokens; ++t) {
+        for (int64_t s = 0; s < o.n_used; ++s) {
+            const int32_t e = pi2_id_at(&o, s, t);
+            if (e < 0 || e >= o.n_expert) {
+                PI2_LOG_ERROR("pi2: %s: token %lld routed to expert %d of %lld\n", o.w->name, (long long) t, e, (long long) o.n_expert);
+                *st = GGML_STATUS_FAILED;
+                return 4;
+            }
+            const int v = r->layer * (int) o.n_expert + e;
+            struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
+                               wd = pi2_expert_matrix(r->down->src[0], e);
+            struct ggml_tensor x = pi2_pair_column(r->gate->src[1], s % o.n_b, t);
+            struct ggml_tensor gate = pi2_pair_column(r->gate, s, t), up = pi2_pair_column(r->up, s, t);
+            struct ggml_tensor glu = pi2_pair_column(r->glu, s, t), down = pi2_pair_column(r->down, s, t);
+            gate.src[0] = &wg;  gate.src[1] = &x;
+            up.src[0]   = &wu;  up.src[1]   = &x;
+            glu.src[0]  = &gate; glu.src[1] = &up;
+            down.src[0] = &wd;  down.src[1] = &glu;
+            if (!pi2_binding_verify_layer(b, v, &wg, &wu, &wd)) {
+                PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+                *st = GGML_STATUS_FAILED;
+                return 4;
+            }
+            const struct pi2_ffn_region fr = { .n_nodes = 4, .layer = v, .gate = &gate, .up = &up, .out = &glu, .down = &down,
+                                               .act = r->act };
+            *st = pi2_exec_sparse_ffn(ctx, b, &fr);
+            if (*st != GGML_STATUS_SUCCESS) {
+                return 4;
+            }
+        }
+    }
+    // the routed work, counted at the real layer as the dense path counts it
+    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
+    pi2_count_layer_seen(&ctx->dev->counters, r->layer);
+    pi2_count(&L->expert_tokens, (uint64_t) o.n_tokens);
+    pi2_count(&L->experts_routed, (uint64_t) (o.n_used * o.n_tokens));
+    pi2_count(&L->expert_neurons, (uint64_t) (o.n_rows * o.n_used * o.n_tokens));
+    return 4;
 }

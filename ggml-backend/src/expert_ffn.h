@@ -12,10 +12,13 @@
 #include "ggml.h"
 #include "pi2_context.h"
 
+struct pi2_binding;
+
 struct pi2_expert_region {
     int                  layer;
     struct ggml_tensor * up, * gate; // the MUL_MAT_ID products, f32 [n_ff, n_expert_used, n_tokens]
     struct ggml_tensor * glu;        // act(gate, up), the node down reads
+    struct ggml_tensor * down;       // down's product of glu when it follows directly, else NULL
     struct pi2_ffn_act   act;        // what PI2 computes into glu
 };
 
@@ -25,6 +28,12 @@ bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stat
 
 // the region's three nodes: gate, then up (rows of fired neurons only, for a ReLU-family activation), then act
 enum ggml_status pi2_exec_expert_region(struct pi2_backend_ctx * ctx, const struct pi2_expert_region * r);
+
+// With a binding whose sidecar describes the model's experts (FORMAT.md, "MoE sidecars") in oracle/predicted mode and
+// a decode batch: each (token, routed expert) runs the sparse engine on the sidecar layer of that (layer, expert),
+// down included (4 nodes consumed); returns 0 where that does not apply (the dense path then runs)
+int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
+                                  enum ggml_status * st);
 
 // one MUL_MAT_ID of an expert weight alone (down, or products whose region did not match)
 enum ggml_status pi2_exec_mul_mat_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node);

@@ -401,6 +401,16 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             const struct pi2_stated_act sa = pi2_weight_act(node->src[0]);
             struct pi2_expert_region r;
             if (pi2_expert_region_find(cgraph, i, &sa, &r)) {
+                struct pi2_binding * b = pi2_weight_binding(node->src[0]);
+                const int used = b != NULL ? pi2_exec_expert_region_sparse(ctx, b, &r, &st) : 0;
+                if (used > 0) {
+                    if (st != GGML_STATUS_SUCCESS) {
+                        return st;
+                    }
+                    pi2_count(&ctx->dev->counters.nodes_computed, (uint64_t) used);
+                    i += used - 1;
+                    continue;
+                }
                 st = pi2_exec_expert_region(ctx, &r);
                 if (st != GGML_STATUS_SUCCESS) {
                     return st;
@@ -666,8 +676,13 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
         pi2_announce_once(d);
         const bool config_error = d->config.error[0] != '\0';
         pthread_mutex_unlock(&d->lock);
-        if (!config_error && !(sa.stated && pi2_act_relu_family(sa.act.kind)) &&
-            pi2_setting(NULL, &d->config.defaults, PI2_SET_LAYERS) == 0.0) {
+        pthread_mutex_lock(&d->lock);
+        // a sidecar of the model's experts in a sparse mode (FORMAT.md, "MoE sidecars")
+        const struct pi2_binding * b = d->pending;
+        const bool sparse = b != NULL && b->sc->n_expert > 0 && atomic_load(&b->mode) != PI2_MODE_DENSE;
+        const double layers = pi2_setting(b != NULL ? &b->settings : NULL, &d->config.defaults, PI2_SET_LAYERS);
+        pthread_mutex_unlock(&d->lock);
+        if (!config_error && !(sa.stated && pi2_act_relu_family(sa.act.kind)) && !sparse && layers == 0.0) {
             return false;
         }
     }

@@ -367,6 +367,20 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         }
         sc->output_rows = (int32_t) v;
     }
+    static const struct pi2_key_spec expert_count = { PI2_KEY_MOE_EXPERT_COUNT, GGUF_TYPE_UINT32, PI2_LEN_SCALAR, "u32", NULL };
+    sc->n_expert = 0;
+    const int64_t nexp = pi2_find(rd, PI2_KEY_MOE_EXPERT_COUNT);
+    if (nexp >= 0) {
+        if (pi2_check_key(rd, &expert_count, sc->n_layer) != 0) {
+            return -1;
+        }
+        const uint32_t v = gguf_get_val_u32(rd->file.gguf, nexp);
+        if (v == 0 || sc->n_layer % v != 0) {
+            return pi2_fail(rd, "key %s is %" PRIu32 ", which does not divide its %" PRIu32 " layers", PI2_KEY_MOE_EXPERT_COUNT, v,
+                            sc->n_layer);
+        }
+        sc->n_expert = v;
+    }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));
     if (sc->source_arch == NULL || sc->source_name == NULL) {

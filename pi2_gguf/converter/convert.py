@@ -205,7 +205,8 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         activation_threshold=model.activation_threshold,
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align)
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align,
+        n_expert=model.n_expert)
 
 
 def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool) -> None:
@@ -327,6 +328,13 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     else:
         prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
     t_prof = time.time() - t0
+    routed_share: list[float] | None = None
+    if model.n_expert:
+        if prof.n_layer != model.moe_layers:
+            raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {model.moe_layers} MoE layers")
+        # how often each expert was routed (training text): inspect's expert hotness
+        routed_share = [float((r == e).any(axis=1).mean()) for r in prof.train_routes for e in range(model.n_expert)]
+        prof = prof.experts(model.n_expert)  # one profile per (layer, expert), as the sidecar's layers
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
@@ -359,7 +367,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons),
-                                   output_rows=rows)
+                                   output_rows=rows, routed_share=routed_share)
 
     if perplexity_budget is None:
         meta = meta_of(plan_k, planned)

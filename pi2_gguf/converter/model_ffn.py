@@ -67,7 +67,13 @@ class ModelFfn:
         self.name = _string(self.reader, "general.name", self.path) or ""
         tensors = {t.name: t for t in self.reader.tensors}
         self.layers: list[dict[str, FfnTensor]] = []
-        while f"blk.{len(self.layers)}.ffn_gate.weight" in tensors:
+        # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, numbered layer * n_expert +
+        # expert; 0 for a dense model
+        self.n_expert = 0
+        self.moe_layers = 0
+        if "blk.0.ffn_gate_exps.weight" in tensors:
+            self._read_experts(tensors)
+        while not self.n_expert and f"blk.{len(self.layers)}.ffn_gate.weight" in tensors:
             il = len(self.layers)
             layer: dict[str, FfnTensor] = {}
             for m in MATRICES:
@@ -85,7 +91,8 @@ class ModelFfn:
                                      f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
             self.layers.append(layer)
         if not self.layers:
-            raise ModelFileError(f"{self.path} has no gated FFN layers (blk.N.ffn_gate/up/down.weight)")
+            raise ModelFileError(f"{self.path} has no gated FFN layers (blk.N.ffn_gate/up/down.weight, or routed "
+                                 "experts blk.N.ffn_gate/up/down_exps.weight)")
         self.n_embd = self.layers[0]["gate"].ne0
         if any(l_["gate"].ne0 != self.n_embd for l_ in self.layers):
             raise ModelFileError(f"{self.path}: FFN layers differ in input width")
@@ -93,6 +100,33 @@ class ModelFfn:
         # an output matrix of its own (not tied to the token embedding): under a memory budget the plugin can
         # leave it in the file and read a token's top rows (PI2_OUTPUT_ROWS)
         self.has_output = "output.weight" in tensors
+
+    def _read_experts(self, tensors: dict) -> None:
+        """One layer per (layer, expert), its matrices the expert's slices of the stacked *_exps tensors."""
+        while f"blk.{self.moe_layers}.ffn_gate_exps.weight" in tensors:
+            il = self.moe_layers
+            stacked: dict[str, tuple] = {}
+            for m in MATRICES:
+                name = f"blk.{il}.ffn_{m}_exps.weight"
+                t = tensors.get(name)
+                if t is None:
+                    raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate_exps.weight but no {name}")
+                ne = [int(x) for x in t.shape]
+                if len(ne) != 3:
+                    raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 3 (one matrix per expert)")
+                stacked[m] = (name, GGMLQuantizationType(int(t.tensor_type)), ne, t.data)
+            n_expert = stacked["gate"][2][2]
+            if self.n_expert not in (0, n_expert) or any(v[2][2] != n_expert for v in stacked.values()):
+                raise ModelFileError(f"{self.path}: layer {il}'s experts disagree in number")
+            self.n_expert = n_expert
+            for e in range(n_expert):
+                layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
+                g, u, d = layer["gate"], layer["up"], layer["down"]
+                if not (g.ne0 == u.ne0 == d.ne1 and g.ne1 == u.ne1 == d.ne0):
+                    raise ModelFileError(f"{self.path}: layer {il} expert FFN shapes disagree: gate {g.ne0}x{g.ne1}, "
+                                         f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
+                self.layers.append(layer)
+            self.moe_layers += 1
 
     @property
     def n_layer(self) -> int:

@@ -10,7 +10,7 @@ length; documents are streamed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from ..gguf_file import check_context, check_model_file
 from ..paths import read_head
 
 FFN_INPUT = "ffn_norm"
+ROUTER_LOGITS = "ffn_moe_logits"  # MoE: the router's logits, whose top n_expert_used are the routed experts
 DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
 
 
@@ -31,6 +32,7 @@ def default_train_tokens(n_embd: int) -> int:
     time (SmolLM2: 37 s of 71 at 8,192); its predicted density was the same at 4,096 (docs/MEASUREMENTS.md, "Convert time")."""
     return min(DEFAULT_TRAIN_TOKENS, max(4096, 4 * n_embd))
 DEFAULT_HELDOUT_TOKENS = 2048
+MIN_ROUTED = 32  # an expert routed fewer profile tokens is profiled on all of its layer's
 DEFAULT_WINDOW = 256
 
 
@@ -47,6 +49,11 @@ class Profile:
     window: int
     train: list[np.ndarray]    # per layer [n_train, n_embd] float16
     heldout: list[np.ndarray]  # per layer [n_heldout, n_embd] float16
+    # MoE: per layer the routed experts of each token, [n, n_expert_used] int16 (empty for dense models)
+    train_routes: list[np.ndarray] = field(default_factory=list)
+    heldout_routes: list[np.ndarray] = field(default_factory=list)
+    # an expert view (experts()): the training and held-out tokens of the profile it was made from
+    routed_from: tuple[int, int] | None = None
 
     @property
     def n_layer(self) -> int:
@@ -58,11 +65,11 @@ class Profile:
 
     @property
     def n_train(self) -> int:
-        return int(self.train[0].shape[0])
+        return self.routed_from[0] if self.routed_from else int(self.train[0].shape[0])
 
     @property
     def n_heldout(self) -> int:
-        return int(self.heldout[0].shape[0])
+        return self.routed_from[1] if self.routed_from else int(self.heldout[0].shape[0])
 
     def save(self, path: str | Path) -> Path:
         """Writes an .npz atomically."""
@@ -70,6 +77,8 @@ class Profile:
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
         arrays = {f"train_{i}": a for i, a in enumerate(self.train)}
         arrays.update({f"heldout_{i}": a for i, a in enumerate(self.heldout)})
+        arrays.update({f"train_routes_{i}": a for i, a in enumerate(self.train_routes)})
+        arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(self.heldout_routes)})
         meta = np.array([self.model_file, str(self.model_size), self.corpus, self.corpus_sha256, str(self.window)])
         try:
             with tmp.open("wb") as f:
@@ -92,11 +101,32 @@ class Profile:
                 n = sum(1 for k in z.files if k.startswith("train_"))
                 train = [z[f"train_{i}"] for i in range(n)]
                 held = [z[f"heldout_{i}"] for i in range(n)]
+                routed = "train_routes_0" in z.files
+                train_r = [z[f"train_routes_{i}"] for i in range(n)] if routed else []
+                held_r = [z[f"heldout_routes_{i}"] for i in range(n)] if routed else []
         except (OSError, ValueError, KeyError, EOFError) as e:
             raise ProfileError(f"{p} is not a readable pi2 profile: {e}") from e
         if n == 0:
             raise ProfileError(f"{p} holds no layers")
-        return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held)
+        return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held, train_r, held_r)
+
+    def experts(self, n_expert: int) -> Profile:
+        """The profile of an MoE model's (layer, expert) FFNs, numbered layer * n_expert + expert: each gets the
+        inputs of the tokens routed to it (all the layer's tokens where fewer than MIN_ROUTED were)."""
+        if not self.train_routes:
+            raise ProfileError("the profile has no routing (made before MoE support, or of a dense model): profile again")
+
+        def pick(xs: list[np.ndarray], routes: list[np.ndarray]) -> list[np.ndarray]:
+            out = []
+            for x, r in zip(xs, routes):
+                for e in range(n_expert):
+                    rows = (r == e).any(axis=1)
+                    out.append(x[rows] if rows.sum() >= MIN_ROUTED else x)
+            return out
+
+        return Profile(self.model_file, self.model_size, self.corpus, self.corpus_sha256, self.window,
+                       pick(self.train, self.train_routes), pick(self.heldout, self.heldout_routes),
+                       routed_from=(self.n_train, self.n_heldout))
 
     def check_model(self, model_path: Path) -> None:
         size = model_path.stat().st_size
@@ -106,13 +136,24 @@ class Profile:
 
 
 class _Recorder:
-    """Receives ffn_norm-N tensors and stores them in preallocated per-layer arrays."""
+    """Receives ffn_norm-N tensors and stores them in preallocated per-layer arrays; for an MoE model also the
+    routed experts of each token (the top n_expert_used of ffn_moe_logits-N)."""
 
-    def __init__(self, n_layer: int, n_embd: int, capacity: int) -> None:
+    def __init__(self, n_layer: int, n_embd: int, capacity: int, n_expert_used: int = 0) -> None:
         self.arrays = [np.empty((capacity, n_embd), dtype=np.float16) for _ in range(n_layer)]
         self.filled = [0] * n_layer
+        self.k = n_expert_used
+        self.routes = [np.empty((capacity, n_expert_used), dtype=np.int16) for _ in range(n_layer)] if n_expert_used else []
+        self.routed = [0] * n_layer
 
     def __call__(self, layer: int, name: str, x: np.ndarray) -> None:
+        if name == ROUTER_LOGITS:
+            if self.k == 0 or layer >= len(self.routes):
+                raise Pi2Error(f"graph has router logits {name}-{layer}, but the model reports no experts there")
+            at = self.routed[layer]
+            self.routes[layer][at:at + x.shape[0]] = np.argsort(-x, axis=1, kind="stable")[:, : self.k]
+            self.routed[layer] = at + x.shape[0]
+            return
         if layer >= len(self.arrays):
             raise Pi2Error(f"graph has FFN layer {layer}, the model reports {len(self.arrays)}")
         a, at = self.arrays[layer], self.filled[layer]
@@ -128,6 +169,12 @@ class _Recorder:
                            "the graph pruned tokens before an FFN")
         return [a[:n] for a in self.arrays]
 
+    def routes_result(self) -> list[np.ndarray]:
+        n = min(self.filled)
+        if self.k and self.routed != self.filled:
+            raise Pi2Error(f"router logits were seen for {min(self.routed)}..{max(self.routed)} tokens, FFN inputs for {n}")
+        return [r[:n] for r in self.routes]
+
 
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int | None = None,
                 heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
@@ -142,10 +189,19 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
                        "(need at least 64 / 16)")
     train_docs, held_docs = corpus.split()
     parts: dict[str, list[np.ndarray]] = {}
+    routes: dict[str, list[np.ndarray]] = {}
     current: list[_Recorder] = []
+    k = _experts_used(path)
+    if k:
+        # the plugin computes the activation the model states: llama.cpp's MoE graph alone computes SwiGLU for
+        # llama/qwen3moe experts, so a ReLU-family model's later layers would see other inputs
+        from .. import register
+
+        register()
     # without repacked weights: prompt windows of the 1.5B dReLU model (Q4_K) ran at 120 tok/s against 74
     # with them (tools/bench_sparse.py, 2026-11-24), and profiling is all prompt windows
-    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT,), repack=False,
+    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT, ROUTER_LOGITS) if k else (FFN_INPUT,),
+                         repack=False,
                          sink=lambda layer, name, x: current[-1](layer, name, x))
     if train_tokens is None:
         train_tokens = default_train_tokens(runner.n_embd)
@@ -163,7 +219,7 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
                 if got < min(budget, 16):
                     raise Pi2Error(f"the corpus {corpus.name} gives only {got} {phase} tokens (16 at least)")
         for phase, docs, budget in (("train", train_docs, train_tokens), ("heldout", held_docs, heldout_tokens)):
-            current.append(_Recorder(runner.n_layer, runner.n_embd, budget))
+            current.append(_Recorder(runner.n_layer, runner.n_embd, budget, k))
             with tqdm(total=budget, unit="tok", desc=f"profile {phase}", disable=not progress) as bar:
                 for w in runner.windows(docs, budget):
                     runner.decode(w)
@@ -172,7 +228,18 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
             if got[0].shape[0] < min(budget, 16):
                 raise Pi2Error(f"the corpus {corpus.name} gave only {got[0].shape[0]} {phase} tokens")
             parts[phase] = got
+            routes[phase] = current[-1].routes_result()
     finally:
         runner.close()
     return Profile(path.name, path.stat().st_size, corpus.name, corpus.sha256, window,
-                   parts["train"], parts["heldout"])
+                   parts["train"], parts["heldout"], routes["train"], routes["heldout"])
+
+
+def _experts_used(path: Path) -> int:
+    """n_expert_used of an MoE model (its <arch>.expert_used_count), 0 for a dense one."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path, "r")
+    arch = r.get_field("general.architecture")
+    f = r.get_field(f"{arch.contents()}.expert_used_count") if arch is not None else None
+    return int(f.contents()) if f is not None and "blk.0.ffn_gate_exps.weight" in {t.name for t in r.tensors} else 0

@@ -84,6 +84,8 @@ OPTIONAL_KEYS: dict[str, KT] = {
     "pi2.quality.budget": KT.F32,
     "pi2.quality.choice": KT.STR,
     "pi2.budget.output_rows": KT.U32,
+    "pi2.moe.expert_count": KT.U32,
+    "pi2.moe.routed_share": KT.F32_ARR,
 }
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
 MAX_OUTPUT_ROWS = 4096

@@ -17,6 +17,19 @@ from .reader import Sidecar
 HOTNESS_BINS = 1024
 
 
+def _expert_hotness(kv: dict) -> list[str]:
+    """MoE: per layer, each expert's share of the layer's tokens on the training text (the router's choices)."""
+    share = kv.get("pi2.moe.routed_share")
+    n = kv.get("pi2.moe.expert_count")
+    if share is None or not n:
+        return []
+    rows = [f"experts        share of each layer's tokens routed to each expert (training text), experts 0-{n - 1}:"]
+    for il in range(len(share) // n):
+        part = share[il * n:(il + 1) * n]
+        rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part) + f"   (hottest {int(np.argmax(part))})")
+    return rows
+
+
 def summary(sc: Sidecar) -> str:
     kv = sc.kv
     target = kv["pi2.sparsity.target"]
@@ -25,7 +38,10 @@ def summary(sc: Sidecar) -> str:
         f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv['pi2.format_version']}",
         f"model          {kv['pi2.source.name'] or '(unnamed)'} ({kv['pi2.source.architecture']}, "
         f"{kv['pi2.source.file_size'] / 1e6:.1f} MB), fingerprint {kv['pi2.source.fingerprint']:016x}",
-        f"FFN            {sc.n_layer} layers, n_embd {kv['pi2.n_embd']}, activation {kv['pi2.activation']}",
+        f"FFN            {sc.n_layer} layers, n_embd {kv['pi2.n_embd']}, activation {kv['pi2.activation']}"
+        + (f"; MoE: {sc.n_layer // kv['pi2.moe.expert_count']} layers of {kv['pi2.moe.expert_count']} routed experts, "
+           f"sidecar layer = layer * {kv['pi2.moe.expert_count']} + expert" if "pi2.moe.expert_count" in kv else ""),
+        *_expert_hotness(kv),
         f"sparsity       {kv['pi2.sparsity.method']}"
         + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")
         + f", held-out density {np.mean(kv['pi2.sparsity.density']):.3f} (mean of layers)",

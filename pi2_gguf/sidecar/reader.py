@@ -92,9 +92,21 @@ def read(path: str | Path) -> Sidecar:
         kv[key] = _field_value(reader, key, p)
     for key, kt in fmt.OPTIONAL_KEYS.items():  # kept where present with the declared type, else ignored
         f = reader.get_field(key)
-        if f is not None and f.types and f.types[0] == _EXPECT_TYPE[kt]:
+        is_arr = kt.value.endswith("[]")
+        if f is not None and f.types and (f.types[0] == GGUFValueType.ARRAY) == is_arr and f.types[-1] == _EXPECT_TYPE[kt]:
             kv[key] = _field_value(reader, key, p)
     # ... except the one the plugin applies: a malformed setting is refused, as the plugin refuses it
+    f = reader.get_field("pi2.moe.expert_count")
+    if f is not None:
+        n_expert = kv.get("pi2.moe.expert_count")
+        if not isinstance(n_expert, int):
+            raise SidecarError(f"sidecar {p}: key pi2.moe.expert_count has type {[t.name for t in f.types]}, expected u32")
+        n_layer = len(kv["pi2.n_ff"])
+        if n_expert == 0 or n_layer % n_expert:
+            raise SidecarError(f"sidecar {p}: key pi2.moe.expert_count is {n_expert}, which does not divide its {n_layer} layers")
+        share = kv.get("pi2.moe.routed_share")
+        if share is not None and len(share) != n_layer:
+            raise SidecarError(f"sidecar {p}: key pi2.moe.routed_share has {len(share)} values for {n_layer} layers")
     f = reader.get_field("pi2.budget.output_rows")
     if f is not None:
         rows = kv.get("pi2.budget.output_rows")

@@ -80,6 +80,8 @@ class SidecarMeta:
     bundle_align: int = fmt.BUNDLE_ALIGN
     quality: Quality | None = None  # the optional pi2.quality.* keys
     output_rows: int | None = None  # pi2.budget.output_rows: PI2_OUTPUT_ROWS under a memory budget (None: not recorded)
+    n_expert: int = 0  # pi2.moe.expert_count: an MoE model's experts a layer (its layers are (layer, expert)); 0: dense
+    routed_share: list[float] | None = None  # pi2.moe.routed_share: per (layer, expert), its share of the layer's tokens
 
 
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
@@ -136,6 +138,14 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
                    "pi2.quality.perplexity": m.quality.perplexity, "pi2.quality.budget": m.quality.budget})
         if m.quality.choice:
             kv["pi2.quality.choice"] = m.quality.choice
+    if m.n_expert:
+        if len(m.layers) % m.n_expert:
+            raise ValueError(f"{len(m.layers)} layers are not whole MoE layers of {m.n_expert} experts")
+        kv["pi2.moe.expert_count"] = m.n_expert
+        if m.routed_share is not None:
+            if len(m.routed_share) != len(m.layers):
+                raise ValueError(f"{len(m.routed_share)} routed shares for {len(m.layers)} layers")
+            kv["pi2.moe.routed_share"] = m.routed_share
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
