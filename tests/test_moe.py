@@ -265,3 +265,30 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
             _steps(llm, 2)
         finally:
             llm.close()
+
+
+def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path]) -> None:
+    """Under a memory budget the experts live in the sidecar on flash: each routed expert's active neurons are read
+    through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine."""
+    model, sidecar = moe_sidecar
+    same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
+    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
+                         settings=same_engine)
+    try:
+        want, want_logits = _steps(ram, 16)
+    finally:
+        ram.close()
+    flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
+                           memory_budget="2GiB", settings={"cache_max": "1MiB"})
+    try:
+        pi2_gguf.reset_counters()
+        got, got_logits = _steps(flash, 16)
+        c = pi2_gguf.read_counters()
+        n_tok = len(flash.tokenize(PROMPT.encode(), add_bos=True)) + 16
+    finally:
+        flash.close()
+    assert got == want and np.array_equal(got_logits, want_logits)
+    assert int(c.misses.sum()) > 0 and int(c.bytes_read.sum()) > 0
+    # every token (prompt too: on flash all batches run the engine) through n_expert_used = 2 experts in each layer;
+    # llama prunes the last layer to the tokens whose logits it returns (the prompt's last, then each step's)
+    assert int(c.sparse_tokens.sum()) == 2 * (2 * n_tok + 16 + 1), int(c.sparse_tokens.sum())

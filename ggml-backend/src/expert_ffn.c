@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ffn_names.h"
 #include "glu.h"
@@ -81,6 +82,11 @@ static enum ggml_status pi2_run_mul_mat_id(struct pi2_backend_ctx * ctx, struct 
     enum pi2_matrix m = PI2_MATRIX_GATE;
     if (!pi2_expert_weight_parse(o.w->name, &layer, &m)) {
         PI2_LOG_ERROR("pi2: MUL_MAT_ID on %s, which PI2 does not own\n", o.w->name);
+        return GGML_STATUS_FAILED;
+    }
+    if (!ggml_backend_buffer_is_host(o.w->buffer)) {
+        PI2_LOG_ERROR("pi2: %s is on flash (a memory budget), where only its sidecar's bundles hold it; this product of it "
+                      "is not one the sparse engine runs\n", o.w->name);
         return GGML_STATUS_FAILED;
     }
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(o.w->type);
@@ -288,8 +294,17 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
                                   enum ggml_status * st) {
     const struct pi2_id_operands o = pi2_id_operands(r->gate);
     const int mode = atomic_load(&b->mode);
-    if (r->down == NULL || b->sc->n_expert == 0 || mode == PI2_MODE_DENSE ||
-        (!b->flash && o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH))) {
+    if (b->flash && (r->down == NULL || b->sc->n_expert == 0)) {
+        // on flash the bundles are the weights' only copy: a region the engine cannot run is refused
+        snprintf(b->error, sizeof(b->error), "sidecar %s: layer %d's experts %s, which a memory budget cannot run", b->sc->path,
+                 r->layer, b->sc->n_expert == 0 ? "are not in the sidecar (convert the MoE model again)"
+                                                : "are not followed directly by their down product");
+        PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+        *st = GGML_STATUS_FAILED;
+        return 3;
+    }
+    if (r->down == NULL || b->sc->n_expert == 0 ||
+        (!b->flash && (mode == PI2_MODE_DENSE || o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH)))) {
         return 0;
     }
     if ((int64_t) b->sc->n_expert != o.n_expert || (uint32_t) ((r->layer + 1) * o.n_expert) > b->sc->n_layer) {

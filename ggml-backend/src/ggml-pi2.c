@@ -93,6 +93,20 @@ static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_t
                           size);
         return;
     }
+    if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse(tensor->name, &layer, &m)) {
+        // routed experts: each expert's slice is the sidecar layer layer * n_expert + expert (FORMAT.md, "MoE sidecars")
+        const int64_t n_expert = tensor->ne[2];
+        const size_t  slice    = tensor->nb[2];
+        for (int64_t e = 0; e < n_expert; ++e) {
+            struct ggml_tensor one = *tensor;
+            one.ne[2] = 1;
+            one.nb[3] = one.nb[2];
+            const bool whole = offset == 0 && size == ggml_nbytes(tensor);
+            pi2_binding_check_upload(bc->binding, layer * (int) n_expert + (int) e, m, &one, (const char *) data + (size_t) e * slice,
+                                     whole ? slice : 0);
+        }
+        return;
+    }
     if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
         PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
         return;
@@ -667,7 +681,19 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
     struct pi2_device_ctx * d = dev->context;
     int layer = 0;
     enum pi2_matrix matrix = PI2_MATRIX_GATE;
-    if (w == NULL || w->buffer == NULL || w->buffer->buft != &d->buft || !pi2_expert_weight_parse(w->name, &layer, &matrix)) {
+    if (w == NULL || w->buffer == NULL || !pi2_expert_weight_parse(w->name, &layer, &matrix)) {
+        return false;
+    }
+    if (w->buffer->buft == &d->flash_buft) {
+        // on flash only with a sidecar of the model's experts (the bundles are the only copy of the weights)
+        const struct pi2_buffer_ctx * bc = w->buffer->context;
+        pthread_mutex_lock(&d->lock);
+        const struct pi2_binding * b = bc != NULL ? bc->binding : d->pending;
+        const bool ok = b != NULL && b->flash && b->sc->n_expert > 0;
+        pthread_mutex_unlock(&d->lock);
+        return ok && pi2_expert_mul_mat_id_shapes(op);
+    }
+    if (w->buffer->buft != &d->buft) {
         return false;
     }
     if (ggml_backend_buffer_get_size(w->buffer) == 0) {

@@ -178,7 +178,10 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
             gate_type=int(gate_t), up_type=int(up_t), down_type=int(down.qtype),
             down_tolerance=down.tolerance, down_error=down.max_error,
-            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, freq=freq, order=order,
+            w1=p.w1.astype(np.float16), b1=p.b1, w2=p.w2.astype(np.float16), b2=p.b2, order=order,
+            # an expert's neurons are as hot as they fire when it is routed times how often it is (a memory
+            # budget's hot segment ranks neurons of all layers and experts by this)
+            freq=freq * np.float32(prof.expert_share[il]) if prof.expert_share else freq,
             product_threshold=tp))
         downs.append(down)
     return _Planned(layers, downs, types, sources)
@@ -332,9 +335,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     if model.n_expert:
         if prof.n_layer != model.moe_layers:
             raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {model.moe_layers} MoE layers")
-        # how often each expert was routed (training text): inspect's expert hotness
-        routed_share = [float((r == e).any(axis=1).mean()) for r in prof.train_routes for e in range(model.n_expert)]
         prof = prof.experts(model.n_expert)  # one profile per (layer, expert), as the sidecar's layers
+        routed_share = prof.expert_share  # how often each expert was routed: inspect's expert hotness
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")

@@ -54,6 +54,8 @@ class Profile:
     heldout_routes: list[np.ndarray] = field(default_factory=list)
     # an expert view (experts()): the training and held-out tokens of the profile it was made from
     routed_from: tuple[int, int] | None = None
+    # an expert view: per (layer, expert), the share of the layer's training tokens routed to it
+    expert_share: list[float] | None = None
 
     @property
     def n_layer(self) -> int:
@@ -126,7 +128,8 @@ class Profile:
 
         return Profile(self.model_file, self.model_size, self.corpus, self.corpus_sha256, self.window,
                        pick(self.train, self.train_routes), pick(self.heldout, self.heldout_routes),
-                       routed_from=(self.n_train, self.n_heldout))
+                       routed_from=(self.n_train, self.n_heldout),
+                       expert_share=[float((r == e).any(axis=1).mean()) for r in self.train_routes for e in range(n_expert)])
 
     def check_model(self, model_path: Path) -> None:
         size = model_path.stat().st_size
