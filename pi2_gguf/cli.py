@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--perplexity-budget", type=_perplexity_budget, default=conv_mod.DEFAULT_PERPLEXITY_BUDGET,
                    metavar="PERCENT",
                    help="perplexity on held-out text the sparse configuration may add over dense, in percent (default "
-                        f"{conv_mod.DEFAULT_PERPLEXITY_BUDGET:.0%}); without --sparsity/--threshold convert takes the "
+                        f"{conv_mod.DEFAULT_PERPLEXITY_BUDGET * 100:.0f}%%); without --sparsity/--threshold convert takes the "
                         "largest target from the default down that stays within it. Both perplexities are recorded in "
                         "the sidecar (inspect shows them). 'none': measure nothing")
     p.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",

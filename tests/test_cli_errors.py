@@ -157,3 +157,16 @@ def test_relative_symlink_in_another_directory(tiny_model: tuple[Path, Path], tm
         assert resolve_sidecar(path, None) == tmp_path / "b" / "m.pi2.gguf"
     finally:
         os.chdir(cwd)
+
+
+def test_every_subcommand_prints_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pi2-gguf CMD -h` works for every command (a bare % in a help string made argparse raise instead)."""
+    from pi2_gguf.cli import build_parser, main
+
+    commands = list(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert "convert" in commands
+    for cmd in commands:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "-h"])
+        assert e.value.code == 0, cmd
+        assert "usage:" in capsys.readouterr().out
