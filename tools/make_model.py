@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
     shape = synthetic_moe.MoeShape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv, args.n_expert,
                                    args.n_expert_used)
-    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency)
+    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
     routing = synthetic_moe.Routing(args.router_skew, args.router_locality)
     try:
         report = synthetic_moe.make_moe(args.output, shape, sparsity, routing, args.arch, args.activation, qtype,

@@ -11,7 +11,8 @@ How the model is made (dense synthetic models: synthetic.py):
   peaks at distance 0: they hold a recency-weighted mean of the recent tokens. The router reads them with
   weight `locality` and the token dimensions with weight 1 - locality, so consecutive tokens share experts
   more often as locality grows.
-- Sparsity inside experts: each neuron gets a firing frequency (synthetic.Sparsity); its bias is the quantile
+- Sparsity inside experts: gate rows low-rank plus noise (Sparsity.gates "lowrank", as synthetic.py's) or full rank
+  ("context"); each neuron gets a firing frequency (synthetic.Sparsity); its bias is the quantile
   of its pre-activation under the normed residual's distribution (dimension 0 constant, the rest Gaussian)
   that gives that frequency. The frequencies a text really gives are measured by running it
   (tools/make_model.py reports them).
@@ -153,7 +154,16 @@ class _MoeWeights:
         gates, ups, downs = [], [], []
         t = self.threshold if self.activation == "fatrelu" else 0.0
         for e in range(s.n_expert):
-            g = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc
+            if self.sparsity.gates == "lowrank":
+                # rank n_embd / 32 plus 15% noise, as synthetic.py's dense gates: trained FFNs' gates are close to
+                # low rank, which is what lets a predictor of low rank select their neurons
+                rk = max(8, s.n_embd // 32)
+                u = rng.standard_normal((s.n_ff, rk), dtype=np.float32)
+                v = rng.standard_normal((rk, s.n_embd), dtype=np.float32) / np.float32(np.sqrt(rk * s.n_embd))
+                g = u @ v
+                g += rng.standard_normal(g.shape, dtype=np.float32) * (0.15 * float(g.std()))
+            else:  # full rank: firing a low-rank predictor sees only in part
+                g = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc
             g[:, 1:1 + m] = 0.0  # experts read the token dimensions
             sigma = np.sqrt(np.sum(g[:, tok] ** 2, axis=1)) * 0.5
             freq = self.freq(il, e, rng)
