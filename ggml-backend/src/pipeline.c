@@ -384,10 +384,11 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
     p->bundle_get  = pi2_cache_bundle_get;
     p->bundle_peek = pi2_cache_bundle_peek;
     p->request     = pi2_pipeline_request;
-    // llama runs the layers in order, the last one followed by the first of the next token
+    // llama runs the layers in order, the last one followed by the first of the next token; an MoE sidecar's next
+    // layer is another expert, which the router may not choose: no prefetch there
     const int next = (p->layer + 1) % (int) b->sc->n_layer;
     const bool always = pi2_setting(&b->settings, b->defaults, PI2_SET_PREDICTOR) != 0.0;
-    if (!pi2_predictor_runs(&b->layer[next].pred, atomic_load(&b->mode) == PI2_MODE_PREDICTED, always)) {
+    if (b->sc->n_expert == 0 && !pi2_predictor_runs(&b->layer[next].pred, atomic_load(&b->mode) == PI2_MODE_PREDICTED, always)) {
         p->prefetch_layer = next;
     }
     const uint64_t t0 = pi2_now_ns();
