@@ -141,7 +141,7 @@ def test_quantized_silu_experts_equal_stock(tmp_path: Path) -> None:
                            "qwen3moe", "silu", QT.Q4_K, progress=False)
     ref = greedy_in_subprocess(path, [PROMPT], 16, pi2=False, repack=False)[0]
     run = greedy_in_subprocess(path, [PROMPT], 16, pi2=True, repack=False, settings={"layers": "all"})[0]
-    assert run.pi2_matmuls > 0 and run.tokens == ref.tokens
+    assert run.pi2_matmuls > 0 and run.tokens == ref.tokens and run.layers_in_pi2 == "3/3"
     assert np.array_equal(np.array(run.logits_first), np.array(ref.logits_first))
 
 

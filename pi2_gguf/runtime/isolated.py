@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.pi2:
             c = read_counters()
             g.pi2_matmuls = int(c.matmul_calls.sum())
-            g.layers_in_pi2 = f"{int((c.matmul_calls.sum(axis=-1) > 0).sum()) if c.matmul_calls.size else 0}" \
-                              f"/{llama_cpp.llama_model_n_layer(llm.model)}"
+            # MoE: the layers whose routed experts PI2 computed (with a sidecar the engine's counters are per
+            # (layer, expert), so matmul calls do not count layers there)
+            held = (c.expert_tokens > 0) if c.expert_tokens.sum() else (c.matmul_calls.sum(axis=-1) > 0)
+            g.layers_in_pi2 = f"{int(held.sum()) if held.size else 0}/{llama_cpp.llama_model_n_layer(llm.model)}"
             if c.sparse_tokens.sum():
                 g.active_fraction = float(c.active.sum()) / float(c.neurons.sum())
             c0 = at_decode[0]
