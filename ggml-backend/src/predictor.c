@@ -1,9 +1,13 @@
 #include "predictor.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "bundle_io.h"
 #include "column_axpy.h"
 #include "sparse_plan.h"
 
@@ -51,6 +55,28 @@ int pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L
     if (!P->pays && !keep) {
         pi2_drop_f16(L); // under a budget every byte kept is a byte less of neuron cache (61 MB on Qwen2.5-1.5B)
         return 0;
+    }
+    // the F16 weights, from the sidecar file (sidecar.h: not read at open)
+    const size_t w1_bytes = (size_t) L->rank * n_embd * sizeof(ggml_fp16_t);
+    const size_t w2_bytes = (size_t) L->n_ff * L->rank * sizeof(ggml_fp16_t);
+    L->pred_w1 = malloc(w1_bytes > 0 ? w1_bytes : 1);
+    L->pred_w2 = malloc(w2_bytes > 0 ? w2_bytes : 1);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int rc = fd < 0 ? errno : L->pred_w1 == NULL || L->pred_w2 == NULL ? ENOMEM : 0;
+    if (rc == 0) {
+        rc = pi2_read_exact(fd, L->pred_w1, w1_bytes, L->pred_w1_offset);
+    }
+    if (rc == 0) {
+        rc = pi2_read_exact(fd, L->pred_w2, w2_bytes, L->pred_w2_offset);
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
+    if (rc != 0) {
+        pi2_drop_f16(L);
+        snprintf(err, errlen, "sidecar %s: cannot read layer %u's predictor: %s", path, il,
+                 rc == PI2_READ_EOF ? "the file ends early (changed since it was opened?)" : strerror(rc));
+        return -1;
     }
     P->w1      = malloc((size_t) L->rank * P->w1_stride);
     P->w2      = malloc((size_t) L->rank * P->w2_stride);

@@ -564,6 +564,10 @@ static int pi2_read_tensors(struct pi2_reader * rd, struct pi2_sidecar * sc) {
                 L->bundles_offset = off;
                 continue;
             }
+            if (t == PI2_T_PRED_W1 || t == PI2_T_PRED_W2) { // read where a predictor is kept (sidecar.h)
+                *(t == PI2_T_PRED_W1 ? &L->pred_w1_offset : &L->pred_w2_offset) = off;
+                continue;
+            }
             const size_t nbytes = gguf_get_tensor_size(rd->file.gguf, id);
             void * buf = malloc(nbytes > 0 ? nbytes : 1);
             if (buf == NULL) {

@@ -46,10 +46,13 @@ struct pi2_sidecar_layer {
 
     uint64_t tensor_fp[PI2_N_MATRIX]; // fingerprints of the model's gate, up, down weights
 
-    // small tensors, malloc'd, bytes as in the file
-    ggml_fp16_t * pred_w1; // [rank][n_embd]
+    // small tensors, malloc'd, bytes as in the file. The predictor's F16 weights are read only where a binding keeps
+    // its predictor (pi2_predictor_prepare, from their file offsets), one layer at a time: read whole at open they
+    // were a transient of 117 MB for an MoE sidecar of 512 layers, which a memory budget's cgroup OOM-killed
+    uint64_t      pred_w1_offset, pred_w2_offset;
+    ggml_fp16_t * pred_w1; // [rank][n_embd], NULL until read
     float *       pred_b1; // [rank]
-    ggml_fp16_t * pred_w2; // [n_ff][rank]
+    ggml_fp16_t * pred_w2; // [n_ff][rank], NULL until read
     float *       pred_b2; // [n_ff]
     float *       freq;    // [n_ff]
     int32_t *     order;   // [n_ff], a permutation of 0..n_ff-1
