@@ -34,10 +34,13 @@ static void fuzz_check_layer(const struct pi2_sidecar * sc, const struct pi2_sid
     // the last slot's parts end within the bundles tensor
     FUZZ_ASSERT(pi2_slot_offset(L, (int64_t) L->n_ff - 1) + L->data_end <= bundles_bytes);
 
+    // the predictor's F16 weights stay in the file until a binding keeps them (sidecar.h): within it
+    const uint64_t w1_bytes = (uint64_t) sc->n_embd * L->rank * 2, w2_bytes = (uint64_t) L->rank * L->n_ff * 2;
+    FUZZ_ASSERT(L->pred_w1 == NULL && L->pred_w2 == NULL);
+    FUZZ_ASSERT(L->pred_w1_offset <= sc->file_size && w1_bytes <= sc->file_size - L->pred_w1_offset);
+    FUZZ_ASSERT(L->pred_w2_offset <= sc->file_size && w2_bytes <= sc->file_size - L->pred_w2_offset);
     volatile float sink = 0.0f;
-    sink += (float) L->pred_w1[(size_t) sc->n_embd * L->rank - 1];
     sink += L->pred_b1[L->rank - 1];
-    sink += (float) L->pred_w2[(size_t) L->rank * L->n_ff - 1];
     sink += L->pred_b2[L->n_ff - 1];
     sink += L->freq[L->n_ff - 1];
     (void) sink;
