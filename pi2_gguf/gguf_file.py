@@ -102,6 +102,14 @@ def gguf_architecture(path: str | Path) -> str | None:
     return arch if isinstance(arch, str) else None
 
 
+def expert_used_count(path: str | Path) -> int:
+    """<arch>.expert_used_count of an MoE model from its header, 0 for a model that states none."""
+    arch = gguf_architecture(path)
+    key = f"{arch}.expert_used_count"
+    n = _header_values(path, {key}).get(key) if arch else None
+    return int(n) if isinstance(n, int) else 0
+
+
 def load_failure(path: Path) -> ModelFileError:
     """The error for a GGUF llama.cpp refused to load (its log, silent unless verbose, says why)."""
     return ModelFileError(f"llama.cpp could not load model file {path} (general.architecture "

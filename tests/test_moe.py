@@ -5,6 +5,7 @@ computed; only the routed experts are computed, and for ReLU-family experts only
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ from pi2_gguf.converter import synthetic, synthetic_moe
 from pi2_gguf.errors import Pi2Error
 from pi2_gguf.runtime.isolated import greedy_in_subprocess
 from pi2_gguf.runtime.runner import LlamaRunner
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from decode_steps import decode  # noqa: E402
 
 PROMPT = "The history of the Roman Empire begins with the founding of the city"
 FATRELU_T = 0.05
@@ -197,20 +201,6 @@ def moe_sidecar(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, sidecar
 
 
-def _steps(llm: pi2_gguf.Llama, n: int, forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
-    from pi2_gguf.runtime.generate import last_logits
-
-    llm.reset()
-    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
-    toks, logits = [], []
-    for i in range(n):
-        row = last_logits(llm).copy()
-        logits.append(row)
-        toks.append(int(np.argmax(row)))
-        llm.eval([forced[i] if forced is not None else toks[-1]])
-    return toks, np.stack(logits)
-
-
 def test_moe_sidecar_describes_each_expert(moe_sidecar: tuple[Path, Path]) -> None:
     from pi2_gguf.sidecar.reader import read as read_sidecar
 
@@ -234,9 +224,9 @@ def test_moe_oracle_equals_dense_and_predicted_agrees(moe_sidecar: tuple[Path, P
     model, sidecar = moe_sidecar
     llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="dense", n_ctx=256, n_threads=2, verbose=False)
     try:
-        dense_toks, dense_logits = _steps(llm, 64)
+        dense_toks, dense_logits = decode(llm, PROMPT, 64)
         llm.set_mode("oracle")
-        oracle_toks, oracle_logits = _steps(llm, 64)
+        oracle_toks, oracle_logits = decode(llm, PROMPT, 64)
         assert oracle_toks == dense_toks
         assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * np.abs(dense_logits).max()
         pi2_gguf.reset_counters()
@@ -248,7 +238,7 @@ def test_moe_oracle_equals_dense_and_predicted_agrees(moe_sidecar: tuple[Path, P
         assert c.sparse_tokens[:24].sum() == 16 * 2 * 3
         assert 0.02 < c.active.sum() / c.neurons.sum() < 0.3
         llm.set_mode("predicted")
-        pred_toks, _ = _steps(llm, 64, forced=dense_toks)
+        pred_toks, _ = decode(llm, PROMPT, 64, forced=dense_toks)
         assert sum(a == b for a, b in zip(pred_toks, dense_toks)) >= 0.99 * 64
     finally:
         llm.close()
@@ -262,7 +252,7 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
     with pytest.raises(Pi2Error, match="another model|made for"):
         llm = pi2_gguf.Llama(str(other), sidecar=sidecar, mode="oracle", n_ctx=128, n_threads=2, verbose=False)
         try:
-            _steps(llm, 2)
+            decode(llm, PROMPT, 2)
         finally:
             llm.close()
 
@@ -275,14 +265,14 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path]) -> None:
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                          settings=same_engine)
     try:
-        want, want_logits = _steps(ram, 16)
+        want, want_logits = decode(ram, PROMPT, 16)
     finally:
         ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                            memory_budget="2GiB", settings={"cache_max": "1MiB"})
     try:
         pi2_gguf.reset_counters()
-        got, got_logits = _steps(flash, 16)
+        got, got_logits = decode(flash, PROMPT, 16)
         c = pi2_gguf.read_counters()
         n_tok = len(flash.tokenize(PROMPT.encode(), add_bos=True)) + 16
     finally:

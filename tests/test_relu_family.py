@@ -19,11 +19,11 @@ from pi2_gguf.converter.convert import convert
 from pi2_gguf.errors import SidecarError
 from pi2_gguf.gguf_file import read_model_file
 from pi2_gguf.llama_build import ensure_stock_site
-from pi2_gguf.runtime.generate import last_logits
 from pi2_gguf.runtime.isolated import greedy_in_subprocess
 from pi2_gguf.sidecar.reader import read as read_sidecar
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from decode_steps import decode  # noqa: E402
 from gguf_copy import copy_gguf  # noqa: E402
 from settings import RELU_SHAPE  # noqa: E402
 
@@ -48,18 +48,6 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="module")
 def stock_site() -> Path:
     return ensure_stock_site(log=lambda _: None)
-
-
-def _steps(llm: pi2_gguf.Llama, n: int, forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
-    llm.reset()
-    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
-    toks, logits = [], []
-    for i in range(n):
-        row = last_logits(llm).copy()
-        logits.append(row)
-        toks.append(int(np.argmax(row)))
-        llm.eval([forced[i] if forced is not None else toks[-1]])
-    return toks, np.stack(logits)
 
 
 def test_model_and_sidecar_state_the_activation(family_model: tuple[str, Path, Path]) -> None:
@@ -105,9 +93,9 @@ def test_oracle_equals_dense_and_predicted_agrees(family_model: tuple[str, Path,
     act, model, sidecar = family_model
     llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="dense", n_ctx=256, n_threads=2, verbose=False)
     try:
-        dense_toks, dense_logits = _steps(llm, N_TOKENS)
+        dense_toks, dense_logits = decode(llm, PROMPT, N_TOKENS)
         llm.set_mode("oracle")
-        oracle_toks, oracle_logits = _steps(llm, N_TOKENS)
+        oracle_toks, oracle_logits = decode(llm, PROMPT, N_TOKENS)
         assert oracle_toks == dense_toks
         assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * np.abs(dense_logits).max()
         pi2_gguf.reset_counters()  # single-token decodes only (a prompt batch may run dense)
@@ -125,7 +113,7 @@ def test_oracle_equals_dense_and_predicted_agrees(family_model: tuple[str, Path,
         llm.set_mode("predicted")
         llm.set_check_recall(True)
         pi2_gguf.reset_counters()
-        pred_toks, _ = _steps(llm, N_TOKENS, forced=dense_toks)
+        pred_toks, _ = decode(llm, PROMPT, N_TOKENS, forced=dense_toks)
         c = pi2_gguf.read_counters()
         assert sum(a == b for a, b in zip(pred_toks, dense_toks)) >= 0.99 * N_TOKENS
         assert (c.predicted < 0.6 * c.neurons).all()
@@ -139,12 +127,12 @@ def test_flash_decode_equals_in_ram(family_model: tuple[str, Path, Path]) -> Non
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                          settings=same_engine)
-    want, want_logits = _steps(ram, 16)
+    want, want_logits = decode(ram, PROMPT, 16)
     ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                            memory_budget="2GiB", settings={"cache_max": "1MiB"})
     pi2_gguf.reset_counters()
-    got, got_logits = _steps(flash, 16)
+    got, got_logits = decode(flash, PROMPT, 16)
     c = pi2_gguf.read_counters()
     flash.close()
     assert got == want and np.array_equal(got_logits, want_logits)

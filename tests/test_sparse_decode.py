@@ -13,27 +13,14 @@ import pytest
 
 import pi2_gguf
 from pi2_gguf.errors import SidecarError
-from pi2_gguf.runtime.generate import last_logits
 from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from decode_steps import decode  # noqa: E402
 from settings import RELU_DENSITY, RELU_SHAPE  # noqa: E402
 
 PROMPTS = ["The history of the Roman Empire", "Photosynthesis is the process by which", "In 1969 the first"]
 N_TOKENS = 64
-
-
-def _decode(llm: pi2_gguf.Llama, prompt: str, n: int, forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and the logits before each; with forced, feeds those tokens instead (teacher forcing)."""
-    llm.reset()
-    llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
-    toks, logits = [], []
-    for i in range(n):
-        row = last_logits(llm).copy()
-        logits.append(row)
-        toks.append(int(np.argmax(row)))
-        llm.eval([forced[i] if forced is not None else toks[-1]])
-    return toks, np.stack(logits)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +68,10 @@ def test_relu_patch_makes_stock_llama_run_relu(relu_model: tuple[Path, Path, lis
 def test_oracle_equals_dense_on_relu(relu_llm: pi2_gguf.Llama) -> None:
     for prompt in PROMPTS[:2]:
         relu_llm.set_mode("dense")
-        dense_toks, dense_logits = _decode(relu_llm, prompt, N_TOKENS)
+        dense_toks, dense_logits = decode(relu_llm, prompt, N_TOKENS)
         relu_llm.set_mode("oracle")
         pi2_gguf.reset_counters()
-        oracle_toks, oracle_logits = _decode(relu_llm, prompt, N_TOKENS)
+        oracle_toks, oracle_logits = decode(relu_llm, prompt, N_TOKENS)
         c = pi2_gguf.read_counters()
         assert oracle_toks == dense_toks
         scale = np.abs(dense_logits).max()
@@ -101,11 +88,11 @@ def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.
     agree = total = 0
     for prompt in PROMPTS:
         relu_llm.set_mode("dense")
-        dense_toks, _ = _decode(relu_llm, prompt, N_TOKENS)
+        dense_toks, _ = decode(relu_llm, prompt, N_TOKENS)
         relu_llm.set_mode("predicted")
         relu_llm.set_check_recall(True)
         pi2_gguf.reset_counters()
-        pred_toks, _ = _decode(relu_llm, prompt, N_TOKENS, forced=dense_toks)
+        pred_toks, _ = decode(relu_llm, prompt, N_TOKENS, forced=dense_toks)
         relu_llm.set_check_recall(False)
         agree += sum(a == b for a, b in zip(pred_toks, dense_toks))
         total += len(dense_toks)
@@ -120,9 +107,9 @@ def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.
 def test_down_by_columns_or_rows_gives_the_same_tokens(relu_llm: pi2_gguf.Llama) -> None:
     relu_llm.set_mode("oracle")
     relu_llm.configure(down_sparse_max=1.0)  # always columns
-    cols, cols_logits = _decode(relu_llm, PROMPTS[0], 16)
+    cols, cols_logits = decode(relu_llm, PROMPTS[0], 16)
     relu_llm.configure(down_sparse_max=0.0)  # always the model's down rows
-    rows, rows_logits = _decode(relu_llm, PROMPTS[0], 16)
+    rows, rows_logits = decode(relu_llm, PROMPTS[0], 16)
     relu_llm.configure(down_sparse_max=0.2)  # the default
     assert cols == rows
     assert np.abs(cols_logits - rows_logits).max() <= 1e-4 * np.abs(rows_logits).max()
@@ -140,7 +127,7 @@ def test_gate_and_up_rows_from_the_model_equal_the_bundles(smollm2: Path, smol_s
         for model_rows in (True, False):
             llm.configure(rows="model" if model_rows else "bundles")
             pi2_gguf.reset_counters()
-            toks, logits = _decode(llm, PROMPTS[0], 16)
+            toks, logits = decode(llm, PROMPTS[0], 16)
             c = pi2_gguf.read_counters()
             out[model_rows] = (toks, logits, c.active.copy(), c.predicted.copy(), c.neurons.copy())
     finally:

@@ -54,6 +54,15 @@ static float * pi2_id_out(const struct ggml_tensor * out, int64_t s, int64_t t) 
     return (float *) ((char *) out->data + t * out->nb[2] + s * out->nb[1]);
 }
 
+// the routed work of a layer's batch (o: its gate product), counted once whichever path computed it
+static void pi2_count_routing(struct pi2_counters * c, int layer, const struct pi2_id_operands * o) {
+    pi2_count_layer_seen(c, layer);
+    struct pi2_layer_counters * L = &c->layer[layer];
+    pi2_count(&L->expert_tokens, (uint64_t) o->n_tokens);
+    pi2_count(&L->experts_routed, (uint64_t) (o->n_used * o->n_tokens));
+    pi2_count(&L->expert_neurons, (uint64_t) (o->n_rows * o->n_used * o->n_tokens));
+}
+
 static void pi2_count_experts(struct pi2_counters * c, const struct pi2_id_operands * o, int layer, enum pi2_matrix m,
                               int64_t n_loaded, uint64_t rows) {
     pi2_count_layer_seen(c, layer);
@@ -63,10 +72,8 @@ static void pi2_count_experts(struct pi2_counters * c, const struct pi2_id_opera
     pi2_count(&L->rows[m], rows);
     pi2_count(&L->weight_bytes[m], (uint64_t) n_loaded * (uint64_t) o->n_rows * o->w->nb[1]);
     if (m == PI2_MATRIX_GATE) {
-        pi2_count(&L->expert_tokens, (uint64_t) o->n_tokens);
-        pi2_count(&L->experts_routed, (uint64_t) (o->n_used * o->n_tokens));
+        pi2_count_routing(c, layer, o);
         pi2_count(&L->experts_loaded, (uint64_t) n_loaded);
-        pi2_count(&L->expert_neurons, (uint64_t) (o->n_rows * o->n_used * o->n_tokens));
     } else if (m == PI2_MATRIX_UP) {
         pi2_count(&L->expert_active, rows);
     }
@@ -346,11 +353,6 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
             }
         }
     }
-    // the routed work, counted at the real layer as the dense path counts it
-    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
-    pi2_count_layer_seen(&ctx->dev->counters, r->layer);
-    pi2_count(&L->expert_tokens, (uint64_t) o.n_tokens);
-    pi2_count(&L->experts_routed, (uint64_t) (o.n_used * o.n_tokens));
-    pi2_count(&L->expert_neurons, (uint64_t) (o.n_rows * o.n_used * o.n_tokens));
+    pi2_count_routing(&ctx->dev->counters, r->layer, &o); // at the real layer, as the dense path counts it
     return 4;
 }

@@ -646,6 +646,15 @@ static bool pi2_probe_holds(struct pi2_device_ctx * d, int layer) {
     return holds;
 }
 
+// ggml-cpu has a dot product for weights of type t and converts f32 activations to its vec_dot_type
+static bool pi2_cpu_can_dot(enum ggml_type t) {
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(t);
+    if (tt == NULL || tt->vec_dot == NULL) {
+        return false;
+    }
+    return tt->vec_dot_type == GGML_TYPE_F32 || ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float != NULL;
+}
+
 // MUL_MAT of an FFN weight held in a PI2 buffer by an f32 activation ggml-cpu can dot with it
 static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0];
@@ -659,23 +668,15 @@ static bool pi2_supports_ffn_mul_mat(ggml_backend_dev_t dev, const struct ggml_t
     if (w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) == 0 && !pi2_probe_holds(d, layer)) {
         return false;
     }
-    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
-    if (tt == NULL || tt->vec_dot == NULL) {
-        return false;
-    }
-    if (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL) {
-        return false;
-    }
-    return w->ne[2] == 1 && w->ne[3] == 1 && ggml_is_contiguous(w) &&
+    return pi2_cpu_can_dot(w->type) && w->ne[2] == 1 && w->ne[3] == 1 && ggml_is_contiguous(w) &&
            x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[2] == 1 && x->ne[3] == 1 &&
            x->nb[0] == sizeof(float) && ggml_is_contiguous_rows(x) &&
            op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) &&
            w->ne[0] % ggml_blck_size(w->type) == 0;
 }
 
-// MUL_MAT_ID of a routed-expert weight held in PI2's in-RAM buffer (expert_ffn.h). llama's placement probe asks
-// with a zero-size buffer: PI2 holds a model's experts where it must (a ReLU-family activation, which an
-// unmodified llama.cpp's MoE graph computes as SwiGLU) or where PI2_LAYERS=all says so; else ggml-cpu.
+// MUL_MAT_ID of a routed-expert weight held in a PI2 buffer (expert_ffn.h). llama's placement probe asks with a
+// zero-size in-RAM buffer (placement.h, pi2_placement_holds_experts).
 static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0];
     struct pi2_device_ctx * d = dev->context;
@@ -697,29 +698,17 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
         return false;
     }
     if (ggml_backend_buffer_get_size(w->buffer) == 0) {
-        const struct pi2_stated_act sa = pi2_weight_act(w);
         pthread_mutex_lock(&d->lock);
         pi2_announce_once(d);
-        const bool config_error = d->config.error[0] != '\0';
+        // a configuration error holds them, so that the buffer allocation refuses the load with the message
+        const bool holds = d->config.error[0] != '\0' ||
+                           pi2_placement_holds_experts(d->pending, d->pending_act, &d->config.defaults);
         pthread_mutex_unlock(&d->lock);
-        pthread_mutex_lock(&d->lock);
-        // a sidecar of the model's experts in a sparse mode (FORMAT.md, "MoE sidecars")
-        const struct pi2_binding * b = d->pending;
-        const bool sparse = b != NULL && b->sc->n_expert > 0 && atomic_load(&b->mode) != PI2_MODE_DENSE;
-        const double layers = pi2_setting(b != NULL ? &b->settings : NULL, &d->config.defaults, PI2_SET_LAYERS);
-        pthread_mutex_unlock(&d->lock);
-        if (!config_error && !(sa.stated && pi2_act_relu_family(sa.act.kind)) && !sparse && layers == 0.0) {
+        if (!holds) {
             return false;
         }
     }
-    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
-    if (tt == NULL || tt->vec_dot == NULL) {
-        return false;
-    }
-    if (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL) {
-        return false;
-    }
-    return pi2_expert_mul_mat_id_shapes(op);
+    return pi2_cpu_can_dot(w->type) && pi2_expert_mul_mat_id_shapes(op);
 }
 
 // the own FFN weight whose product t derives from through at most `depth` elementwise ops, or NULL

@@ -68,6 +68,16 @@ bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act
                                  pi2_setting(own, defaults, PI2_SET_PREDICTOR) != 0.0) < 1.0;
 }
 
+bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults) {
+    if (act.stated && pi2_act_relu_family(act.act.kind)) {
+        return true;
+    }
+    if (b != NULL && b->sc->n_expert > 0 && atomic_load(&b->mode) != PI2_MODE_DENSE) {
+        return true; // FORMAT.md, "MoE sidecars"
+    }
+    return pi2_setting(b != NULL ? &b->settings : NULL, defaults, PI2_SET_LAYERS) != 0.0;
+}
+
 static const char * pi2_no_env(void * ctx, const char * name) {
     (void) ctx;
     (void) name;

@@ -85,10 +85,7 @@ class ModelFfn:
                 if len(ne) != 2:
                     raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
                 layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
-            g, u, d = layer["gate"], layer["up"], layer["down"]
-            if not (g.ne0 == u.ne0 == d.ne1 and g.ne1 == u.ne1 == d.ne0):
-                raise ModelFileError(f"{self.path}: layer {il} FFN shapes disagree: gate {g.ne0}x{g.ne1}, "
-                                     f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
+            self._check_shapes(layer, f"layer {il} FFN")
             self.layers.append(layer)
         if not self.layers:
             raise ModelFileError(f"{self.path} has no gated FFN layers (blk.N.ffn_gate/up/down.weight, or routed "
@@ -100,6 +97,12 @@ class ModelFfn:
         # an output matrix of its own (not tied to the token embedding): under a memory budget the plugin can
         # leave it in the file and read a token's top rows (PI2_OUTPUT_ROWS)
         self.has_output = "output.weight" in tensors
+
+    def _check_shapes(self, layer: dict[str, FfnTensor], what: str) -> None:
+        g, u, d = layer["gate"], layer["up"], layer["down"]
+        if not (g.ne0 == u.ne0 == d.ne1 and g.ne1 == u.ne1 == d.ne0):
+            raise ModelFileError(f"{self.path}: {what} shapes disagree: gate {g.ne0}x{g.ne1}, "
+                                 f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
 
     def _read_experts(self, tensors: dict) -> None:
         """One layer per (layer, expert), its matrices the expert's slices of the stacked *_exps tensors."""
@@ -121,10 +124,7 @@ class ModelFfn:
             self.n_expert = n_expert
             for e in range(n_expert):
                 layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
-                g, u, d = layer["gate"], layer["up"], layer["down"]
-                if not (g.ne0 == u.ne0 == d.ne1 and g.ne1 == u.ne1 == d.ne0):
-                    raise ModelFileError(f"{self.path}: layer {il} expert FFN shapes disagree: gate {g.ne0}x{g.ne1}, "
-                                         f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
+                self._check_shapes(layer, f"layer {il} expert FFN")
                 self.layers.append(layer)
             self.moe_layers += 1
 

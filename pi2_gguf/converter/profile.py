@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
 from ..errors import OutputWriteError, Pi2Error
-from ..gguf_file import check_context, check_model_file
+from ..gguf_file import check_context, check_model_file, expert_used_count
 from ..paths import read_head
 
 FFN_INPUT = "ffn_norm"
@@ -138,6 +138,11 @@ class Profile:
                                f"not {model_path} ({size} bytes)")
 
 
+def routed_experts(logits: np.ndarray, k: int) -> np.ndarray:
+    """Each token's k routed experts from its router logits [n_tok, n_expert] (softmax keeps their order)."""
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+
+
 class _Recorder:
     """Receives ffn_norm-N tensors and stores them in preallocated per-layer arrays; for an MoE model also the
     routed experts of each token (the top n_expert_used of ffn_moe_logits-N)."""
@@ -154,7 +159,7 @@ class _Recorder:
             if self.k == 0 or layer >= len(self.routes):
                 raise Pi2Error(f"graph has router logits {name}-{layer}, but the model reports no experts there")
             at = self.routed[layer]
-            self.routes[layer][at:at + x.shape[0]] = np.argsort(-x, axis=1, kind="stable")[:, : self.k]
+            self.routes[layer][at:at + x.shape[0]] = routed_experts(x, self.k)
             self.routed[layer] = at + x.shape[0]
             return
         if layer >= len(self.arrays):
@@ -194,7 +199,7 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
     parts: dict[str, list[np.ndarray]] = {}
     routes: dict[str, list[np.ndarray]] = {}
     current: list[_Recorder] = []
-    k = _experts_used(path)
+    k = expert_used_count(path)  # from the header: gguf-py's reader would build the whole vocabulary first
     if k:
         # the plugin computes the activation the model states: llama.cpp's MoE graph alone computes SwiGLU for
         # llama/qwen3moe experts, so a ReLU-family model's later layers would see other inputs
@@ -236,13 +241,3 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
         runner.close()
     return Profile(path.name, path.stat().st_size, corpus.name, corpus.sha256, window,
                    parts["train"], parts["heldout"], routes["train"], routes["heldout"])
-
-
-def _experts_used(path: Path) -> int:
-    """n_expert_used of an MoE model (its <arch>.expert_used_count), 0 for a dense one."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(path, "r")
-    arch = r.get_field("general.architecture")
-    f = r.get_field(f"{arch.contents()}.expert_used_count") if arch is not None else None
-    return int(f.contents()) if f is not None and "blk.0.ffn_gate_exps.weight" in {t.name for t in r.tensors} else 0

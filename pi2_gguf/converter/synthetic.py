@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -144,37 +145,42 @@ class _Weights:
         return w
 
 
-def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtype: QT, name: str,
-                progress: bool = True, threshold: float = 0.0) -> Path:
-    """Writes the GGUF atomically (temp file in the same directory, then rename)."""
-    s = w.shape
+def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, activation: str, threshold: float,
+               note: str, embeddings: np.ndarray, layers: Callable[[int], dict[str, tuple]], qtype: QT,
+               hparams: Callable[[GGUFWriter], None] | None = None, progress: bool = True) -> Path:
+    """Writes a synthetic model's GGUF atomically (temp file in the same directory, then rename): shape's
+    hyperparameters (n_ctx, n_embd, n_layer, n_ff, n_head, n_head_kv), hparams' own keys, the stated activation,
+    the tokenizer, and layers(il)'s tensors (name suffix -> add_tensor arguments) of every layer."""
+    s = shape
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
     try:
-        gw = GGUFWriter(tmp, "llama")
+        gw = GGUFWriter(tmp, arch)
         gw.add_name(name)
         gw.add_context_length(s.n_ctx)
         gw.add_embedding_length(s.n_embd)
         gw.add_block_count(s.n_layer)
         gw.add_feed_forward_length(s.n_ff)
+        if hparams is not None:
+            hparams(gw)
         gw.add_head_count(s.n_head)
         gw.add_head_count_kv(s.n_head_kv)
         gw.add_rope_dimension_count(s.n_embd // s.n_head)
         gw.add_layer_norm_rms_eps(1e-5)
-        gw.add_string("llama.ffn_activation", activation)
+        gw.add_string(f"{arch}.ffn_activation", activation)
         if activation == "fatrelu":
-            gw.add_float32("llama.ffn_activation_threshold", threshold)
-        gw.add_string("pi2.synthetic.note", "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless")
+            gw.add_float32(f"{arch}.ffn_activation_threshold", threshold)
+        gw.add_string("pi2.synthetic.note", note)
         for key, vtype, val in tok_fields:
             if vtype == GGUFValueType.ARRAY:
                 gw.add_array(key, val)  # type: ignore[arg-type]
             else:
                 gw.add_key_value(key, val, vtype)
         # tensors: small ones F32 (as llama.cpp's converters keep norms), matrices in qtype
-        gw.add_tensor("token_embd.weight", *_as_tensor(w.embeddings(), qtype if qtype != QT.F32 else QT.F16))
+        gw.add_tensor("token_embd.weight", *as_tensor(embeddings, qtype if qtype != QT.F32 else QT.F16))
         gw.add_tensor("output_norm.weight", np.ones(s.n_embd, np.float32))
         for il in tqdm(range(s.n_layer), desc="write layers", unit="layer", disable=not progress):
-            for k, a in w.layer(il).items():
-                gw.add_tensor(f"blk.{il}.{k}.weight", *_as_tensor(a, qtype))
+            for k, args in layers(il).items():
+                gw.add_tensor(f"blk.{il}.{k}.weight", *args)
         gw.write_header_to_file()
         gw.write_kv_data_to_file()
         gw.write_tensors_to_file(progress=False)
@@ -186,12 +192,24 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
     return path
 
 
-def _as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
-    """(data, raw_shape, raw_dtype) for GGUFWriter.add_tensor: vectors F32, matrices in qtype."""
+def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtype: QT, name: str,
+                progress: bool = True, threshold: float = 0.0) -> Path:
+    """Writes the GGUF atomically (temp file in the same directory, then rename)."""
+    return write_gguf(path, "llama", name, w.shape, tok_fields, activation, threshold,
+                      "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless", w.embeddings(),
+                      lambda il: {k: as_tensor(a, qtype) for k, a in w.layer(il).items()}, qtype, progress=progress)
+
+
+def as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
+    """(data, raw_shape, raw_dtype) for GGUFWriter.add_tensor: vectors F32, matrices (and stacks of them, one per
+    expert) in qtype."""
     if a.ndim == 1 or qtype == QT.F32:
         return np.ascontiguousarray(a, np.float32), None, None
     if qtype == QT.F16:
         return np.ascontiguousarray(a, np.float16), None, None
+    if a.ndim == 3:
+        q = bundles.quantize_rows(qtype, a.reshape(-1, a.shape[-1]))
+        return q.reshape(a.shape[0], a.shape[1], -1), None, qtype
     return bundles.quantize_rows(qtype, a), None, qtype
 
 

@@ -21,19 +21,19 @@ How the model is made (dense synthetic models: synthetic.py):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter
+from gguf import ExpertGatingFuncType, GGUFWriter
 from gguf import GGUFReader
 from tqdm import tqdm
 
 from ..errors import Pi2Error
 from . import bundles
-from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields
+from .profile import routed_experts
+from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields, as_tensor, write_gguf
 
 ARCHS = ("llama", "qwen3moe", "smallthinker")
 CONTEXT_DIMS_DIV = 8  # n_embd / this residual dimensions carry context (written by attention only)
@@ -182,61 +182,22 @@ class _MoeWeights:
         return w
 
 
-def _as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
-    if a.ndim == 1 or qtype == QT.F32 or a.shape[0] == 0:
-        return np.ascontiguousarray(a, np.float32), None, None
-    if qtype == QT.F16:
-        return np.ascontiguousarray(a, np.float16), None, None
-    if a.ndim == 3:
-        q = bundles.quantize_rows(qtype, a.reshape(-1, a.shape[-1]))
-        return q.reshape(a.shape[0], a.shape[1], -1), None, qtype
-    return bundles.quantize_rows(qtype, a), None, qtype
-
-
 def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qtype: QT, name: str,
                     progress: bool = True) -> Path:
-    """Writes the GGUF atomically (temp file in the same directory, then rename)."""
+    """Writes the GGUF atomically (synthetic.write_gguf), with the expert hyperparameters."""
     s = w.shape
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        gw = GGUFWriter(tmp, arch)
-        gw.add_name(name)
-        gw.add_context_length(s.n_ctx)
-        gw.add_embedding_length(s.n_embd)
-        gw.add_block_count(s.n_layer)
-        gw.add_feed_forward_length(s.n_ff)
+
+    def hparams(gw: GGUFWriter) -> None:
         gw.add_expert_feed_forward_length(s.n_ff)
         gw.add_expert_count(s.n_expert)
         gw.add_expert_used_count(s.n_expert_used)
-        gw.add_head_count(s.n_head)
-        gw.add_head_count_kv(s.n_head_kv)
-        gw.add_rope_dimension_count(s.n_embd // s.n_head)
-        gw.add_layer_norm_rms_eps(1e-5)
         if arch == "smallthinker":
             gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
-        gw.add_string(f"{arch}.ffn_activation", w.activation)
-        if w.activation == "fatrelu":
-            gw.add_float32(f"{arch}.ffn_activation_threshold", w.threshold)
-        gw.add_string("pi2.synthetic.note", "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless")
-        for key, vtype, val in tok_fields:
-            if vtype == GGUFValueType.ARRAY:
-                gw.add_array(key, val)  # type: ignore[arg-type]
-            else:
-                gw.add_key_value(key, val, vtype)
-        gw.add_tensor("token_embd.weight", *_as_tensor(w.embeddings(), qtype if qtype != QT.F32 else QT.F16))
-        gw.add_tensor("output_norm.weight", np.ones(s.n_embd, np.float32))
-        for il in tqdm(range(s.n_layer), desc="write layers", unit="layer", disable=not progress):
-            for k, a in w.layer(il, arch).items():
-                gw.add_tensor(f"blk.{il}.{k}.weight", *_as_tensor(a, QT.F32 if k == "ffn_gate_inp" else qtype))
-        gw.write_header_to_file()
-        gw.write_kv_data_to_file()
-        gw.write_tensors_to_file(progress=False)
-        gw.close()
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+
+    return write_gguf(path, arch, name, s, tok_fields, w.activation, w.threshold,
+                      "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless", w.embeddings(),
+                      lambda il: {k: as_tensor(a, QT.F32 if k == "ffn_gate_inp" else qtype) for k, a in w.layer(il, arch).items()},
+                      qtype, hparams, progress)
 
 
 @dataclass(frozen=True)
@@ -278,10 +239,6 @@ def _profile(path: Path, tokens: list[int], n_layer: int, threads: int | None) -
     return xs, lg
 
 
-def _routes(logits: np.ndarray, k: int) -> np.ndarray:
-    return np.argsort(-logits, axis=1, kind="stable")[:, :k]  # softmax keeps the order of the logits
-
-
 def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
     """Sets each expert neuron's bias so that its gate passes the cut on its target share of the tokens routed to
     that expert (all tokens where fewer than 16 were)."""
@@ -289,7 +246,7 @@ def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
     t = w.threshold
     for il in range(s.n_layer):
         x = xs[il].astype(np.float32)
-        routed = _routes(lg[il], s.n_expert_used)
+        routed = routed_experts(lg[il], s.n_expert_used)
         gates = w.layer(il, arch)["ffn_gate_exps"]
         bias = np.empty((s.n_expert, s.n_ff), np.float32)
         for e in range(s.n_expert):
@@ -311,7 +268,7 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerRepor
     sizes = sorted({max(1, s.n_expert // 8), max(1, s.n_expert // 4), max(1, s.n_expert // 2), s.n_expert_used})
     for il in range(s.n_layer):
         x = xs[il].astype(np.float32)
-        routed = _routes(lg[il], s.n_expert_used)
+        routed = routed_experts(lg[il], s.n_expert_used)
         gates = w.layer(il, arch)["ffn_gate_exps"]
         fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
         counts = np.bincount(routed.ravel(), minlength=s.n_expert)
