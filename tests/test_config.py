@@ -35,6 +35,7 @@ MALFORMED = {
     "PI2_CACHE_MAX": ["600MBs", "lots"],
     "PI2_COLD_SHARE": ["abc", "0.95"],
     "PI2_OUTPUT_ROWS": ["abc", "4097", "-1", "1.5"],
+    "PI2_EXPERT_AHEAD": ["abc", "65", "-1", "2.5"],
     "PI2_MODE": ["fast"],
     "PI2_MEMORY_BUDGET": ["0", "600 elephants"],
     "PI2_SIDECAR": ["/nonexistent/x.pi2.gguf"],

@@ -257,9 +257,12 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
             llm.close()
 
 
-def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("cache_max,ahead", [("1MiB", "0"), ("1MiB", "16"), ("8MiB", "16")])
+def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str) -> None:
     """Under a memory budget the experts live in the sidecar on flash: each routed expert's active neurons are read
-    through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine."""
+    through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine, with a batch's
+    routed experts read before the first computes (PI2_EXPERT_AHEAD) or each when it computes (0), in a cache with
+    room to read ahead (8 MiB) or hardly any (1 MiB)."""
     model, sidecar = moe_sidecar
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
@@ -269,7 +272,7 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path]) -> None:
     finally:
         ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
-                           memory_budget="2GiB", settings={"cache_max": "1MiB"})
+                           memory_budget="2GiB", settings={"cache_max": cache_max, "expert_ahead": ahead})
     try:
         pi2_gguf.reset_counters()
         got, got_logits = decode(flash, PROMPT, 16)
@@ -282,3 +285,10 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path]) -> None:
     # every token (prompt too: on flash all batches run the engine) through n_expert_used = 2 experts in each layer;
     # llama prunes the last layer to the tokens whose logits it returns (the prompt's last, then each step's)
     assert int(c.sparse_tokens.sum()) == 2 * (2 * n_tok + 16 + 1), int(c.sparse_tokens.sum())
+    # each routed pair an expert hit (all it wanted cached) or miss; reads ahead are the misses' reads, found read
+    assert int(c.expert_hits.sum() + c.expert_misses.sum()) == int(c.experts_routed.sum()) > 0
+    assert int(c.expert_misses.sum()) > 0
+    if ahead == "0":
+        assert int(c.prefetched.sum()) == 0
+    else:
+        assert 0 < int(c.prefetched.sum()) <= int(c.misses.sum())

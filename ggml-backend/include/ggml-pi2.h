@@ -60,6 +60,8 @@ struct pi2_layer_counters {
     uint64_t experts_loaded;     // distinct experts computed per batch, summed (each expert's rows read once a batch)
     uint64_t expert_neurons;     // n_ff summed over the pairs
     uint64_t expert_active;      // of those, neurons whose gate passed a ReLU-family cut (their up row computed)
+    uint64_t expert_hits;        // flash: pairs whose wanted bundles were all in the neuron cache when routed
+    uint64_t expert_misses;      // flash: pairs that read some from the sidecar
 };
 
 struct pi2_counters {

@@ -32,6 +32,7 @@ struct pi2_io_params {
     uint64_t inflight_max; // bytes being read at once (SIZE_MAX: no limit)
     uint64_t max_bytes;    // largest request
     uint64_t gap;          // bytes a request may bridge between two misses
+    uint32_t ahead_pairs;  // MoE: routed (token, expert) pairs read ahead of their compute (PI2_EXPERT_AHEAD)
 };
 
 

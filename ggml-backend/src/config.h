@@ -29,6 +29,7 @@ enum pi2_setting {
     PI2_SET_CACHE_MAX,         // flash: neuron cache cap below what the budget allows (0: none)
     PI2_SET_COLD_SHARE,        // flash: share of the cache kept cold beyond one layer
     PI2_SET_OUTPUT_ROWS,       // flash: output matrix left in the model file, this many exact rows a token (0: in RAM)
+    PI2_SET_EXPERT_AHEAD,      // flash, MoE: routed (token, expert) pairs whose reads are issued before the first computes
     PI2_N_SETTINGS,
 };
 

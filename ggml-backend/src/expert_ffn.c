@@ -2,6 +2,7 @@
 
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
@@ -11,6 +12,8 @@
 #include "ffn_names.h"
 #include "glu.h"
 #include "model_binding.h"
+#include "pipeline.h"
+#include "predictor.h"
 #include "pi2_log.h"
 #include "sparse_ffn.h"
 
@@ -297,6 +300,95 @@ static struct ggml_tensor pi2_pair_column(const struct ggml_tensor * t, int64_t 
     return c;
 }
 
+// Reads ahead the bundles of a batch's routed (token, expert) pairs on flash: pair q's bundles are queued before
+// pair i computes, for q < i + window, so the disk reads the layer's experts while the first of them computes.
+// Entries pinned for requests after pair i's are capped at the cache's ahead room, so pair i always finds
+// entries for its own misses.
+struct pi2_expert_ahead {
+    struct pi2_binding *             b;
+    const struct pi2_id_operands *   o;
+    const struct pi2_expert_region * r;
+    bool                             predicted; // want from the predictor (else every bundle: dense, oracle, recall check)
+    bool                             always;
+    int64_t                          n_pairs, issued, window;
+    uint32_t                         room;
+    uint32_t *                       pinned;    // [n_pairs] entries pinned for each pair
+    uint8_t *                        want;      // [n_ff]
+    void *                           scratch;   // the predictor's
+};
+
+static void pi2_expert_ahead_free(struct pi2_expert_ahead * A) {
+    free(A->pinned);
+    free(A->want);
+    free(A->scratch);
+}
+
+// false with nothing to free where read-ahead does not run (in RAM, PI2_EXPERT_AHEAD 0, no cache yet)
+static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_binding * b, const struct pi2_id_operands * o,
+                                  const struct pi2_expert_region * r) {
+    memset(A, 0, sizeof(*A));
+    const int64_t window = b->flash ? (int64_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) : 0;
+    if (window == 0) {
+        return false;
+    }
+    A->room = pi2_pipeline_ahead_room(b);
+    const int mode = atomic_load(&b->mode);
+    A->b = b;
+    A->o = o;
+    A->r = r;
+    A->predicted = mode == PI2_MODE_PREDICTED && !atomic_load(&b->check_recall);
+    A->always = pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0;
+    A->n_pairs = o->n_used * o->n_tokens;
+    A->window = window;
+    size_t scratch = 0;
+    uint32_t n_ff = 0;
+    for (int64_t e = 0; e < o->n_expert; ++e) {
+        const int v = r->layer * (int) o->n_expert + (int) e;
+        const struct pi2_sidecar_layer * L = &b->sc->layer[v];
+        n_ff = L->n_ff > n_ff ? L->n_ff : n_ff;
+        if (b->layer[v].pred.w1 != NULL) {
+            const size_t need = pi2_predictor_want_scratch(L, &b->layer[v].pred, b->sc->n_embd);
+            scratch = need > scratch ? need : scratch;
+        }
+    }
+    A->pinned  = calloc((size_t) A->n_pairs, sizeof(*A->pinned));
+    A->want    = malloc(n_ff > 0 ? n_ff : 1);
+    A->scratch = malloc(scratch > 0 ? scratch : 1);
+    if (A->pinned == NULL || A->want == NULL || A->scratch == NULL) { // read-ahead is an optimization: go without
+        pi2_expert_ahead_free(A);
+        return false;
+    }
+    return true;
+}
+
+// before pair i computes: the reads of pairs up to i + window - 1 queued
+static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, int64_t i) {
+    const struct pi2_id_operands * o = A->o;
+    while (A->issued < A->n_pairs && A->issued < i + A->window) {
+        const int64_t q = A->issued;
+        uint64_t later = 0; // pinned for pairs after i and before q
+        for (int64_t j = i + 1; j < q; ++j) {
+            later += A->pinned[j];
+        }
+        if (q > i && later >= A->room) {
+            return; // the next pairs' reads wait until earlier pairs free entries
+        }
+        const uint32_t max_pin = q == i ? UINT32_MAX : (uint32_t) (A->room - later);
+        const int64_t s = q % o->n_used, t = q / o->n_used;
+        const int v = A->r->layer * (int) o->n_expert + pi2_id_at(o, s, t);
+        const struct pi2_binding_layer * B = &A->b->layer[v];
+        const struct pi2_sidecar_layer * L = &A->b->sc->layer[v];
+        if (A->predicted && pi2_predictor_runs(&B->pred, true, A->always)) {
+            const float * x = (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]);
+            pi2_predictor_want(B, L, &A->r->act, A->b->sc->n_embd, x, A->scratch, A->want);
+        } else {
+            memset(A->want, 1, L->n_ff);
+        }
+        A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, A->want, (uint32_t) (q - i + 1), max_pin, q == 0);
+        A->issued++;
+    }
+}
+
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
                                   enum ggml_status * st) {
     const struct pi2_id_operands o = pi2_id_operands(r->gate);
@@ -330,29 +422,50 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
                 *st = GGML_STATUS_FAILED;
                 return 4;
             }
-            const int v = r->layer * (int) o.n_expert + e;
-            struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
-                               wd = pi2_expert_matrix(r->down->src[0], e);
-            struct ggml_tensor x = pi2_pair_column(r->gate->src[1], s % o.n_b, t);
-            struct ggml_tensor gate = pi2_pair_column(r->gate, s, t), up = pi2_pair_column(r->up, s, t);
-            struct ggml_tensor glu = pi2_pair_column(r->glu, s, t), down = pi2_pair_column(r->down, s, t);
-            gate.src[0] = &wg;  gate.src[1] = &x;
-            up.src[0]   = &wu;  up.src[1]   = &x;
-            glu.src[0]  = &gate; glu.src[1] = &up;
-            down.src[0] = &wd;  down.src[1] = &glu;
-            if (!pi2_binding_verify_layer(b, v, &wg, &wu, &wd)) {
-                PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-                *st = GGML_STATUS_FAILED;
-                return 4;
-            }
-            const struct pi2_ffn_region fr = { .n_nodes = 4, .layer = v, .gate = &gate, .up = &up, .out = &glu, .down = &down,
-                                               .act = r->act };
-            *st = pi2_exec_sparse_ffn(ctx, b, &fr);
-            if (*st != GGML_STATUS_SUCCESS) {
-                return 4;
-            }
         }
     }
+    struct pi2_expert_ahead ahead;
+    const bool reads_ahead = pi2_expert_ahead_init(&ahead, b, &o, r);
+    uint64_t hits = 0, misses = 0;
+    *st = GGML_STATUS_SUCCESS;
+    for (int64_t i = 0; i < o.n_used * o.n_tokens && *st == GGML_STATUS_SUCCESS; ++i) {
+        const int64_t s = i % o.n_used, t = i / o.n_used;
+        const int32_t e = pi2_id_at(&o, s, t);
+        const int v = r->layer * (int) o.n_expert + e;
+        struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
+                           wd = pi2_expert_matrix(r->down->src[0], e);
+        struct ggml_tensor x = pi2_pair_column(r->gate->src[1], s % o.n_b, t);
+        struct ggml_tensor gate = pi2_pair_column(r->gate, s, t), up = pi2_pair_column(r->up, s, t);
+        struct ggml_tensor glu = pi2_pair_column(r->glu, s, t), down = pi2_pair_column(r->down, s, t);
+        gate.src[0] = &wg;  gate.src[1] = &x;
+        up.src[0]   = &wu;  up.src[1]   = &x;
+        glu.src[0]  = &gate; glu.src[1] = &up;
+        down.src[0] = &wd;  down.src[1] = &glu;
+        if (!pi2_binding_verify_layer(b, v, &wg, &wu, &wd)) {
+            PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+            *st = GGML_STATUS_FAILED;
+            break;
+        }
+        if (reads_ahead) {
+            pi2_expert_ahead_before(&ahead, i);
+        }
+        const struct pi2_ffn_region fr = { .n_nodes = 4, .layer = v, .gate = &gate, .up = &up, .out = &glu, .down = &down,
+                                           .act = r->act };
+        struct pi2_cache_token_stats io = { 0 };
+        *st = pi2_exec_sparse_ffn(ctx, b, &fr, &io);
+        hits   += io.misses == 0;
+        misses += io.misses != 0;
+    }
+    if (reads_ahead) {
+        pi2_expert_ahead_free(&ahead);
+    }
+    if (*st != GGML_STATUS_SUCCESS) {
+        return 4;
+    }
     pi2_count_routing(&ctx->dev->counters, r->layer, &o); // at the real layer, as the dense path counts it
+    if (b->flash) {
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_hits, hits);
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_misses, misses);
+    }
     return 4;
 }

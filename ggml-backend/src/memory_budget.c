@@ -22,7 +22,16 @@ uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
     return (uint64_t) n_bundles * bsize;
 }
 
-uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
+uint64_t pi2_cache_ahead_bundles(const struct pi2_sidecar * sc, uint32_t ahead_pairs) {
+    if (sc->n_expert == 0) {
+        return 0;
+    }
+    uint32_t n_bundles = 0;
+    pi2_cache_entry_size(sc, &n_bundles);
+    return (uint64_t) ahead_pairs * n_bundles;
+}
+
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_pairs) {
     uint32_t n_bundles = 0;
     pi2_cache_entry_size(sc, &n_bundles);
     uint64_t bundles = 0;
@@ -30,9 +39,10 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc) {
         bundles += sc->layer[il].n_bundles;
     }
     // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
-    // (request arrays: the request's and the two prefetch sets)
+    // (request arrays: the request's, the two prefetch sets and the routed experts' read-ahead)
+    const uint64_t req_bundles = 3 * (uint64_t) n_bundles + pi2_cache_ahead_bundles(sc, ahead_pairs);
     return bundles * (sizeof(int32_t) + pi2_cache_entry_overhead() + 2 * sizeof(float)) +
-           3 * (uint64_t) n_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
+           req_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
 }
 
 struct pi2_freq_item {
@@ -180,6 +190,9 @@ static double pi2_mb(uint64_t v) {
 // where some layer reads every bundle in predicted mode; sparse layers do not know their bundles early.
 static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
     const uint64_t bytes = (uint64_t) pi2_binding_setting(b, PI2_SET_PREFETCH_BYTES);
+    if (b->sc->n_expert > 0) { // the room a batch's routed experts are read ahead into
+        return pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 ? bytes : 0;
+    }
     for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
         if (!pi2_predictor_runs(&b->layer[il].pred, true, false)) {
             return bytes;
@@ -206,7 +219,8 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         b->pipe = NULL;
     }
     const uint64_t resident = pi2_resident_bytes();
-    const uint64_t overhead = pi2_cache_overhead_bytes(b->sc) + PI2_BUDGET_MARGIN;
+    const uint32_t ahead_pairs = (uint32_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD);
+    const uint64_t overhead = pi2_cache_overhead_bytes(b->sc, ahead_pairs) + PI2_BUDGET_MARGIN;
     const uint64_t min_cache = pi2_cache_min_bytes(b->sc);
     const uint64_t fixed = resident + reserved + overhead;
     if (resident == 0 || budget < fixed + min_cache) {
@@ -236,6 +250,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         .inflight_max = inflight > 0 ? inflight : UINT64_MAX,
         .max_bytes    = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
         .gap          = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_GAP),
+        .ahead_pairs  = ahead_pairs,
     };
     b->pipe = pi2_pipeline_create(b->sc, &plan, &io, err, errlen);
     pi2_cache_plan_free(&plan);

@@ -19,8 +19,11 @@
 
 // Cache bytes below which some layer could not hold every neuron one token may need.
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
-// Bytes the cache spends outside its segments (bundle maps, entry table, request buffers).
-uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc);
+// Bytes the cache spends outside its segments (bundle maps, entry table, request buffers), with request
+// buffers for ahead_pairs routed experts read ahead (an MoE sidecar).
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_pairs);
+// Bundles the read-ahead of ahead_pairs routed experts may queue at once (0 for a sidecar without experts).
+uint64_t pi2_cache_ahead_bundles(const struct pi2_sidecar * sc, uint32_t ahead_pairs);
 // How `bytes` splits into hot and cold segments, with cold room for up to prefetch_bytes of prefetched
 // bundles beyond one layer's need (less if the cache cannot spare it), and at most 1 - cold_share of the
 // bytes hot; false if bytes < pi2_cache_min_bytes or memory runs out. Free with pi2_cache_plan_free.

@@ -55,6 +55,7 @@ struct pi2_neuron_cache {
     size_t                   scratch_map;
     struct pi2_cold_entry *  ent;
     uint32_t                 n_cold, hand, epoch;
+    uint32_t                 need; // cold entries the layer with the most non-hot bundles needs
 
     atomic_uint completions; // futex word: bumped by every finished read (pi2_cache_signal)
     atomic_int  waiters;
@@ -185,7 +186,12 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         pi2_cache_free(c);
         return NULL;
     }
+    c->need = need;
     return c;
+}
+
+uint32_t pi2_cache_ahead_room(const struct pi2_neuron_cache * c) {
+    return c->n_cold - c->need;
 }
 
 uint8_t * pi2_cache_hot_segment(struct pi2_neuron_cache * c, int layer, uint32_t * hot_k, uint32_t * hot_slots) {
@@ -212,8 +218,9 @@ static int64_t pi2_victim(struct pi2_neuron_cache * c, bool done) {
         const uint32_t e = c->hand;
         c->hand = c->hand + 1 < c->n_cold ? c->hand + 1 : 0;
         struct pi2_cold_entry * E = &c->ent[e];
-        // this request's, prefetched for the next, or still being read (a prefetch the request did not want)
-        if ((E->pin == c->epoch && !done) || E->pin == c->epoch + 1 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
+        // this request's, read ahead for a later one (the next layer's, or a routed expert's further on), or
+        // still being read (a prefetch the request did not want)
+        if ((E->pin == c->epoch && !done) || (int32_t) (E->pin - c->epoch) > 0 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
             continue;
         }
         if (E->ref) {
@@ -286,6 +293,20 @@ bool pi2_cache_should_prefetch(const struct pi2_neuron_cache * c, int layer, uin
     // left for it to report
     const struct pi2_cold_entry * E = &c->ent[e];
     return atomic_load(&E->state) == PI2_ENTRY_FAILED && !(E->prefetched && E->pin == key);
+}
+
+bool pi2_cache_pin_ahead(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin) {
+    const int64_t e = c->layer[layer].where[k];
+    if (e < 0) {
+        return false;
+    }
+    struct pi2_cold_entry * E = &c->ent[e];
+    if (atomic_load(&E->state) != PI2_ENTRY_READY || (int32_t) (pin - E->pin) <= 0) {
+        return false;
+    }
+    E->ref = 1;
+    E->pin = pin;
+    return true;
 }
 
 void pi2_cache_entry_done(struct pi2_neuron_cache * c, int64_t e, bool ok) {

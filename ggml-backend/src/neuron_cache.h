@@ -6,7 +6,8 @@
 //    activations are.
 //  - cold segment: fixed-size entries holding single bundles, replaced by CLOCK (second chance, an LRU
 //    approximation that costs one bit per entry). Entries found or claimed for the request being
-//    computed (an epoch) are pinned until the next request; entries read ahead for the next one too.
+//    computed (an epoch) are pinned until the next request; entries read ahead for a later request (the
+//    next layer's first bundles, or the bundles of a layer's routed experts) until that one.
 // The predictors (the fixed segment) stay in the model binding.
 #pragma once
 
@@ -46,6 +47,10 @@ const struct pi2_cache_plan * pi2_cache_get_plan(const struct pi2_neuron_cache *
 uint8_t * pi2_cache_hot_segment(struct pi2_neuron_cache * c, int layer, uint32_t * hot_k, uint32_t * hot_slots);
 uint8_t * pi2_cache_scratch(struct pi2_neuron_cache * c);
 
+// Cold entries that may be pinned for requests after the next one, whatever they hold: at any request the
+// rest must be free for one whole layer's bundles (the plan's room beyond that need).
+uint32_t pi2_cache_ahead_room(const struct pi2_neuron_cache * c);
+
 // A new request (its epoch; the entries of the one before are no longer pinned by it), and the current one.
 uint32_t pi2_cache_begin_request(struct pi2_neuron_cache * c);
 uint32_t pi2_cache_epoch(const struct pi2_neuron_cache * c);
@@ -61,6 +66,9 @@ enum pi2_found pi2_cache_find(struct pi2_neuron_cache * c, int layer, uint32_t k
 // A prefetch for the request of epoch `key` should read bundle k: it is neither cached nor being read (a
 // failed read already made for that request is left for it to report).
 bool pi2_cache_should_prefetch(const struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t key);
+// Bundle k, cached and read, is kept for the request of epoch `pin` too (a later one than it is pinned for):
+// true if it was pinned so.
+bool pi2_cache_pin_ahead(struct pi2_neuron_cache * c, int layer, uint32_t k, uint32_t pin);
 // A cold entry for bundle k (CLOCK picks one unless the bundle has one), pinned for the request of epoch
 // `pin` and pending until pi2_cache_entry_done; `done`: the current request's computation has finished
 // (its entries may go too); `prefetched`: read ahead of its request. *dst: where its bytes go. -1 if no

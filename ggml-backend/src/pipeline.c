@@ -37,6 +37,10 @@ struct pi2_pipeline {
     struct iovec *             iov;     // per layer), its requests' iovecs and tags carved in order
     int32_t *                  tags;
     struct pi2_pf_set          pf[2];
+    struct pi2_pf_set          ahead;     // a batch's routed experts read ahead (pi2_pipeline_read_ahead)
+    uint32_t                   ahead_cap; // bundles it holds at most: PI2_EXPERT_AHEAD experts' worth
+    uint64_t                   ahead_bridged;  // bytes its reads bridged into the scratch, and its requests, not yet
+    uint32_t                   ahead_requests; // counted by a request
     atomic_int                 outstanding; // requests of the current batch not finished
     pthread_mutex_t            err_lock;
     char                       error[512];
@@ -50,6 +54,9 @@ static void pi2_read_done(void * ctx, const struct pi2_io_req * r, int err, cons
         if (pp->pf[i].reqs != NULL && r >= pp->pf[i].reqs && r < pp->pf[i].reqs + pp->max_n_bundles) {
             set = &pp->pf[i];
         }
+    }
+    if (pp->ahead.reqs != NULL && r >= pp->ahead.reqs && r < pp->ahead.reqs + pp->ahead_cap) {
+        set = &pp->ahead;
     }
     if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
         char * dst = set != NULL ? set->error : pp->error;
@@ -82,6 +89,9 @@ void pi2_pipeline_free(struct pi2_pipeline * pp) {
         free(pp->pf[i].iov);
         free(pp->pf[i].tags);
     }
+    free(pp->ahead.reqs);
+    free(pp->ahead.iov);
+    free(pp->ahead.tags);
     pthread_mutex_destroy(&pp->err_lock);
     free(pp);
 }
@@ -114,6 +124,13 @@ struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const s
         pp->pf[i].iov  = calloc(max_n_bundles, sizeof(*pp->pf[i].iov));
         pp->pf[i].tags = calloc(max_n_bundles, sizeof(*pp->pf[i].tags));
         ok = ok && pp->pf[i].reqs != NULL && pp->pf[i].iov != NULL && pp->pf[i].tags != NULL;
+    }
+    if (sc->n_expert > 0 && io->ahead_pairs > 0) {
+        pp->ahead_cap  = (uint32_t) pi2_cache_ahead_bundles(sc, io->ahead_pairs);
+        pp->ahead.reqs = calloc(pp->ahead_cap, sizeof(*pp->ahead.reqs));
+        pp->ahead.iov  = calloc(pp->ahead_cap, sizeof(*pp->ahead.iov));
+        pp->ahead.tags = calloc(pp->ahead_cap, sizeof(*pp->ahead.tags));
+        ok = ok && pp->ahead.reqs != NULL && pp->ahead.iov != NULL && pp->ahead.tags != NULL;
     }
     if (!ok) {
         snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
@@ -240,6 +257,10 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
     for (uint32_t s = 0; s < hot_slots; ++s) {
         st->hot_hits += want[s] != 0;
     }
+    st->bytes_read += pp->ahead_bridged; // read ahead (a routed expert's reads, bridging), counted by the next request
+    st->requests += pp->ahead_requests;
+    pp->ahead_bridged  = 0;
+    pp->ahead_requests = 0;
     uint8_t * sink = pi2_cache_scratch(pp->cache);
     uint32_t nreq = 0, n_iov = 0;
     bool failed = false;
@@ -307,6 +328,95 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
     return failed ? -1 : 0;
 }
 
+// Reads ahead the bundles of `layer` that want[] marks for the request `later` requests from now, as
+// pi2_request would read them (neighbours merged, small gaps bridged into the scratch), pinning their
+// entries for it; cached ones are pinned for it too. Called between requests, when no computation holds
+// entries. At most max_pin entries are pinned; returns how many were.
+static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_t * want, uint32_t later, uint32_t max_pin) {
+    struct pi2_pf_set * S = &pp->ahead;
+    const uint32_t pin = pi2_cache_epoch(pp->cache) + later;
+    const struct pi2_sidecar_layer * L = &pp->sc->layer[layer];
+    uint32_t hot_k = 0, hot_slots = 0;
+    pi2_cache_hot_segment(pp->cache, layer, &hot_k, &hot_slots);
+    uint8_t * sink = pi2_cache_scratch(pp->cache);
+    const uint32_t req0 = S->n_req;
+    struct pi2_io_req * cur = NULL;
+    int64_t last = -1; // last bundle in cur
+    uint32_t n = 0;
+    for (uint32_t k = hot_k; k < L->n_bundles && n < max_pin; ++k) {
+        if (pi2_wanted(L, want, k) == 0) {
+            continue;
+        }
+        if (!pi2_cache_should_prefetch(pp->cache, layer, k, pin)) { // cached, or being read
+            n += pi2_cache_pin_ahead(pp->cache, layer, k, pin);
+            continue;
+        }
+        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) pp->gap &&
+                            cur->n + ((int64_t) k - last) <= (int64_t) pp->max_run;
+        const int64_t from = extend ? last + 1 : k;
+        if (S->n_iov + (uint32_t) (k - from) + 1 > pp->ahead_cap) {
+            break;
+        }
+        uint8_t * dst = NULL;
+        const int64_t e = pi2_cache_claim(pp->cache, layer, k, pin, true, true, &dst);
+        if (e < 0) {
+            break;
+        }
+        if (!extend) {
+            cur = &S->reqs[S->n_req++];
+            cur->offset = L->bundles_offset + (uint64_t) k * L->bundle_size;
+            cur->n      = 0;
+            cur->iov    = S->iov + S->n_iov;
+            cur->tag    = S->tags + S->n_iov;
+        }
+        S->n_iov += (uint32_t) (k - from) + 1;
+        for (int64_t g = from; g < k; ++g) {
+            cur->iov[cur->n].iov_base = sink + (size_t) (g - from) * pp->entry_size;
+            cur->iov[cur->n].iov_len  = L->bundle_size;
+            cur->tag[cur->n++]        = -1;
+            pp->ahead_bridged += L->bundle_size;
+        }
+        cur->iov[cur->n].iov_base = dst;
+        cur->iov[cur->n].iov_len  = L->bundle_size;
+        cur->tag[cur->n++]        = (int32_t) e;
+        last = k;
+        ++n;
+    }
+    const int nreq = (int) (S->n_req - req0);
+    if (nreq > 0) {
+        atomic_fetch_add(&S->outstanding, nreq);
+        pi2_bundle_file_submit(pp->file, S->reqs + req0, nreq);
+    }
+    pp->ahead_requests += (uint32_t) nreq;
+    return n;
+}
+
+uint32_t pi2_pipeline_read_ahead(struct pi2_binding * b, int layer, const uint8_t * want, uint32_t later, uint32_t max_pin,
+                                 bool first) {
+    pthread_mutex_lock(&b->cache_lock);
+    struct pi2_pipeline * pp = b->pipe;
+    uint32_t n = 0;
+    if (pp != NULL && pp->ahead.reqs != NULL) {
+        if (first) { // the batch before took its bundles, so its reads are done or nearly
+            pi2_cache_wait_zero(pp->cache, &pp->ahead.outstanding);
+            pp->ahead.error[0] = '\0';
+        }
+        if (atomic_load(&pp->ahead.outstanding) == 0) { // no read in flight uses the arrays
+            pp->ahead.n_req = pp->ahead.n_iov = 0;
+        }
+        n = pi2_read_ahead(pp, layer, want, later, max_pin);
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    return n;
+}
+
+uint32_t pi2_pipeline_ahead_room(struct pi2_binding * b) {
+    pthread_mutex_lock(&b->cache_lock);
+    const uint32_t room = b->pipe != NULL && b->pipe->ahead.reqs != NULL ? pi2_cache_ahead_room(b->pipe->cache) : 0;
+    pthread_mutex_unlock(&b->cache_lock);
+    return room;
+}
+
 // Waits for every queued read (after an error, before entries may be reused), then checks that the file
 // did not change while they ran. 0, or -1 with err.
 static int pi2_finish(struct pi2_pipeline * pp, char * err, size_t errlen) {
@@ -327,7 +437,7 @@ static const char * pi2_read_error(const struct pi2_pipeline * pp) {
     const uint32_t epoch = pi2_cache_epoch(pp->cache);
     const struct pi2_pf_set * a = pp->pf[0].key == epoch ? &pp->pf[0] : &pp->pf[1];
     const struct pi2_pf_set * b = a == &pp->pf[0] ? &pp->pf[1] : &pp->pf[0];
-    return a->error[0] != '\0' ? a->error : b->error;
+    return a->error[0] != '\0' ? a->error : b->error[0] != '\0' ? b->error : pp->ahead.error;
 }
 
 static const uint8_t * pi2_cache_bundle_get(struct pi2_sparse_plan * p, int64_t s, uint64_t * wait_ns) {

@@ -24,6 +24,16 @@ bool pi2_pipeline_direct_io(const struct pi2_pipeline * pp); // reads bypass the
 // Testing: the read request after `after` more fails with errno err (0 disarms)
 void pi2_pipeline_inject_fault(struct pi2_pipeline * pp, int64_t after, int err);
 
+// A batch's routed experts (MoE) are read before the first of them computes: between requests, the bundles
+// of sidecar layer `layer` that want[] marks are read ahead for the request `later` requests from now
+// (1: the next), pinning at most max_pin cold entries (those cached already are pinned for it too); `first`
+// starts a batch's read-ahead. Returns the entries pinned; 0 where the cache is not made yet (the first
+// compute makes it) or the sidecar has no experts.
+uint32_t pi2_pipeline_read_ahead(struct pi2_binding * b, int layer, const uint8_t * want, uint32_t later, uint32_t max_pin,
+                                 bool first);
+// Cold entries that may be pinned for requests after the next one (pi2_cache_ahead_room); 0 without read-ahead.
+uint32_t pi2_pipeline_ahead_room(struct pi2_binding * b);
+
 // Runs the plan's layer through the neuron cache of b (p is built as for RAM, source set to the cache
 // here). GGML_STATUS_FAILED with b->error set on a read error, a changed sidecar or a budget too small.
 enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan * p, int n_threads);

@@ -147,3 +147,32 @@ void pi2_predictor_scores(struct pi2_sparse_plan * p, int ith, int nth, int64_t 
     }
     pi2_column_sum_finish(&sum);
 }
+
+size_t pi2_predictor_want_scratch(const struct pi2_sidecar_layer * L, const struct pi2_predictor * P, int64_t n_embd) {
+    const enum ggml_type vdt = ggml_get_type_traits_cpu(P->w1_type)->vec_dot_type;
+    return ggml_row_size(vdt, n_embd) + 64 + sizeof(float) * (size_t) (L->rank + L->n_ff + pi2_column_scratch(L->n_ff));
+}
+
+void pi2_predictor_want(const struct pi2_binding_layer * B, const struct pi2_sidecar_layer * L, const struct pi2_ffn_act * act,
+                        int64_t n_embd, const float * x, void * scratch, uint8_t * want) {
+    const struct ggml_type_traits_cpu * tp = ggml_get_type_traits_cpu(B->pred.w1_type);
+    char * w = scratch;
+    // the scratch's float arrays first (aligned as the allocation is), then the converted row
+    struct pi2_sparse_plan q = {
+        .act = *act, .L = L, .B = B, .n_embd = n_embd, .n_ff = L->n_ff, .rank = L->rank, .pred_dot = tp->vec_dot,
+        .h = (float *) w, .z = (float *) w + L->rank, .tmp = (float *) w + L->rank + L->n_ff,
+        .tmp_stride = pi2_column_scratch(L->n_ff), .nth = 1,
+    };
+    q.xp = w + sizeof(float) * (size_t) (L->rank + L->n_ff + q.tmp_stride);
+    if (tp->vec_dot_type == GGML_TYPE_F32) {
+        memcpy(q.xp, x, (size_t) n_embd * sizeof(float));
+    } else {
+        ggml_get_type_traits_cpu(tp->vec_dot_type)->from_float(x, q.xp, n_embd);
+    }
+    pi2_predictor_hidden(&q, 0, 1);
+    int64_t z0 = 0, z1 = 0;
+    pi2_predictor_scores(&q, 0, 1, &z0, &z1);
+    for (int64_t s = 0; s < q.n_ff; ++s) {
+        want[s] = pi2_plan_selects(&q, s);
+    }
+}

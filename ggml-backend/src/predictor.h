@@ -52,6 +52,15 @@ static inline bool pi2_predictor_selects(float z, float cutoff, const struct pi2
     return score > cutoff;
 }
 
+struct pi2_binding_layer;
+
+// The slots the predictor of B selects for the f32 row x (want[s] = 1, else 0), on the calling thread alone:
+// which bundles a routed expert will read, known before it computes. scratch: pi2_predictor_want_scratch
+// bytes, 4-byte aligned.
+size_t pi2_predictor_want_scratch(const struct pi2_sidecar_layer * L, const struct pi2_predictor * P, int64_t n_embd);
+void   pi2_predictor_want(const struct pi2_binding_layer * B, const struct pi2_sidecar_layer * L, const struct pi2_ffn_act * act,
+                          int64_t n_embd, const float * x, void * scratch, uint8_t * want);
+
 // Token phase 1, thread ith of nth: the hidden units h = relu(W1 x + b1) of its share of the rank.
 void pi2_predictor_hidden(struct pi2_sparse_plan * p, int ith, int nth);
 // After a barrier: the scores z = b2 + W2 h of its share of the slots, [*z0, *z1) (whole W2 blocks), as the

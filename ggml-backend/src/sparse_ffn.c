@@ -60,7 +60,7 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
         }
         return r->n_nodes;
     }
-    *st = pi2_exec_sparse_ffn(ctx, b, r);
+    *st = pi2_exec_sparse_ffn(ctx, b, r, NULL);
     return r->n_nodes;
 }
 
@@ -149,7 +149,8 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
     p->down_sparse_max = (float) pi2_setting(&b->settings, b->defaults, PI2_SET_DOWN_SPARSE_MAX);
 }
 
-enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r) {
+enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
+                                     struct pi2_cache_token_stats * io) {
     struct ggml_tensor * gate = r->gate;
     const int layer = r->layer;
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
@@ -258,5 +259,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_sched_run(&p, nth);
     }
     pi2_sparse_count(&ctx->dev->counters, layer, &p);
+    if (io != NULL) {
+        *io = p.io;
+    }
     return GGML_STATUS_SUCCESS;
 }

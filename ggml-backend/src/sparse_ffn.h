@@ -17,5 +17,6 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
                            enum ggml_status * st);
 
 // Computes the products (zero where a neuron was not computed), act(gate) * up (zero for inactive neurons)
-// and down's output, in the binding's mode.
-enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r);
+// and down's output, in the binding's mode. io (may be NULL): what the neuron cache found (flash; else zeros).
+enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
+                                     struct pi2_cache_token_stats * io);

@@ -50,6 +50,8 @@ class Pi2LayerCounters(ctypes.Structure):
         ("experts_loaded", c_uint64),
         ("expert_neurons", c_uint64),
         ("expert_active", c_uint64),
+        ("expert_hits", c_uint64),
+        ("expert_misses", c_uint64),
     ]
 
 

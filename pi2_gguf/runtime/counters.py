@@ -52,6 +52,9 @@ class Counters:
     experts_loaded: np.ndarray
     expert_neurons: np.ndarray
     expert_active: np.ndarray
+    # flash (a memory budget): routed pairs whose wanted bundles were all in the neuron cache (hits), or not
+    expert_hits: np.ndarray
+    expert_misses: np.ndarray
     # a sparse output layer (PI2_OUTPUT_ROWS under a memory budget): exact rows read from the model file, bytes
     output_rows: int = 0
     output_bytes: int = 0
