@@ -41,9 +41,14 @@ cold page cache (pi2_gguf.bench.cgroup). Rows:
   - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
     pi2 keep")
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
-decode time, and ratios.
+decode time, the neuron cache's hit rate (and for an MoE model the share of routed experts that read
+nothing), and ratios.
 
-    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--json]
+    pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--decode text] [--json]
+
+--decode text evaluates held-out corpus text at each decode step instead of the token picked (teacher
+forcing), for every configuration alike: a synthetic model's greedy output repeats one token, and a cache
+would be flattered by the routing and neurons of that one token.
 
 With --rounds N the configurations run in turn N times (stock, pi2, stock, pi2, ...), so that a disk
 or a neighbour that slows down for a while slows both; the table gives medians and, per configuration,
@@ -431,13 +436,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise Pi2Error(f"--with {name}={value}: {e}") from e
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
-                     args.skip_unlimited, progress=not args.json, rounds=args.rounds, variants=args.variants)
+                     args.skip_unlimited, progress=not args.json, rounds=args.rounds, variants=args.variants,
+                     decode=args.decode)
     if args.json:
-        json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps,
+        json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps, "decode": args.decode,
                    "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
         print()
     else:
-        print(format_table(model, limit, read_bps, rows))
+        print(format_table(model, limit, read_bps, rows, args.decode))
     return 0
 
 
@@ -722,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_count(1), default=1,
                    help="run the configurations in turn this many times; report medians and ratio ranges")
     p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
+    p.add_argument("--decode", choices=("greedy", "text"), default="greedy",
+                   help="greedy: each step evaluates the token picked; text: held-out corpus text instead (teacher "
+                        "forcing: routing and neuron use follow real text where a synthetic model repeats one token)")
     p.add_argument("--with", dest="variants", type=_settings, action="append", metavar="NAME=VALUE[,NAME=VALUE]",
                    help="one more pi2 row per sidecar under the limit with these per-model settings (docs/SETTINGS.md), "
                         "e.g. --with output_rows=64; repeatable")

@@ -5,6 +5,8 @@ computed; only the routed experts are computed, and for ReLU-family experts only
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -14,8 +16,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
 import pi2_gguf
+from pi2_gguf.bench import cgroup
 from pi2_gguf.converter import synthetic, synthetic_moe
-from pi2_gguf.errors import Pi2Error
+from pi2_gguf.errors import MemoryBudgetError, Pi2Error
 from pi2_gguf.runtime.isolated import greedy_in_subprocess
 from pi2_gguf.runtime.runner import LlamaRunner
 
@@ -292,3 +295,32 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
         assert int(c.prefetched.sum()) == 0
     else:
         assert 0 < int(c.prefetched.sum()) <= int(c.misses.sum())
+
+
+@pytest.mark.skipif(cgroup.available() is not None, reason=str(cgroup.available()))
+def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    """`pi2-gguf bench --decode text` on an MoE model: the pi2 row under the limit reports the share of routed experts
+    that read nothing, and the table has its column; every configuration decodes the held-out text."""
+    from pi2_gguf.bench.memory_limit import Row, format_table
+    from pi2_gguf.cli import main
+
+    model, sidecar = moe_sidecar
+    with pytest.raises(MemoryBudgetError) as e:
+        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="1MB", n_ctx=256, n_threads=2, verbose=False)
+    limit = int(re.search(r"needs (?:at least|more than) (\d+) MB", str(e.value)).group(1)) * 1_000_000 + 40_000_000
+    monkeypatch.setenv("PI2_CACHE_MAX", str(2 << 20))  # most bundles on flash
+    out = tmp_path / "bench.json"
+    with out.open("w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        assert main(["bench", str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "8",
+                     "--decode", "text", "--skip-unlimited", "--json"]) == 0
+    monkeypatch.undo()
+    data = json.loads(out.read_text())
+    assert data["decode"] == "text"
+    pi2 = next(r for r in data["rows"] if r["name"].startswith("pi2, memory budget"))
+    assert pi2["status"] == "ok" and pi2["moe"] and 0 <= pi2["expert_hit_rate"] < 1 and pi2["decoded"] == 8
+    assert not any(r["moe"] for r in data["rows"] if r["name"].startswith("stock"))
+    table = format_table(model, limit, None, [Row(**{**r, "rounds": []}) for r in data["rows"]], "text")
+    assert "| expert hits |" in table and "teacher forcing" in table
+    assert f"| {pi2['expert_hit_rate']:.1%} |" in table

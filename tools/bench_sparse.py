@@ -25,7 +25,7 @@ from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pi2_gguf.bench import PROMPT  # noqa: E402
+from pi2_gguf.bench import PROMPT, heldout_text  # noqa: E402
 from pi2_gguf.bench.rounds import markdown_table, run_in_turn  # noqa: E402
 from pi2_gguf.runtime.generate import Greedy  # noqa: E402
 from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
@@ -58,9 +58,12 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=64, help="tokens to decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="predicted", choices=("predicted", "oracle"))
+    ap.add_argument("--decode", choices=("greedy", "text"), default="greedy",
+                    help="text: decode steps evaluate held-out corpus text (teacher forcing) instead of the tokens picked")
     ap.add_argument("--all-layers", action="store_true",
                     help="also each pi2 row with PI2_LAYERS=all (PI2 holds every FFN layer: its own kernels)")
     args = ap.parse_args()
+    forced = heldout_text(args.n) if args.decode == "text" else None
 
     for model_s, sidecars_s in args.case:
         model = Path(model_s)
@@ -77,10 +80,10 @@ def main() -> int:
             if args.all_layers:
                 configs[f"pi2 {args.mode}, {sidecar_label(sc)}, all layers held"] = dict(
                     pi2=True, sidecar=sc, mode=args.mode, settings={"layers": "all"})
-        series = run_in_turn([(name, partial(decode_once, model, args.n, args.threads, **cfg))
+        series = run_in_turn([(name, partial(decode_once, model, args.n, args.threads, forced_text=forced, **cfg))
                               for name, cfg in configs.items()], args.rounds, desc=model.name)
         print(f"\n{model.name} ({model.stat().st_size / 1e9:.2f} GB), {args.threads} threads, {args.n} decoded tokens, "
-              f"median of {args.rounds} rounds")
+              f"median of {args.rounds} rounds" + (", decode evaluates held-out text" if forced else ""))
         print(markdown_table(series, series[0], {"active": ("active_fraction", ".1%"),
                                                  "prompt tok/s": ("prompt_tps", ".1f"),
                                                  "decode tok/s": ("decode_tps", ".2f")},

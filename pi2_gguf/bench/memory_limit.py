@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from ..runtime.isolated import greedy_command, parse_results
-from . import PROMPT, cgroup
+from . import PROMPT, cgroup, heldout_text
 from .rounds import Series, ratio, run_in_turn
 
 
@@ -26,6 +26,8 @@ class Row:
     read_per_token_mb: float = 0.0   # during decode (/proc/self/io of the process)
     io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
     cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
+    expert_hit_rate: float = 0.0     # pi2, MoE: routed (token, expert) pairs that read nothing / pairs routed
+    moe: bool = False                # pi2 counted routed experts under the budget
     hot_mb: float = 0.0              # pi2: the neuron cache's hot segment (profiled hottest bundles, fixed)
     cold_mb: float = 0.0             # pi2: its cold segment (CLOCK-managed bundles read on misses)
     major_faults: int = 0
@@ -33,8 +35,9 @@ class Row:
 
 
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
-             skip_unlimited: bool, variants: list[dict[str, str]] | None = None) -> list[tuple[Row, list[str], int | None]]:
-    common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False)
+             skip_unlimited: bool, variants: list[dict[str, str]] | None = None,
+             forced_text: str | None = None) -> list[tuple[Row, list[str], int | None]]:
+    common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False, forced_text=forced_text)
     rows = [
         (Row("stock llama.cpp, defaults (mmap, repack)", True), greedy_command(model, pi2=False, **common), limit),
         (Row("stock llama.cpp, mmap, repack off", True), greedy_command(model, pi2=False, repack=False, **common), limit),
@@ -75,6 +78,9 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
         if needed:
             row.cache_hit_rate = 1.0 - g.io["misses"] / needed
+        pairs = g.io.get("expert_hits", 0) + g.io.get("expert_misses", 0)
+        if pairs:
+            row.moe, row.expert_hit_rate = True, g.io["expert_hits"] / pairs
         row.hot_mb, row.cold_mb = g.io.get("hot_bytes", 0) / 1e6, g.io.get("cold_bytes", 0) / 1e6
     return row
 
@@ -88,7 +94,7 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
     out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
     if failed is None:
         for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate",
-                     "hot_mb", "cold_mb"):
+                     "expert_hit_rate", "hot_mb", "cold_mb"):
             setattr(out, name, series.median(name))
     out.peak_mb = max(r.peak_mb for r in rows)
     return out
@@ -97,12 +103,14 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
               skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
-              variants: list[dict[str, str]] | None = None) -> list[Row]:
+              variants: list[dict[str, str]] | None = None, decode: str = "greedy") -> list[Row]:
     """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each. variants: per-model
-    settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit."""
+    settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit. decode "text": every
+    configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
-    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants)
+    forced = heldout_text(n) if decode == "text" else None
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced)
     runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
     series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
     return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]
@@ -116,22 +124,26 @@ def _ratio(r: Row, base: Row | None) -> str:
     return "-" if got is None else str(got)
 
 
-def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row]) -> str:
+def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row], decode: str = "greedy") -> str:
     base = next((r for r in rows if r.name.startswith("stock llama.cpp, mmap, repack off") and r.status == "ok"), None)
     pi2_ram = next((r for r in rows if not r.limited and r.status == "ok"), None)
     n_rounds = max((len(r.rounds) for r in rows), default=0)
+    moe = any(r.moe for r in rows)  # routed experts: their hit rate too
     lines = [f"{model.name} ({model.stat().st_size / 1e9:.2f} GB), memory limit {limit / 1e6:.0f} MB, "
              f"read cap {f'{read_bps / 1e6:.0f} MB/s' if read_bps else 'none'}, cold page cache"
-             + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else ""),
+             + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else "")
+             + (", decode evaluates held-out text (teacher forcing)" if decode == "text" else ""),
              "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
-             "| cache hot + cold MB | cache hits | decode vs stock (repack off) | decode vs pi2 in RAM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache hot + cold MB | cache hits" + (" | expert hits" if moe else "") +
+             " | decode vs stock (repack off) | decode vs pi2 in RAM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if moe else "")]
     for r in rows:
         ok = r.status == "ok"
         wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
         hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
         cache = f"{r.hot_mb:.0f} + {r.cold_mb:.0f}" if ok and (r.hot_mb or r.cold_mb) else "-"
+        experts = (f" | {r.expert_hit_rate:.1%}" if ok and r.moe else " | -") if moe else ""
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
-                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {cache} | {hits} | {_ratio(r, base)} | "
-                     f"{_ratio(r, pi2_ram)} |")
+                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {cache} | {hits}{experts} | "
+                     f"{_ratio(r, base)} | {_ratio(r, pi2_ram)} |")
     return "\n".join(lines)

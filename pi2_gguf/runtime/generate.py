@@ -41,9 +41,11 @@ def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
 
 def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, keep_logits: bool = False,
            prefix: list[int] | None = None, prompt_limit: int = 0,
-           after_prompt: Callable[[], None] | None = None) -> Greedy:
+           after_prompt: Callable[[], None] | None = None, forced: list[int] | None = None) -> Greedy:
     """Evaluates the prompt, then samples n tokens greedily. Graph evaluations: one for the prompt
-    (when it fits in n_batch) plus n - 1 single-token ones (the last sampled token is not evaluated)."""
+    (when it fits in n_batch) plus n - 1 single-token ones (the last sampled token is not evaluated).
+    forced: teacher forcing; step i evaluates forced[i] instead of the token picked (which is still returned),
+    so the decode follows that text (no stop at end of generation then)."""
     llm.reset()
     toks = llm.tokenize(prompt.encode(), add_bos=True) + list(prefix or [])
     if prompt_limit > 0:
@@ -63,10 +65,10 @@ def greedy(llm: llama_cpp.Llama, prompt: str, n: int, stop_at_eog: bool = True, 
         # Llama.sample(top_k=1) picks the same token but costs ~2 ms of Python per call, which would be
         # timed as decode; llama-bench's tg likewise times llama_decode only
         tok = int(last_logits(llm).argmax())
-        if stop_at_eog and llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
+        if stop_at_eog and not forced and llama_cpp.llama_token_is_eog(llm._model.vocab, tok):
             break
         out.append(tok)
         if i + 1 < n:
-            llm.eval([tok])
+            llm.eval([forced[i] if forced and i < len(forced) else tok])
     t2 = time.perf_counter()
     return Greedy(len(toks), out, prompt_seconds, t2 - t1, logits)

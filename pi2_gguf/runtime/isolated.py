@@ -27,13 +27,15 @@ def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: boo
                          keep_prefix: list[int] | None = None, prompt_limit: int = 0, logits: bool = True,
                          timeout: float = 1800, llama_site: str | Path | None = None,
                          memory_budget: int | None = None,
-                         settings: Mapping[str, str | int | float] | None = None) -> list[Greedy]:
+                         settings: Mapping[str, str | int | float] | None = None,
+                         forced_text: str | None = None) -> list[Greedy]:
     """Greedy decoding in a fresh process: stock llama.cpp (pi2=False) or with the PI2 plugin.
     llama_site: a directory holding another llama-cpp-python build (llama_build.ensure_stock_site: the one
     built without patches/), imported instead of the installed one. settings: per-model PI2 settings
-    (docs/SETTINGS.md), e.g. {"layers": "all"}."""
+    (docs/SETTINGS.md), e.g. {"layers": "all"}. forced_text: decode steps evaluate this text's tokens (teacher
+    forcing, generate.greedy's forced) instead of the tokens picked."""
     cmd = greedy_command(model, prompts, n, pi2, threads, ctx, eog_stop, repack, sidecar, mode, keep_prefix,
-                         prompt_limit, logits, memory_budget, settings)
+                         prompt_limit, logits, memory_budget, settings, forced_text)
     env = None
     if llama_site is not None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(llama_site), os.environ.get("PYTHONPATH")])))
@@ -64,7 +66,8 @@ def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, thr
                    eog_stop: bool = False, repack: bool = True, sidecar: str | Path | None = None,
                    mode: str | None = None, keep_prefix: list[int] | None = None, prompt_limit: int = 0,
                    logits: bool = True, memory_budget: int | None = None,
-                   settings: Mapping[str, str | int | float] | None = None) -> list[str]:
+                   settings: Mapping[str, str | int | float] | None = None,
+                   forced_text: str | None = None) -> list[str]:
     """The command line of a greedy_in_subprocess run (for runners that start it themselves)."""
     cmd = [sys.executable, "-m", "pi2_gguf.runtime.isolated", "--model", str(model), "-n", str(n),
            "--threads", str(threads), "--ctx", str(ctx)]
@@ -90,6 +93,8 @@ def greedy_command(model: str | Path, prompts: list[str], n: int, pi2: bool, thr
         cmd += ["--prompt-limit", str(prompt_limit)]
     for name, value in (settings or {}).items():
         cmd += ["--setting", f"{name}={value}"]
+    if forced_text:
+        cmd += ["--forced-text", forced_text]
     return cmd
 
 
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-budget", help="whole-process memory budget (with --pi2 and a sidecar)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a per-model PI2 setting (with --pi2), e.g. layers=all")
+    ap.add_argument("--forced-text", help="decode steps evaluate this text's tokens instead of the tokens picked")
     ap.add_argument("--expect-llama-site", help="fail unless llama_cpp was imported from this directory")
     args = ap.parse_args(argv)
     if args.expect_llama_site and Path(args.expect_llama_site).resolve() not in Path(llama_cpp.__file__).resolve().parents:
@@ -139,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                                   verbose=False)
     prefix = [int(t) for t in args.prefix.split(",") if t]
+    forced = llm.tokenize(args.forced_text.encode(), add_bos=False, special=False) if args.forced_text else None
+    if forced is not None and len(forced) < args.n - 1:
+        print(f"--forced-text has {len(forced)} tokens, fewer than the {args.n - 1} decode steps", file=sys.stderr)
+        return 2
     res = []
     for p in args.prompt:
         if args.pi2:
@@ -152,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 at_decode.append(read_counters())
 
         g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
-                   prompt_limit=args.prompt_limit, after_prompt=decode_starts)
+                   prompt_limit=args.prompt_limit, after_prompt=decode_starts, forced=forced)
         g.io = {"process_read_bytes": _proc_read_bytes() - read0[0]}
         if args.pi2:
             c = read_counters()
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         hot_hits=int(c.hot_hits.sum() - c0.hot_hits.sum()),
                         cold_hits=int(c.cold_hits.sum() - c0.cold_hits.sum()),
                         misses=int(c.misses.sum() - c0.misses.sum()),
+                        expert_hits=int(c.expert_hits.sum() - c0.expert_hits.sum()),
+                        expert_misses=int(c.expert_misses.sum() - c0.expert_misses.sum()),
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
             info = llm.cache_info()  # the neuron cache's segments, with a memory budget
             if info is not None:
