@@ -23,7 +23,7 @@ from .converter import predictor as pred_mod
 from .converter import profile as profile_mod
 from .converter import sparsity as sp
 from . import interrupts
-from .errors import Interrupted, Pi2Error
+from .errors import Interrupted, Pi2Error, SidecarVersionError
 from .sidecar import format as fmt
 
 MODES = ("dense", "oracle", "predicted")
@@ -140,13 +140,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .runtime.isolated import greedy_in_subprocess
     from .runtime.llama import prepare_sidecar
     from .runtime.memory_budget import parse_size
+    from .sidecar.reader import read as read_sidecar
 
     model = check_model_file(resolve_model(args.model))
     budget = parse_size(args.memory_budget, "--memory-budget")
     args.ctx = check_context(model, args.ctx, "-c/--ctx", DEMO_CTX)
     _check_fits(args.n_predict, args.ctx, _prompt_tokens(model, args.prompt))  # before converting
     sidecar = fmt.sidecar_path_for(model)
-    if sidecar.is_file():
+    cached = sidecar.is_file()
+    if cached:
+        try:
+            read_sidecar(sidecar)  # its format version first
+        except SidecarVersionError as e:  # made by an earlier pi2-gguf: the demo's own output, made again
+            print(f"{e}: converting again")
+            cached = False
+    if cached:
         prepare_sidecar(model, sidecar, "predicted")  # made for this model
         made = f"{sidecar} (cached; `pi2-gguf convert` made it)"
     else:

@@ -28,6 +28,10 @@ class SidecarError(Pi2Error):
     another model (the message is the C reader's: "sidecar PATH: problem")."""
 
 
+class SidecarVersionError(SidecarError):
+    """A pi2 sidecar of another format version: convert the model again."""
+
+
 class MemoryBudgetError(Pi2Error):
     """A memory budget is malformed, or too small to run the model (the message states the minimum)."""
 

@@ -148,7 +148,7 @@ def test_header_tensors_match_doc(header: dict[str, tuple[str, str]], doc_tensor
 def test_version_and_alignment(spec_text: str, header: dict[str, tuple[str, str]]) -> None:
     doc_version = int(re.search(r"^# The pi2 sidecar GGUF, format version (\d+)$", spec_text, re.M).group(1))
     doc_align = int(re.search(r"`general\.alignment` is (\d+)", spec_text).group(1))
-    assert doc_version == sf.FORMAT_VERSION == int(header["PI2_FORMAT_VERSION"][0]) == 3
+    assert doc_version == sf.FORMAT_VERSION == int(header["PI2_FORMAT_VERSION"][0]) == 4
     stride = int(re.search(r"where stride is the\s+end of a neuron's three parts rounded up to (\d+) bytes", spec_text).group(1))
     assert stride == sf.NEURON_ALIGN == int(header["PI2_NEURON_ALIGN"][0]) == 32
     most = int(re.search(r"`pi2\.bundle\.neurons` \| u32\[n_layer\] \| neurons per bundle, 1 to (\d+)", spec_text).group(1))

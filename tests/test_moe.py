@@ -324,3 +324,24 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
     table = format_table(model, limit, None, [Row(**{**r, "rounds": []}) for r in data["rows"]], "text")
     assert "| expert hits |" in table and "teacher forcing" in table
     assert f"| {pi2['expert_hit_rate']:.1%} |" in table
+
+
+def test_expert_reuse_counts_consecutive_tokens_within_windows() -> None:
+    """pi2.moe.reuse: of the tokens routed to an expert, the share whose next token is routed there too; the pair
+    across a profile window's boundary is not consecutive text."""
+    from pi2_gguf.converter.profile import expert_reuse
+
+    routes = np.array([[0, 1], [0, 2], [3, 1], [0, 1], [0, 2], [0, 2]])  # windows of 3: tokens 0-2 and 3-5
+    assert expert_reuse(routes, 4, 3) == [0.75, 0.0, 0.5, 0.0]
+    assert expert_reuse(routes, 4, 6) == pytest.approx([0.75, 1 / 3, 0.5, 0.0])  # one window: token 2 -> 3 counts too
+
+
+def test_moe_sidecar_records_reuse(moe_sidecar: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from pi2_gguf.cli import main
+    from pi2_gguf.sidecar.reader import read as read_sidecar
+
+    _, sidecar = moe_sidecar
+    reuse = np.array(read_sidecar(sidecar).kv["pi2.moe.reuse"])
+    assert reuse.shape == (3 * 8,) and ((reuse >= 0) & (reuse <= 1)).all() and reuse.max() > 0
+    assert main(["inspect", str(sidecar)]) == 0
+    assert "reuse" in capsys.readouterr().out

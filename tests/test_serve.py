@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 import pi2_gguf
+from pi2_gguf.sidecar import format as fmt
 
 MESSAGES = [{"role": "user", "content": "Name three colors and say why the sky is blue."}]
 PROMPT = "The history of the Roman Empire"
@@ -211,3 +213,14 @@ def test_demo_converts_once_then_runs_within_the_budget(smollm2: Path, tmp_path:
     assert float(cells[1]) > 0
     assert int(cells[2].split()[0]) <= 200  # peak memory within the default budget
     assert float(cells[3].split()[0]) > 0  # FFN bytes read per token from the sidecar
+    # a cached sidecar of an earlier format version (an older pi2-gguf made it) is made again, not an error
+    made = tmp_path / (model.stem + ".pi2.gguf")
+    data = bytearray(made.read_bytes())
+    key = b"pi2.format_version"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, fmt.FORMAT_VERSION)  # GGUF type UINT32, this version
+    struct.pack_into("<I", data, at + 4, fmt.FORMAT_VERSION - 1)
+    made.write_bytes(bytes(data))
+    third = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"format version {fmt.FORMAT_VERSION - 1}" in third.stdout and "converted now" in third.stdout

@@ -264,15 +264,15 @@ def test_model_file_is_not_a_sidecar(tmp_path: Path) -> None:
     assert "is not a pi2 sidecar: general.architecture is 'llama', not 'pi2'" in msg
 
 
-@pytest.mark.parametrize("version", [1, 2, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 5])
 def test_other_format_versions(tmp_path: Path, version: int) -> None:
-    # versions 1 (one neuron per bundle) and 2 (no pi2.activation_threshold) are refused like any other:
-    # convert again
+    # versions 1 (one neuron per bundle), 2 (no pi2.activation_threshold) and 3 (no MoE keys) are refused like any
+    # other: convert again
     sc = factory.build()
     sc.set("pi2.format_version", version)
     msg = _refused(factory.write(sc, tmp_path / "v.pi2.gguf"))
-    assert f"has format version {version} (pi2.format_version), but this reader reads only version 3; convert the model again" in msg
-    with pytest.raises(SidecarError, match=f"has format version {version}; this pi2-gguf reads version 3"):
+    assert f"has format version {version} (pi2.format_version), but this reader reads only version 4; convert the model again" in msg
+    with pytest.raises(SidecarError, match=f"has format version {version}; this pi2-gguf reads version 4"):
         read_sidecar(tmp_path / "v.pi2.gguf")
 
 

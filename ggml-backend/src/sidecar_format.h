@@ -3,7 +3,7 @@
 // against FORMAT.md's tables, including the type written in the comment after each key and tensor.
 #pragma once
 
-#define PI2_FORMAT_VERSION 3
+#define PI2_FORMAT_VERSION 4
 #define PI2_ARCHITECTURE   "pi2"
 #define PI2_BUNDLE_ALIGN   4096 // general.alignment, and the largest pi2.bundle.align
 #define PI2_BUNDLE_ALIGN_MIN 512 // the smallest pi2.bundle.align (a power of two in between)

@@ -332,11 +332,13 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
     t_prof = time.time() - t0
     routed_share: list[float] | None = None
+    reuse: list[float] | None = None
     if model.n_expert:
         if prof.n_layer != model.moe_layers:
             raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {model.moe_layers} MoE layers")
         prof = prof.experts(model.n_expert)  # one profile per (layer, expert), as the sidecar's layers
         routed_share = prof.expert_share  # how often each expert was routed: inspect's expert hotness
+        reuse = prof.expert_reuse  # and how often again on the next token: its routing's locality
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
@@ -369,7 +371,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons),
-                                   output_rows=rows, routed_share=routed_share)
+                                   output_rows=rows, routed_share=routed_share, reuse=reuse)
 
     if perplexity_budget is None:
         meta = meta_of(plan_k, planned)

@@ -40,6 +40,18 @@ class ProfileError(Pi2Error):
     """A profile file is unreadable or does not belong to the model."""
 
 
+def expert_reuse(routes: np.ndarray, n_expert: int, window: int) -> list[float]:
+    """Per expert of one layer: of the tokens routed to it, the share whose next token is routed to it too (0 where
+    none was). routes: [n_tokens, n_used], tokens in windows of `window` consecutive tokens of text (run_profile);
+    pairs across a window boundary are not consecutive text and are left out."""
+    chosen = np.zeros((routes.shape[0], n_expert), dtype=bool)
+    np.put_along_axis(chosen, routes.astype(np.int64), True, axis=1)
+    consecutive = (np.arange(routes.shape[0] - 1) % window) != window - 1
+    now, then = chosen[:-1][consecutive], chosen[1:][consecutive]
+    n = now.sum(axis=0)
+    return [float((now[:, e] & then[:, e]).sum() / n[e]) if n[e] else 0.0 for e in range(n_expert)]
+
+
 @dataclass
 class Profile:
     model_file: str
@@ -54,8 +66,10 @@ class Profile:
     heldout_routes: list[np.ndarray] = field(default_factory=list)
     # an expert view (experts()): the training and held-out tokens of the profile it was made from
     routed_from: tuple[int, int] | None = None
-    # an expert view: per (layer, expert), the share of the layer's training tokens routed to it
+    # an expert view: per (layer, expert), the share of the layer's training tokens routed to it, and of the tokens
+    # routed to it the share whose next token (in the same window of text) is routed to it too
     expert_share: list[float] | None = None
+    expert_reuse: list[float] | None = None
 
     @property
     def n_layer(self) -> int:
@@ -129,7 +143,8 @@ class Profile:
         return Profile(self.model_file, self.model_size, self.corpus, self.corpus_sha256, self.window,
                        pick(self.train, self.train_routes), pick(self.heldout, self.heldout_routes),
                        routed_from=(self.n_train, self.n_heldout),
-                       expert_share=[float((r == e).any(axis=1).mean()) for r in self.train_routes for e in range(n_expert)])
+                       expert_share=[float((r == e).any(axis=1).mean()) for r in self.train_routes for e in range(n_expert)],
+                       expert_reuse=[x for r in self.train_routes for x in expert_reuse(r, n_expert, self.window)])
 
     def check_model(self, model_path: Path) -> None:
         size = model_path.stat().st_size

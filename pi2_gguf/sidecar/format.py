@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ARCHITECTURE = "pi2"
 BUNDLE_ALIGN = 4096  # general.alignment, and the default and largest pi2.bundle.align
 # pi2.bundle.align may be any of these: a bundle can be read with O_DIRECT where the device's logical block
@@ -86,6 +86,7 @@ OPTIONAL_KEYS: dict[str, KT] = {
     "pi2.budget.output_rows": KT.U32,
     "pi2.moe.expert_count": KT.U32,
     "pi2.moe.routed_share": KT.F32_ARR,
+    "pi2.moe.reuse": KT.F32_ARR,
 }
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
 MAX_OUTPUT_ROWS = 4096

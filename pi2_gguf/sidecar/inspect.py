@@ -23,10 +23,16 @@ def _expert_hotness(kv: dict) -> list[str]:
     n = kv.get("pi2.moe.expert_count")
     if share is None or not n:
         return []
-    rows = [f"experts        share of each layer's tokens routed to each expert (training text), experts 0-{n - 1}:"]
+    reuse = kv.get("pi2.moe.reuse")
+    rows = [f"experts        share of each layer's tokens routed to each expert (training text), experts 0-{n - 1}"
+            + ("; reuse: of a token's routed experts, the share the next token routes to again" if reuse else "") + ":"]
     for il in range(len(share) // n):
         part = share[il * n:(il + 1) * n]
-        rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part) + f"   (hottest {int(np.argmax(part))})")
+        again = ""
+        if reuse:
+            w = np.asarray(part, dtype=np.float64)
+            again = f", reuse {float(np.dot(w, reuse[il * n:(il + 1) * n]) / max(w.sum(), 1e-12)):.2f}"
+        rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part) + f"   (hottest {int(np.argmax(part))}{again})")
     return rows
 
 

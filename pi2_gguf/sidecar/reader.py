@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from ..errors import SidecarError
+from ..errors import SidecarError, SidecarVersionError
 from ..gguf_file import open_gguf
 from . import format as fmt
 
@@ -72,7 +72,7 @@ def read(path: str | Path) -> Sidecar:
     if version is None:
         raise SidecarError(f"{p} is not a pi2 sidecar (no pi2.format_version)")
     if version != fmt.FORMAT_VERSION:
-        raise SidecarError(f"sidecar {p} has format version {version}; this pi2-gguf reads version "
+        raise SidecarVersionError(f"sidecar {p} has format version {version}; this pi2-gguf reads version "
                            f"{fmt.FORMAT_VERSION} (convert the model again)")
     method = _field_value(reader, "pi2.sparsity.method", p)
     if method is None:
@@ -104,9 +104,10 @@ def read(path: str | Path) -> Sidecar:
         n_layer = len(kv["pi2.n_ff"])
         if n_expert == 0 or n_layer % n_expert:
             raise SidecarError(f"sidecar {p}: key pi2.moe.expert_count is {n_expert}, which does not divide its {n_layer} layers")
-        share = kv.get("pi2.moe.routed_share")
-        if share is not None and len(share) != n_layer:
-            raise SidecarError(f"sidecar {p}: key pi2.moe.routed_share has {len(share)} values for {n_layer} layers")
+        for key in ("pi2.moe.routed_share", "pi2.moe.reuse"):
+            values = kv.get(key)
+            if values is not None and len(values) != n_layer:
+                raise SidecarError(f"sidecar {p}: key {key} has {len(values)} values for {n_layer} layers")
     f = reader.get_field("pi2.budget.output_rows")
     if f is not None:
         rows = kv.get("pi2.budget.output_rows")

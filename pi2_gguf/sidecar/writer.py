@@ -82,6 +82,7 @@ class SidecarMeta:
     output_rows: int | None = None  # pi2.budget.output_rows: PI2_OUTPUT_ROWS under a memory budget (None: not recorded)
     n_expert: int = 0  # pi2.moe.expert_count: an MoE model's experts a layer (its layers are (layer, expert)); 0: dense
     routed_share: list[float] | None = None  # pi2.moe.routed_share: per (layer, expert), its share of the layer's tokens
+    reuse: list[float] | None = None  # pi2.moe.reuse: per (layer, expert), of its tokens the share whose next is too
 
 
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
@@ -146,6 +147,10 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
             if len(m.routed_share) != len(m.layers):
                 raise ValueError(f"{len(m.routed_share)} routed shares for {len(m.layers)} layers")
             kv["pi2.moe.routed_share"] = m.routed_share
+        if m.reuse is not None:
+            if len(m.reuse) != len(m.layers):
+                raise ValueError(f"{len(m.reuse)} reuse shares for {len(m.layers)} layers")
+            kv["pi2.moe.reuse"] = m.reuse
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
