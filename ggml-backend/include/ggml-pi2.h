@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define PI2_MAX_LAYERS 1024
+#define PI2_MAX_LAYERS 16384
 
 // How a model with a sidecar decodes (batches above the sparse batch limit always run dense).
 enum pi2_mode {

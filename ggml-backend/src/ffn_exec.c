@@ -34,6 +34,7 @@ static void pi2_count_glu(struct pi2_counters * c, const struct ggml_tensor * ga
     if (gate_w == NULL || !pi2_ffn_weight_parse(gate_w->name, &layer, &matrix)) {
         return;
     }
+    pi2_count_layer_seen(c, layer);
     pi2_count(&c->layer[layer].glu_calls, 1);
     pi2_count(&c->layer[layer].glu_tokens, (uint64_t) ggml_nrows(glu));
 }

@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "activation.h"
@@ -102,10 +103,23 @@ static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * pa
     return 0;
 }
 
+static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t data, uint64_t * fps,
+                                struct pi2_model_summary * out, char * err, size_t errlen);
+
 static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out, char * err,
                          size_t errlen) {
     const uint64_t data = gguf_get_data_offset(f->gguf);
-    uint64_t fps[PI2_N_MATRIX * PI2_MAX_LAYERS];
+    uint64_t * fps = malloc(sizeof(uint64_t) * PI2_N_MATRIX * PI2_MAX_LAYERS); // 384 KiB: not on the stack
+    if (fps == NULL) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "out of memory for its fingerprints");
+    }
+    const int rc = pi2_summarize_layers(f, path, data, fps, out, err, errlen);
+    free(fps);
+    return rc;
+}
+
+static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t data, uint64_t * fps,
+                                struct pi2_model_summary * out, char * err, size_t errlen) {
     uint32_t il = 0;
     const bool moe = gguf_find_tensor(f->gguf, "blk.0.ffn_gate_exps.weight") >= 0;
     if (moe && pi2_summarize_experts(f, path, fps, &il, &out->ffn_bytes, err, errlen) != 0) {

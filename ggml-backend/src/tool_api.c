@@ -1,5 +1,6 @@
 // Entry points for tools and tests (ggml-pi2.h): the device's counters, build information, struct sizes
 // for FFI checks, and the down-column kernels on their own.
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,13 +12,33 @@
 #define PI2_STR_(x) #x
 #define PI2_STR(x)  PI2_STR_(x)
 
+// The counters hold PI2_MAX_LAYERS layers (6 MB), of which a model uses n_layers: reads and resets touch those
+// (and the fields around the array) only, so neither side makes the rest resident. Layers past n_layers are
+// zero: a layer is marked seen (pi2_count_layer_seen) before it is counted.
+static void pi2_counters_copy(struct pi2_counters * dst, const struct pi2_counters * src, uint32_t n) {
+    memcpy(dst, src, offsetof(struct pi2_counters, layer));
+    memcpy(dst->layer, src->layer, (size_t) n * sizeof(src->layer[0]));
+    const size_t tail = offsetof(struct pi2_counters, output_rows);
+    memcpy((char *) dst + tail, (const char *) src + tail, sizeof(*dst) - tail);
+}
+
 void pi2_counters_read(struct pi2_counters * out) {
-    // counters are atomically incremented; a snapshot may straddle one node, which readers tolerate
-    memcpy(out, &pi2_device_ctx()->counters, sizeof(*out));
+    // counters are atomically incremented; a snapshot may straddle one node, which readers tolerate. The
+    // caller's layers past n_layers are left as they are (zero in a fresh buffer).
+    const struct pi2_counters * c = &pi2_device_ctx()->counters;
+    uint32_t n = c->n_layers;
+    n = n < PI2_MAX_LAYERS ? n : PI2_MAX_LAYERS;
+    pi2_counters_copy(out, c, n);
 }
 
 void pi2_counters_reset(void) {
-    memset(&pi2_device_ctx()->counters, 0, sizeof(struct pi2_counters));
+    struct pi2_counters * c = &pi2_device_ctx()->counters;
+    uint32_t n = c->n_layers;
+    n = n < PI2_MAX_LAYERS ? n : PI2_MAX_LAYERS;
+    memset(c->layer, 0, (size_t) n * sizeof(c->layer[0]));
+    memset(c, 0, offsetof(struct pi2_counters, layer));
+    const size_t tail = offsetof(struct pi2_counters, output_rows);
+    memset((char *) c + tail, 0, sizeof(*c) - tail);
 }
 
 int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a, const void * const * cols) {

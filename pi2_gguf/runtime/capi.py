@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import PluginError
 
 PLUGIN_FILE = "libggml-pi2.so"
-MAX_LAYERS = 1024  # PI2_MAX_LAYERS
+MAX_LAYERS = 16384  # PI2_MAX_LAYERS
 N_MATRIX = 3       # enum pi2_matrix: gate, up, down
 ERR_LEN = 2048     # bytes of the error buffers handed to the C side
 
