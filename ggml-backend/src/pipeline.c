@@ -179,6 +179,64 @@ static uint32_t pi2_wanted(const struct pi2_sidecar_layer * L, const uint8_t * w
     return n;
 }
 
+// Reads being built over one layer's bundles, into a set of arrays (the request's, a prefetch set's, the
+// read-ahead's): runs of bundles, one request (one preadv) each. A bundle within `gap` bundles after the
+// current run's last extends it (the run stays within max_run), the bundles between read into the sink: one
+// larger read costs far less than another request here, and kept in the cache the bridged bundles evicted
+// entries worth keeping (measured: the cold segment's hits went to zero).
+struct pi2_runs {
+    struct pi2_io_req * reqs;
+    struct iovec *      iov;
+    int32_t *           tags;
+    uint32_t            n_req, n_iov; // used
+    uint32_t            gap, max_run; // bundles
+    struct pi2_io_req * cur;          // the run `last` ended (NULL: none yet)
+    int64_t             last;
+};
+
+static struct pi2_runs pi2_runs_of(struct pi2_io_req * reqs, struct iovec * iov, int32_t * tags, uint32_t n_req, uint32_t n_iov,
+                                   uint32_t gap, uint32_t max_run) {
+    return (struct pi2_runs) { .reqs = reqs, .iov = iov, .tags = tags, .n_req = n_req, .n_iov = n_iov, .gap = gap,
+                               .max_run = max_run, .last = -1 };
+}
+
+// bundle k extends the current run: within `gap` bundles after its last, and the run stays within max_run
+static bool pi2_runs_extend(const struct pi2_runs * R, uint32_t k) {
+    return R->cur != NULL && (int64_t) k - R->last - 1 <= (int64_t) R->gap && R->cur->n + ((int64_t) k - R->last) <= (int64_t) R->max_run;
+}
+
+// the iovecs bundle k adds: itself and, extending the current run, the bundles between
+static uint32_t pi2_runs_cost(const struct pi2_runs * R, uint32_t k) {
+    return pi2_runs_extend(R, k) ? (uint32_t) ((int64_t) k - R->last) : 1;
+}
+
+// Bundle k of L into cold entry e at dst, extending the current run (the bundles between go to the sink,
+// pp's scratch) or starting one. Returns the bytes bridged.
+static uint64_t pi2_runs_add(struct pi2_runs * R, const struct pi2_pipeline * pp, const struct pi2_sidecar_layer * L, uint32_t k,
+                             uint8_t * dst, int64_t e) {
+    const bool extend = pi2_runs_extend(R, k);
+    const int64_t from = extend ? R->last + 1 : k;
+    if (!extend) {
+        R->cur         = &R->reqs[R->n_req++];
+        R->cur->offset = L->bundles_offset + (uint64_t) k * L->bundle_size;
+        R->cur->n      = 0;
+        R->cur->iov    = R->iov + R->n_iov;
+        R->cur->tag    = R->tags + R->n_iov;
+    }
+    uint8_t * sink = pi2_cache_scratch(pp->cache);
+    for (int64_t g = from; g < k; ++g) {
+        R->cur->iov[R->cur->n].iov_base = sink + (size_t) (g - from) * pp->entry_size;
+        R->cur->iov[R->cur->n].iov_len  = L->bundle_size;
+        R->cur->tag[R->cur->n++]        = -1;
+    }
+    R->cur->iov[R->cur->n].iov_base = dst;
+    R->cur->iov[R->cur->n].iov_len  = L->bundle_size;
+    R->cur->tag[R->cur->n++]        = (int32_t) e;
+    R->n_iov += (uint32_t) (k - from) + 1;
+    R->last = k;
+    return (uint64_t) (k - from) * L->bundle_size;
+}
+
 // Queues reads of bundles of `layer` that are neither hot nor cached and returns without waiting; for a
 // layer that will want every bundle (the engine knows which), the one after the current request's. Once
 // the current request is queued (done false): at most the plan's prefetch entries, its first bundles,
@@ -207,9 +265,9 @@ static void pi2_prefetch(struct pi2_pipeline * pp, int layer, bool done) {
     uint32_t hot_k = 0, hot_slots = 0;
     pi2_cache_hot_segment(pp->cache, layer, &hot_k, &hot_slots);
     const uint32_t limit = done ? pp->max_n_bundles : plan->n_prefetch;
-    const uint32_t req0 = S->n_req;
-    struct pi2_io_req * cur = NULL;
-    for (uint32_t k = hot_k, n = 0; k < L->n_bundles && n < limit && S->n_iov < pp->max_n_bundles; ++k) {
+    // consecutive bundles only (no bridging: the whole layer is wanted)
+    struct pi2_runs R = pi2_runs_of(S->reqs, S->iov, S->tags, S->n_req, S->n_iov, 0, pp->max_run);
+    for (uint32_t k = hot_k, n = 0; k < L->n_bundles && n < limit && R.n_iov < pp->max_n_bundles; ++k) {
         if (!pi2_cache_should_prefetch(pp->cache, layer, k, key)) {
             continue;
         }
@@ -218,20 +276,12 @@ static void pi2_prefetch(struct pi2_pipeline * pp, int layer, bool done) {
         if (e < 0) {
             break;
         }
-        const uint64_t off = L->bundles_offset + (uint64_t) k * L->bundle_size;
-        if (cur == NULL || cur->n >= (int) pp->max_run || cur->offset + (uint64_t) cur->n * L->bundle_size != off) {
-            cur         = &S->reqs[S->n_req++];
-            cur->offset = off;
-            cur->n      = 0;
-            cur->iov    = S->iov + S->n_iov;
-            cur->tag    = S->tags + S->n_iov;
-        }
-        cur->iov[cur->n].iov_base = dst;
-        cur->iov[cur->n].iov_len  = L->bundle_size;
-        cur->tag[cur->n++]        = (int32_t) e;
-        ++S->n_iov;
+        pi2_runs_add(&R, pp, L, k, dst, e);
         ++n;
     }
+    const uint32_t req0 = S->n_req;
+    S->n_req = R.n_req;
+    S->n_iov = R.n_iov;
     const int nreq = (int) (S->n_req - req0);
     if (nreq > 0) {
         atomic_fetch_add(&S->outstanding, nreq);
@@ -261,12 +311,9 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
     st->requests += pp->ahead_requests;
     pp->ahead_bridged  = 0;
     pp->ahead_requests = 0;
-    uint8_t * sink = pi2_cache_scratch(pp->cache);
-    uint32_t nreq = 0, n_iov = 0;
+    struct pi2_runs R = pi2_runs_of(pp->reqs, pp->iov, pp->tags, 0, 0, pp->gap, pp->max_run);
     bool failed = false;
-    struct pi2_io_req * cur = NULL;
-    int64_t last = -1; // last bundle in cur
-    for (uint32_t k = hot_k; k < L->n_bundles && !failed; ++k) {
+    for (uint32_t k = hot_k; k < L->n_bundles; ++k) {
         const uint32_t wanted = pi2_wanted(L, want, k);
         if (wanted == 0) {
             continue;
@@ -283,26 +330,6 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
             continue;
         }
         st->misses += wanted;
-        // (a miss right after the run extends it too: from == k with extend set)
-        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) pp->gap &&
-                            cur->n + ((int64_t) k - last) <= (int64_t) pp->max_run;
-        const int64_t from = extend ? last + 1 : k;
-        if (!extend) {
-            cur = &pp->reqs[nreq++];
-            cur->offset = L->bundles_offset + (uint64_t) k * L->bundle_size;
-            cur->n      = 0;
-            cur->iov    = pp->iov + n_iov;
-            cur->tag    = pp->tags + n_iov;
-        }
-        n_iov += (uint32_t) (k - from) + 1;
-        // the bundles between go to the sink; kept in the cache they evicted entries worth keeping
-        // (measured: the cold segment's hits went to zero)
-        for (int64_t g = from; g < k; ++g) {
-            cur->iov[cur->n].iov_base = sink + (size_t) (g - from) * pp->entry_size;
-            cur->iov[cur->n].iov_len  = L->bundle_size;
-            cur->tag[cur->n++]        = -1;
-            st->bytes_read += L->bundle_size;
-        }
         uint8_t * dst = NULL;
         const int64_t ge = pi2_cache_claim(pp->cache, layer, k, epoch, false, false, &dst);
         if (ge < 0) {
@@ -311,15 +338,9 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
             failed = true;
             break;
         }
-        cur->iov[cur->n].iov_base = dst;
-        cur->iov[cur->n].iov_len  = L->bundle_size;
-        cur->tag[cur->n++]        = (int32_t) ge;
-        st->bytes_read += L->bundle_size;
-        last = k;
+        st->bytes_read += pi2_runs_add(&R, pp, L, k, dst, ge) + L->bundle_size;
     }
-    if (cur != NULL && cur->n == 0) { // a run that failed before its first bundle
-        nreq--;
-    }
+    const uint32_t nreq = R.n_req;
     st->requests += nreq;
     atomic_store(&pp->outstanding, (int) nreq);
     if (nreq > 0) {
@@ -338,10 +359,7 @@ static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_
     const struct pi2_sidecar_layer * L = &pp->sc->layer[layer];
     uint32_t hot_k = 0, hot_slots = 0;
     pi2_cache_hot_segment(pp->cache, layer, &hot_k, &hot_slots);
-    uint8_t * sink = pi2_cache_scratch(pp->cache);
-    const uint32_t req0 = S->n_req;
-    struct pi2_io_req * cur = NULL;
-    int64_t last = -1; // last bundle in cur
+    struct pi2_runs R = pi2_runs_of(S->reqs, S->iov, S->tags, S->n_req, S->n_iov, pp->gap, pp->max_run);
     uint32_t n = 0;
     for (uint32_t k = hot_k; k < L->n_bundles && n < max_pin; ++k) {
         if (pi2_wanted(L, want, k) == 0) {
@@ -351,10 +369,7 @@ static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_
             n += pi2_cache_pin_ahead(pp->cache, layer, k, pin);
             continue;
         }
-        const bool extend = cur != NULL && (int64_t) k - last - 1 <= (int64_t) pp->gap &&
-                            cur->n + ((int64_t) k - last) <= (int64_t) pp->max_run;
-        const int64_t from = extend ? last + 1 : k;
-        if (S->n_iov + (uint32_t) (k - from) + 1 > pp->ahead_cap) {
+        if (R.n_iov + pi2_runs_cost(&R, k) > pp->ahead_cap) {
             break;
         }
         uint8_t * dst = NULL;
@@ -362,26 +377,12 @@ static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_
         if (e < 0) {
             break;
         }
-        if (!extend) {
-            cur = &S->reqs[S->n_req++];
-            cur->offset = L->bundles_offset + (uint64_t) k * L->bundle_size;
-            cur->n      = 0;
-            cur->iov    = S->iov + S->n_iov;
-            cur->tag    = S->tags + S->n_iov;
-        }
-        S->n_iov += (uint32_t) (k - from) + 1;
-        for (int64_t g = from; g < k; ++g) {
-            cur->iov[cur->n].iov_base = sink + (size_t) (g - from) * pp->entry_size;
-            cur->iov[cur->n].iov_len  = L->bundle_size;
-            cur->tag[cur->n++]        = -1;
-            pp->ahead_bridged += L->bundle_size;
-        }
-        cur->iov[cur->n].iov_base = dst;
-        cur->iov[cur->n].iov_len  = L->bundle_size;
-        cur->tag[cur->n++]        = (int32_t) e;
-        last = k;
+        pp->ahead_bridged += pi2_runs_add(&R, pp, L, k, dst, e);
         ++n;
     }
+    const uint32_t req0 = S->n_req;
+    S->n_req = R.n_req;
+    S->n_iov = R.n_iov;
     const int nreq = (int) (S->n_req - req0);
     if (nreq > 0) {
         atomic_fetch_add(&S->outstanding, nreq);

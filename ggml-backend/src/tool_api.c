@@ -15,30 +15,26 @@
 // The counters hold PI2_MAX_LAYERS layers (6 MB), of which a model uses n_layers: reads and resets touch those
 // (and the fields around the array) only, so neither side makes the rest resident. Layers past n_layers are
 // zero: a layer is marked seen (pi2_count_layer_seen) before it is counted.
-static void pi2_counters_copy(struct pi2_counters * dst, const struct pi2_counters * src, uint32_t n) {
-    memcpy(dst, src, offsetof(struct pi2_counters, layer));
-    memcpy(dst->layer, src->layer, (size_t) n * sizeof(src->layer[0]));
-    const size_t tail = offsetof(struct pi2_counters, output_rows);
-    memcpy((char *) dst + tail, (const char *) src + tail, sizeof(*dst) - tail);
+static uint32_t pi2_counters_used(const struct pi2_counters * c) {
+    return c->n_layers < PI2_MAX_LAYERS ? c->n_layers : PI2_MAX_LAYERS;
 }
+
+static const size_t pi2_counters_tail = offsetof(struct pi2_counters, output_rows); // the fields after the array
 
 void pi2_counters_read(struct pi2_counters * out) {
     // counters are atomically incremented; a snapshot may straddle one node, which readers tolerate. The
     // caller's layers past n_layers are left as they are (zero in a fresh buffer).
     const struct pi2_counters * c = &pi2_device_ctx()->counters;
-    uint32_t n = c->n_layers;
-    n = n < PI2_MAX_LAYERS ? n : PI2_MAX_LAYERS;
-    pi2_counters_copy(out, c, n);
+    memcpy(out, c, offsetof(struct pi2_counters, layer));
+    memcpy(out->layer, c->layer, (size_t) pi2_counters_used(c) * sizeof(c->layer[0]));
+    memcpy((char *) out + pi2_counters_tail, (const char *) c + pi2_counters_tail, sizeof(*out) - pi2_counters_tail);
 }
 
 void pi2_counters_reset(void) {
     struct pi2_counters * c = &pi2_device_ctx()->counters;
-    uint32_t n = c->n_layers;
-    n = n < PI2_MAX_LAYERS ? n : PI2_MAX_LAYERS;
-    memset(c->layer, 0, (size_t) n * sizeof(c->layer[0]));
+    memset(c->layer, 0, (size_t) pi2_counters_used(c) * sizeof(c->layer[0]));
     memset(c, 0, offsetof(struct pi2_counters, layer));
-    const size_t tail = offsetof(struct pi2_counters, output_rows);
-    memset((char *) c + tail, 0, sizeof(*c) - tail);
+    memset((char *) c + pi2_counters_tail, 0, sizeof(*c) - pi2_counters_tail);
 }
 
 int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a, const void * const * cols) {
