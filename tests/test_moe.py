@@ -152,6 +152,38 @@ def test_quantized_silu_experts_equal_stock(tmp_path: Path) -> None:
     assert np.array_equal(np.array(run.logits_first), np.array(ref.logits_first))
 
 
+def test_silu_experts_are_placed_by_the_cost_rule(tmp_path: Path) -> None:
+    """In RAM in predicted mode (PI2_LAYERS=auto) a SiLU MoE's experts are held only where the mean estimated cost of
+    the layer's experts is below 1, the rule dense layers follow. The default sidecar (product criterion: ~1.6) leaves
+    every expert to ggml-cpu, which then gives stock llama.cpp's logits (repacked) bit for bit, and layers_left()
+    lists every (layer, expert); a 0.4 threshold (~0.4) holds them all and PI2 computes them."""
+    from pi2_gguf.converter.convert import convert
+    from pi2_gguf.runtime import native
+
+    path = tmp_path / "silu.gguf"
+    synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.15), synthetic_moe.Routing(1.0, 0.5),
+                           "qwen3moe", "silu", QT.Q4_K, progress=False)
+    loose = convert(path, tmp_path / "loose.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                    perplexity_budget=None).path
+    tight = convert(path, tmp_path / "tight.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                    perplexity_budget=None, threshold=0.4).path
+    mean = {sc: [float(np.mean(native.sparse_cost_c(sc)[il * 8:(il + 1) * 8])) for il in range(3)] for sc in (loose, tight)}
+    assert min(mean[loose]) >= 1.0 and max(mean[tight]) < 1.0, mean  # both kinds, or the test shows nothing
+    auto = {"layers": "auto"}
+    stock = greedy_in_subprocess(path, [PROMPT], 8, pi2=False)[0]
+    left = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, sidecar=loose, mode="predicted", settings=auto)[0]
+    assert left.pi2_matmuls == 0 and left.tokens == stock.tokens
+    assert np.array_equal(np.array(left.logits_first), np.array(stock.logits_first))
+    held = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, sidecar=tight, mode="predicted", settings=auto)[0]
+    assert held.layers_in_pi2 == "3/3"
+    for sc, want in ((loose, list(range(3 * 8))), (tight, [])):
+        llm = pi2_gguf.Llama(str(path), sidecar=sc, mode="predicted", n_ctx=128, n_threads=2, verbose=False, settings=auto)
+        try:
+            assert llm.layers_left() == want
+        finally:
+            llm.close()
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):

@@ -146,9 +146,13 @@ static void pi2_sched_token(struct pi2_sparse_plan * p, int ith, int nth, int64_
         p->n_down_sparse += sparse_down;
     }
     if (sparse_down) {
-        pi2_kernel_down_columns(p, ith, nth, n_active);
+        for (int k = ith; k < p->n_split; k += nth) {
+            pi2_kernel_down_columns(p, k, p->n_split, n_active);
+        }
         #pragma omp barrier
-        pi2_kernel_down_reduce(p, ith, nth, out);
+        for (int k = ith; k < p->n_split; k += nth) {
+            pi2_kernel_down_reduce(p, k, p->n_split, out);
+        }
     } else {
         // many active neurons: the model's own down rows beat the columns (and give dense's numerics)
         if (ith == 0) {

@@ -389,6 +389,102 @@ static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, int64_t i) {
     }
 }
 
+// Routed pair i of a region as one FFN of its own: the expert's matrices, the pair's columns of the products, and the
+// sidecar layer (layer, expert). The region's nodes point into the struct: it must not move while they are used.
+struct pi2_pair_ffn {
+    struct ggml_tensor    wg, wu, wd, x, gate, up, glu, down;
+    struct pi2_ffn_region region;
+};
+
+static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_id_operands * o, const struct pi2_expert_region * r, int64_t i) {
+    const int64_t s = i % o->n_used, t = i / o->n_used;
+    const int32_t e = pi2_id_at(o, s, t);
+    f->wg = pi2_expert_matrix(r->gate->src[0], e);
+    f->wu = pi2_expert_matrix(r->up->src[0], e);
+    f->wd = pi2_expert_matrix(r->down->src[0], e);
+    f->x  = pi2_pair_column(r->gate->src[1], s % o->n_b, t);
+    f->gate = pi2_pair_column(r->gate, s, t);
+    f->up   = pi2_pair_column(r->up, s, t);
+    f->glu  = pi2_pair_column(r->glu, s, t);
+    f->down = pi2_pair_column(r->down, s, t);
+    f->gate.src[0] = &f->wg;  f->gate.src[1] = &f->x;
+    f->up.src[0]   = &f->wu;  f->up.src[1]   = &f->x;
+    f->glu.src[0]  = &f->gate; f->glu.src[1] = &f->up;
+    f->down.src[0] = &f->wd;  f->down.src[1] = &f->glu;
+    f->region = (struct pi2_ffn_region) { .n_nodes = 4, .layer = r->layer * (int) o->n_expert + e, .gate = &f->gate,
+                                          .up = &f->up, .out = &f->glu, .down = &f->down, .act = r->act };
+}
+
+// In RAM, a batch's routed pairs run one per thread, each on that thread alone, instead of each pair on every
+// thread in turn: a pair's decode is short (a few hundred rows), and splitting it costs each pair a parallel region
+// and its barriers, where the threads wait on each other (11% of a TurboSparse-shaped decode's samples were
+// OpenMP's wait). The sums keep ctx->n_threads parts (pi2_exec_sparse_ffn_split), so the values are those of the
+// pair run on every thread.
+// llama's allocator may place the down product over the gate and up products, which the GLU has consumed: one
+// after another that is harmless, side by side a pair's down would overwrite another's gate. So each thread's
+// pair writes its gate, up and GLU rows to the thread's own scratch and its down row to a buffer of all the pairs,
+// copied to the down product once every pair is done (nothing in the graph reads the region's gate, up or GLU
+// products but the region itself).
+// false, with nothing run, where it does not apply (one thread or one pair, or no memory); else true with *st.
+static bool pi2_expert_pairs_parallel(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
+                                      const struct pi2_expert_region * r, enum ggml_status * st) {
+    const int     nth     = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    const int64_t n_pairs = o->n_used * o->n_tokens;
+    if (nth < 2 || n_pairs < 2 || !pi2_act_equal(&r->act, &b->sc->activation)) {
+        return false; // (a wrong activation: the one-pair path refuses it with the message)
+    }
+    if (ctx->n_sub < nth) {
+        struct pi2_backend_ctx * sub = realloc(ctx->sub, (size_t) nth * sizeof(*sub));
+        if (sub == NULL) {
+            return false;
+        }
+        for (int k = ctx->n_sub; k < nth; ++k) {
+            sub[k] = (struct pi2_backend_ctx) { .dev = ctx->dev, .n_threads = 1 };
+        }
+        ctx->sub = sub;
+        ctx->n_sub = nth;
+    }
+    const int64_t n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    const size_t  downs  = ((size_t) n_pairs * (size_t) n_embd * sizeof(float) + 63) & ~(size_t) 63;
+    const size_t  rows   = ((size_t) 3 * (size_t) n_ff * sizeof(float) + 63) & ~(size_t) 63; // a thread's gate, up, GLU
+    const int     n_run  = n_pairs < nth ? (int) n_pairs : nth;
+    char * w = pi2_work_reserve(ctx, downs + (size_t) n_run * rows);
+    if (w == NULL) {
+        return false;
+    }
+    atomic_llong next = 0;
+    atomic_int  status = GGML_STATUS_SUCCESS;
+    #pragma omp parallel num_threads(n_run)
+    {
+        const int ith = omp_get_thread_num();
+        struct pi2_backend_ctx * mine = &ctx->sub[ith];
+        float * own = (float *) (w + downs + (size_t) ith * rows);
+        for (;;) {
+            const long long i = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
+            if (i >= n_pairs || atomic_load_explicit(&status, memory_order_relaxed) != GGML_STATUS_SUCCESS) {
+                break;
+            }
+            struct pi2_pair_ffn f;
+            pi2_pair_ffn(&f, o, r, i);
+            f.gate.data = own;
+            f.up.data   = own + n_ff;
+            f.glu.data  = own + 2 * n_ff;
+            f.down.data = (float *) w + (size_t) i * (size_t) n_embd;
+            const enum ggml_status s = pi2_exec_sparse_ffn_split(mine, b, &f.region, NULL, nth);
+            if (s != GGML_STATUS_SUCCESS) {
+                int expected = GGML_STATUS_SUCCESS;
+                atomic_compare_exchange_strong(&status, &expected, (int) s);
+            }
+        }
+    }
+    *st = (enum ggml_status) atomic_load(&status);
+    for (int64_t i = 0; i < n_pairs && *st == GGML_STATUS_SUCCESS; ++i) {
+        memcpy(pi2_id_out(r->down, i % o->n_used, i / o->n_used), (float *) w + (size_t) i * (size_t) n_embd,
+               (size_t) n_embd * sizeof(float));
+    }
+    return true;
+}
+
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
                                   enum ggml_status * st) {
     const struct pi2_id_operands o = pi2_id_operands(r->gate);
@@ -424,35 +520,32 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
             }
         }
     }
+    const int64_t n_pairs = o.n_used * o.n_tokens;
+    for (int64_t i = 0; i < n_pairs; ++i) { // every pair's expert verified before any computes
+        struct pi2_pair_ffn f;
+        pi2_pair_ffn(&f, &o, r, i);
+        if (!pi2_binding_verify_layer(b, f.region.layer, &f.wg, &f.wu, &f.wd)) {
+            PI2_LOG_REFUSAL("pi2: %s\n", b->error);
+            *st = GGML_STATUS_FAILED;
+            return 4;
+        }
+    }
+    if (!b->flash && pi2_expert_pairs_parallel(ctx, b, &o, r, st)) {
+        pi2_count_routing(&ctx->dev->counters, r->layer, &o);
+        return 4;
+    }
     struct pi2_expert_ahead ahead;
     const bool reads_ahead = pi2_expert_ahead_init(&ahead, b, &o, r);
     uint64_t hits = 0, misses = 0;
     *st = GGML_STATUS_SUCCESS;
-    for (int64_t i = 0; i < o.n_used * o.n_tokens && *st == GGML_STATUS_SUCCESS; ++i) {
-        const int64_t s = i % o.n_used, t = i / o.n_used;
-        const int32_t e = pi2_id_at(&o, s, t);
-        const int v = r->layer * (int) o.n_expert + e;
-        struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
-                           wd = pi2_expert_matrix(r->down->src[0], e);
-        struct ggml_tensor x = pi2_pair_column(r->gate->src[1], s % o.n_b, t);
-        struct ggml_tensor gate = pi2_pair_column(r->gate, s, t), up = pi2_pair_column(r->up, s, t);
-        struct ggml_tensor glu = pi2_pair_column(r->glu, s, t), down = pi2_pair_column(r->down, s, t);
-        gate.src[0] = &wg;  gate.src[1] = &x;
-        up.src[0]   = &wu;  up.src[1]   = &x;
-        glu.src[0]  = &gate; glu.src[1] = &up;
-        down.src[0] = &wd;  down.src[1] = &glu;
-        if (!pi2_binding_verify_layer(b, v, &wg, &wu, &wd)) {
-            PI2_LOG_REFUSAL("pi2: %s\n", b->error);
-            *st = GGML_STATUS_FAILED;
-            break;
-        }
+    for (int64_t i = 0; i < n_pairs && *st == GGML_STATUS_SUCCESS; ++i) {
         if (reads_ahead) {
             pi2_expert_ahead_before(&ahead, i);
         }
-        const struct pi2_ffn_region fr = { .n_nodes = 4, .layer = v, .gate = &gate, .up = &up, .out = &glu, .down = &down,
-                                           .act = r->act };
+        struct pi2_pair_ffn f;
+        pi2_pair_ffn(&f, &o, r, i);
         struct pi2_cache_token_stats io = { 0 };
-        *st = pi2_exec_sparse_ffn(ctx, b, &fr, &io);
+        *st = pi2_exec_sparse_ffn(ctx, b, &f.region, &io);
         hits   += io.misses == 0;
         misses += io.misses != 0;
     }

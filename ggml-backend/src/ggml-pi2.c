@@ -324,6 +324,10 @@ static const char * pi2_backend_get_name(ggml_backend_t backend) {
 
 static void pi2_backend_free(ggml_backend_t backend) {
     struct pi2_backend_ctx * ctx = backend->context;
+    for (int k = 0; k < ctx->n_sub; ++k) {
+        free(ctx->sub[k].work);
+    }
+    free(ctx->sub);
     free(ctx->work);
     free(ctx);
     free(backend);
@@ -701,8 +705,14 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
         pthread_mutex_lock(&d->lock);
         pi2_announce_once(d);
         // a configuration error holds them, so that the buffer allocation refuses the load with the message
+        struct pi2_binding * b = d->pending;
         const bool holds = d->config.error[0] != '\0' ||
-                           pi2_placement_holds_experts(d->pending, d->pending_act, &d->config.defaults);
+                           pi2_placement_holds_experts(b, d->pending_act, &d->config.defaults, layer);
+        if (!holds && b != NULL && b->sc->n_expert > 0 && (uint64_t) (layer + 1) * b->sc->n_expert <= b->sc->n_layer) {
+            for (uint32_t e = 0; e < b->sc->n_expert; ++e) { // the layer's experts, as the sidecar numbers them
+                atomic_store(&b->layer[(uint32_t) layer * b->sc->n_expert + e].left, true);
+            }
+        }
         pthread_mutex_unlock(&d->lock);
         if (!holds) {
             return false;

@@ -41,41 +41,63 @@ double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd
     return t / (gate + up + down);
 }
 
-bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
-                         int layer) {
+// The part of the rule that needs no cost estimate: 1 held, 0 left, -1 the layer's cost decides (predicted mode
+// in RAM with a sidecar).
+static int pi2_placement_forced(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults) {
     if (act.stated && pi2_act_relu_family(act.act.kind)) {
-        return true;
+        return 1;
     }
-    const struct pi2_settings * own = b != NULL ? &b->settings : NULL;
-    if (pi2_setting(own, defaults, PI2_SET_LAYERS) != 0.0) {
-        return true;
+    if (pi2_setting(b != NULL ? &b->settings : NULL, defaults, PI2_SET_LAYERS) != 0.0) {
+        return 1;
     }
     if (b == NULL) {
-        return false;
+        return 0;
     }
     if (b->flash) {
-        return true;
+        return 1;
     }
     const int mode = atomic_load(&b->mode);
     if (mode != PI2_MODE_PREDICTED) {
         return mode == PI2_MODE_ORACLE;
     }
+    return -1;
+}
+
+static double pi2_layer_cost(const struct pi2_binding * b, const struct pi2_settings * defaults, uint32_t layer) {
+    return pi2_sparse_cost_ratio(&b->sc->layer[layer], b->sc->n_embd, b->sc->sparsity_method,
+                                 pi2_setting(&b->settings, defaults, PI2_SET_DOWN_SPARSE_MAX),
+                                 pi2_setting(&b->settings, defaults, PI2_SET_PREDICTOR) != 0.0);
+}
+
+bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
+                         int layer) {
+    const int forced = pi2_placement_forced(b, act, defaults);
+    if (forced >= 0) {
+        return forced == 1;
+    }
     if (layer < 0 || (uint32_t) layer >= b->sc->n_layer) {
         return true; // not the sidecar's layer: held, so the weight check refuses the sidecar by name
     }
-    const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
-    return pi2_sparse_cost_ratio(L, b->sc->n_embd, b->sc->sparsity_method, pi2_setting(own, defaults, PI2_SET_DOWN_SPARSE_MAX),
-                                 pi2_setting(own, defaults, PI2_SET_PREDICTOR) != 0.0) < 1.0;
+    return pi2_layer_cost(b, defaults, (uint32_t) layer) < 1.0;
 }
 
-bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults) {
-    if (act.stated && pi2_act_relu_family(act.act.kind)) {
-        return true;
+bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
+                                 int layer) {
+    // a sidecar without experts cannot make the experts sparse: they follow the rule for no sidecar
+    const int forced = pi2_placement_forced(b != NULL && b->sc->n_expert > 0 ? b : NULL, act, defaults);
+    if (forced >= 0) {
+        return forced == 1 || (b != NULL && pi2_setting(&b->settings, defaults, PI2_SET_LAYERS) != 0.0);
     }
-    if (b != NULL && b->sc->n_expert > 0 && atomic_load(&b->mode) != PI2_MODE_DENSE) {
-        return true; // FORMAT.md, "MoE sidecars"
+    const uint32_t n = b->sc->n_expert;
+    if (layer < 0 || (uint64_t) (layer + 1) * n > b->sc->n_layer) {
+        return true; // not the sidecar's layer: held, so the region's check refuses the sidecar by name
     }
-    return pi2_setting(b != NULL ? &b->settings : NULL, defaults, PI2_SET_LAYERS) != 0.0;
+    // the expected cost of a routed expert: the mean over the layer's experts (FORMAT.md, "MoE sidecars")
+    double sum = 0.0;
+    for (uint32_t e = 0; e < n; ++e) {
+        sum += pi2_layer_cost(b, defaults, (uint32_t) layer * n + e);
+    }
+    return sum / n < 1.0;
 }
 
 static const char * pi2_no_env(void * ctx, const char * name) {

@@ -31,7 +31,8 @@ double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd
 bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
                          int layer);
 
-// The same for the routed experts (blk.<layer>.ffn_*_exps) of an MoE model in RAM: held where PI2 must compute them
-// (a ReLU-family activation, which an unmodified llama.cpp's MoE graph computes as SwiGLU), with a sidecar of the
-// model's experts in a sparse mode, or with PI2_LAYERS=all; else ggml-cpu (stock speed).
-bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults);
+// The same for the routed experts (blk.<layer>.ffn_*_exps) of an MoE model in RAM, by the same rule: in predicted
+// mode the estimate is the mean over the layer's experts (each a sidecar layer). A ReLU-family activation holds them
+// because an unmodified llama.cpp's MoE graph computes SwiGLU; a sidecar without experts counts as none.
+bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
+                                 int layer);

@@ -151,6 +151,11 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
 
 enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
                                      struct pi2_cache_token_stats * io) {
+    return pi2_exec_sparse_ffn_split(ctx, b, r, io, ctx->n_threads > 0 ? ctx->n_threads : 1);
+}
+
+enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
+                                           struct pi2_cache_token_stats * io, int n_split) {
     struct ggml_tensor * gate = r->gate;
     const int layer = r->layer;
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
@@ -189,6 +194,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
 
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
+    p.n_split = n_split > 0 ? n_split : 1;
+    const int n_part = nth > p.n_split ? nth : p.n_split; // per-thread or per-split rows
     p.xq_stride    = ggml_row_size(tg->vec_dot_type, p.n_embd);
     p.tmp_stride   = pi2_column_scratch(p.n_embd); // down columns of n_embd; z's F16 rows need 256 at most
     p.xq_up_stride = ggml_row_size(tu->vec_dot_type, p.n_embd);
@@ -200,8 +207,8 @@ enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_bi
         pi2_align64(ggml_row_size(tp->vec_dot_type, p.n_embd)),
         pi2_align64((size_t) p.rank * sizeof(float)),
         pi2_align64((size_t) p.n_ff * sizeof(float)),
-        pi2_align64((size_t) nth * p.n_embd * sizeof(float)),
-        pi2_align64((size_t) nth * p.tmp_stride * sizeof(float)),
+        pi2_align64((size_t) p.n_split * p.n_embd * sizeof(float)),
+        pi2_align64((size_t) n_part * p.tmp_stride * sizeof(float)),
         pi2_align64((size_t) p.n_ff * sizeof(struct pi2_active)),
         pi2_align64((size_t) p.n_clusters * sizeof(int32_t)),
         pi2_align64((size_t) p.n_clusters * sizeof(int32_t)),

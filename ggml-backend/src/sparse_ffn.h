@@ -20,3 +20,7 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
 // and down's output, in the binding's mode. io (may be NULL): what the neuron cache found (flash; else zeros).
 enum ggml_status pi2_exec_sparse_ffn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
                                      struct pi2_cache_token_stats * io);
+// The same on ctx->n_threads threads with the sums of n_split (pi2_sparse_plan.n_split): the values are those of
+// pi2_exec_sparse_ffn on n_split threads. ctx->n_threads 1 runs on the calling thread, also inside a parallel region.
+enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
+                                           struct pi2_cache_token_stats * io, int n_split);

@@ -113,8 +113,8 @@ struct pi2_sparse_plan {
     char *                    xp;          // x in the predictor's vec_dot type
     float *                   h;           // [rank] predictor hidden layer
     float *                   z;           // [n_ff] predictor scores, slot order
-    float *                   y;           // [nth][n_embd] partial down sums
-    float *                   tmp;         // [nth][tmp_stride] dequantization scratch
+    float *                   y;           // [n_split][n_embd] partial down sums
+    float *                   tmp;         // [max(nth, n_split)][tmp_stride] dequantization scratch
     int64_t                   tmp_stride;
     // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons are
     // list[c * PI2_CLUSTER ..] (n_act[c] of them). The down pass splits it evenly between threads, so its
@@ -126,6 +126,9 @@ struct pi2_sparse_plan {
     struct pi2_thread_stats * stats;       // [nth]
     char *                    gluq;        // glu row in down's vec_dot type (dense down)
     int                       nth;
+    // the down list is summed in n_split partial rows, then those in order: the thread count the sums follow,
+    // whatever number of threads runs them (a routed expert in RAM runs on one thread of several)
+    int                       n_split;
     int64_t                   n_down_sparse; // tokens whose down ran by columns
 };
 
