@@ -292,12 +292,14 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
             llm.close()
 
 
-@pytest.mark.parametrize("cache_max,ahead", [("1MiB", "0"), ("1MiB", "16"), ("8MiB", "16")])
-def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str) -> None:
+@pytest.mark.parametrize("cache_max,ahead,guess", [("1MiB", "0", "off"), ("1MiB", "16", "off"), ("8MiB", "16", "off"),
+                                                   ("1MiB", "16", "router"), ("8MiB", "16", "router")])
+def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str, guess: str) -> None:
     """Under a memory budget the experts live in the sidecar on flash: each routed expert's active neurons are read
     through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine, with a batch's
-    routed experts read before the first computes (PI2_EXPERT_AHEAD) or each when it computes (0), in a cache with
-    room to read ahead (8 MiB) or hardly any (1 MiB)."""
+    routed experts read before the first computes (PI2_EXPERT_AHEAD) or each when it computes (0), with or without
+    the next layer's experts guessed and read ahead (PI2_EXPERT_GUESS), in a cache with room to read ahead (8 MiB)
+    or hardly any (1 MiB). (In RAM the pairs run one per thread, on flash in turn on both threads.)"""
     model, sidecar = moe_sidecar
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
@@ -307,7 +309,8 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
     finally:
         ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
-                           memory_budget="2GiB", settings={"cache_max": cache_max, "expert_ahead": ahead})
+                           memory_budget="2GiB", settings={"cache_max": cache_max, "expert_ahead": ahead,
+                                                           "expert_guess": guess})
     try:
         pi2_gguf.reset_counters()
         got, got_logits = decode(flash, PROMPT, 16)
@@ -327,6 +330,15 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
         assert int(c.prefetched.sum()) == 0
     else:
         assert 0 < int(c.prefetched.sum()) <= int(c.misses.sum())
+    if guess == "router" and cache_max == "8MiB":
+        # each batch of layers 0 and 1 guesses the next layer's experts (so never layer 0's), and those are the
+        # experts the next layer routes to far more often than chance (2 of 8 a token)
+        assert int(c.experts_guessed[0]) == 0 and (c.experts_guessed[1:3] > 0).all(), c.experts_guessed[:3]
+        assert (c.experts_guessed_routed[:3] <= np.minimum(c.experts_guessed[:3], c.experts_loaded[:3])).all()
+        recall = c.experts_guessed_routed[1:3].sum() / c.experts_loaded[1:3].sum()
+        assert recall > 0.5, (c.experts_guessed_routed[:3], c.experts_loaded[:3])
+    elif guess == "off":
+        assert int(c.experts_guessed.sum()) == 0 and int(c.experts_guessed_routed.sum()) == 0
 
 
 @pytest.mark.skipif(cgroup.available() is not None, reason=str(cgroup.available()))

@@ -62,6 +62,8 @@ struct pi2_layer_counters {
     uint64_t expert_active;      // of those, neurons whose gate passed a ReLU-family cut (their up row computed)
     uint64_t expert_hits;        // flash: pairs whose wanted bundles were all in the neuron cache when routed
     uint64_t expert_misses;      // flash: pairs that read some from the sidecar
+    uint64_t experts_guessed;    // flash: experts read ahead for this layer on the router's guess (PI2_EXPERT_GUESS)
+    uint64_t experts_guessed_routed; // of the experts this layer's batches routed to (distinct a batch), those guessed
 };
 
 struct pi2_counters {

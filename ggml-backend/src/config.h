@@ -30,6 +30,7 @@ enum pi2_setting {
     PI2_SET_COLD_SHARE,        // flash: share of the cache kept cold beyond one layer
     PI2_SET_OUTPUT_ROWS,       // flash: output matrix left in the model file, this many exact rows a token (0: in RAM)
     PI2_SET_EXPERT_AHEAD,      // flash, MoE: routed (token, expert) pairs whose reads are issued before the first computes
+    PI2_SET_EXPERT_GUESS,      // flash, MoE: 1: the next layer's experts guessed and read ahead (router), 0: not (off)
     PI2_N_SETTINGS,
 };
 

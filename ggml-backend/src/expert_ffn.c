@@ -313,19 +313,29 @@ struct pi2_expert_ahead {
     int64_t                          n_pairs, issued, window;
     uint32_t                         room;
     uint32_t *                       pinned;    // [n_pairs] entries pinned for each pair
-    uint8_t *                        want;      // [n_ff]
+    uint8_t *                        want;      // [n_ff] (the largest of this layer's and the next one's experts)
     void *                           scratch;   // the predictor's
+    // guessing the next layer's experts (expert_speculate.h): NULL routers where it does not run
+    const struct pi2_routers *       routers;
+    struct pi2_counters *            counters;
+    bool                             guessed;
+    int32_t *                        top;       // [n_used]
+    uint8_t *                        chosen;    // [n_expert]
+    void *                           rscratch;
 };
 
 static void pi2_expert_ahead_free(struct pi2_expert_ahead * A) {
     free(A->pinned);
     free(A->want);
     free(A->scratch);
+    free(A->top);
+    free(A->chosen);
+    free(A->rscratch);
 }
 
 // false with nothing to free where read-ahead does not run (in RAM, PI2_EXPERT_AHEAD 0, no cache yet)
-static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_binding * b, const struct pi2_id_operands * o,
-                                  const struct pi2_expert_region * r) {
+static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_backend_ctx * ctx, struct pi2_binding * b,
+                                  const struct pi2_id_operands * o, const struct pi2_expert_region * r) {
     memset(A, 0, sizeof(*A));
     const int64_t window = b->flash ? (int64_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) : 0;
     if (window == 0) {
@@ -334,15 +344,20 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_bindin
     A->room = pi2_pipeline_ahead_room(b);
     const int mode = atomic_load(&b->mode);
     A->b = b;
+    A->counters = &ctx->dev->counters;
     A->o = o;
     A->r = r;
     A->predicted = mode == PI2_MODE_PREDICTED && !atomic_load(&b->check_recall);
     A->always = pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0;
     A->n_pairs = o->n_used * o->n_tokens;
     A->window = window;
+    // the next MoE layer's experts are guessed where the model's routers were read and that layer is the sidecar's
+    const uint32_t n_expert = (uint32_t) o->n_expert;
+    const bool guess = b->routers != NULL && (uint32_t) r->layer + 1 < b->routers->n_layer &&
+                       (uint64_t) (r->layer + 2) * n_expert <= b->sc->n_layer && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0;
     size_t scratch = 0;
     uint32_t n_ff = 0;
-    for (int64_t e = 0; e < o->n_expert; ++e) {
+    for (int64_t e = 0; e < (guess ? 2 : 1) * o->n_expert; ++e) {
         const int v = r->layer * (int) o->n_expert + (int) e;
         const struct pi2_sidecar_layer * L = &b->sc->layer[v];
         n_ff = L->n_ff > n_ff ? L->n_ff : n_ff;
@@ -358,7 +373,66 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_bindin
         pi2_expert_ahead_free(A);
         return false;
     }
+    if (guess) {
+        A->top      = malloc(sizeof(*A->top) * (size_t) o->n_used);
+        A->chosen   = malloc(n_expert);
+        A->rscratch = malloc(pi2_routers_scratch(b->routers));
+        A->routers  = A->top != NULL && A->chosen != NULL && A->rscratch != NULL ? b->routers : NULL; // else no guess
+    }
     return true;
+}
+
+// the want of sidecar layer v for FFN input x: its predictor's choice, or every bundle
+static void pi2_expert_want(struct pi2_expert_ahead * A, int v, const float * x) {
+    const struct pi2_binding_layer * B = &A->b->layer[v];
+    const struct pi2_sidecar_layer * L = &A->b->sc->layer[v];
+    if (A->predicted && pi2_predictor_runs(&B->pred, true, A->always)) {
+        pi2_predictor_want(B, L, &A->r->act, A->b->sc->n_embd, x, A->scratch, A->want);
+    } else {
+        memset(A->want, 1, L->n_ff);
+    }
+}
+
+// Once this batch's own reads are queued: the experts the next layer's router ranks highest for this layer's FFN
+// inputs, each with the bundles its predictor picks for that input, read ahead and pinned until this batch's last
+// pair (within the ahead room left), so the next layer finds them cached or in flight when its router has chosen;
+// its own read-ahead then pins those it routes to. Tried again before each pair until there is room.
+static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
+    const struct pi2_id_operands * o = A->o;
+    uint64_t later = 0;
+    for (int64_t j = i + 1; j < A->n_pairs; ++j) {
+        later += A->pinned[j];
+    }
+    if (later >= A->room) {
+        return;
+    }
+    uint32_t max_pin = (uint32_t) (A->room - later);
+    A->guessed = true;
+    const uint32_t n_expert = (uint32_t) o->n_expert, next = (uint32_t) A->r->layer + 1;
+    memset(A->chosen, 0, n_expert);
+    uint64_t n_guessed = 0;
+    for (int64_t t = 0; t < o->n_tokens && max_pin > 0; ++t) {
+        const float * x = (const float *) ((const char *) o->x->data + t * o->x->nb[2]);
+        pi2_routers_top(A->routers, next, x, (int) o->n_used, A->top, A->rscratch);
+        for (int64_t j = 0; j < o->n_used && max_pin > 0; ++j) {
+            const int32_t e = A->top[j];
+            if (e < 0 || A->chosen[e]) {
+                continue;
+            }
+            A->chosen[e] = 1;
+            const int v = (int) (next * n_expert) + e;
+            pi2_expert_want(A, v, x);
+            const uint32_t n = pi2_pipeline_read_ahead(A->b, v, A->want, (uint32_t) (A->n_pairs - i), max_pin, false);
+            A->pinned[A->n_pairs - 1] += n;
+            max_pin -= n < max_pin ? n : max_pin;
+            n_guessed++;
+        }
+    }
+    // remembered for the next layer's count of how many it routes to (this binding's layers run one at a time)
+    memcpy(A->b->guess_set, A->chosen, n_expert);
+    A->b->guess_layer = (int32_t) next;
+    pi2_count_layer_seen(A->counters, (int) next);
+    pi2_count(&A->counters->layer[next].experts_guessed, n_guessed);
 }
 
 // before pair i computes: the reads of pairs up to i + window - 1 queued
@@ -376,16 +450,12 @@ static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, int64_t i) {
         const uint32_t max_pin = q == i ? UINT32_MAX : (uint32_t) (A->room - later);
         const int64_t s = q % o->n_used, t = q / o->n_used;
         const int v = A->r->layer * (int) o->n_expert + pi2_id_at(o, s, t);
-        const struct pi2_binding_layer * B = &A->b->layer[v];
-        const struct pi2_sidecar_layer * L = &A->b->sc->layer[v];
-        if (A->predicted && pi2_predictor_runs(&B->pred, true, A->always)) {
-            const float * x = (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]);
-            pi2_predictor_want(B, L, &A->r->act, A->b->sc->n_embd, x, A->scratch, A->want);
-        } else {
-            memset(A->want, 1, L->n_ff);
-        }
+        pi2_expert_want(A, v, (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]));
         A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, A->want, (uint32_t) (q - i + 1), max_pin, q == 0);
         A->issued++;
+    }
+    if (A->issued == A->n_pairs && A->routers != NULL && !A->guessed) {
+        pi2_expert_guess(A, i);
     }
 }
 
@@ -530,12 +600,28 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
             return 4;
         }
     }
+    // the distinct experts this batch routes to, and of those the ones guessed for this layer (flash)
+    const bool guessed = b->flash && b->guess_layer == r->layer;
+    uint64_t distinct = 0, right = 0;
+    for (int64_t e = 0; e < o.n_expert; ++e) {
+        bool routed = false;
+        for (int64_t p = 0; p < n_pairs && !routed; ++p) {
+            routed = pi2_id_at(&o, p % o.n_used, p / o.n_used) == e;
+        }
+        distinct += routed;
+        right += routed && guessed && b->guess_set[e];
+    }
+    pi2_count(&ctx->dev->counters.layer[r->layer].experts_loaded, distinct);
+    pi2_count(&ctx->dev->counters.layer[r->layer].experts_guessed_routed, right);
+    if (guessed) {
+        b->guess_layer = -1;
+    }
     if (!b->flash && pi2_expert_pairs_parallel(ctx, b, &o, r, st)) {
         pi2_count_routing(&ctx->dev->counters, r->layer, &o);
         return 4;
     }
     struct pi2_expert_ahead ahead;
-    const bool reads_ahead = pi2_expert_ahead_init(&ahead, b, &o, r);
+    const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, &o, r);
     uint64_t hits = 0, misses = 0;
     *st = GGML_STATUS_SUCCESS;
     for (int64_t i = 0; i < n_pairs && *st == GGML_STATUS_SUCCESS; ++i) {

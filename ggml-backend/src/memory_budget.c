@@ -39,8 +39,8 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_
         bundles += sc->layer[il].n_bundles;
     }
     // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
-    // (request arrays: the request's, the two prefetch sets and the routed experts' read-ahead)
-    const uint64_t req_bundles = 3 * (uint64_t) n_bundles + pi2_cache_ahead_bundles(sc, ahead_pairs);
+    // (request arrays: the request's, the two prefetch sets and the routed experts' two read-ahead sets)
+    const uint64_t req_bundles = 3 * (uint64_t) n_bundles + 2 * pi2_cache_ahead_bundles(sc, ahead_pairs);
     return bundles * (sizeof(int32_t) + pi2_cache_entry_overhead() + 2 * sizeof(float)) +
            req_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
 }
@@ -217,6 +217,21 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     if (b->pipe != NULL) { // a new budget replaces the cache (its hot segment is read again)
         pi2_pipeline_free(b->pipe);
         b->pipe = NULL;
+    }
+    // the routers for guessing the next layer's experts, read before the resident memory counts them
+    if (!b->routers_read && b->sc->n_expert > 0 && b->model_path != NULL &&
+        pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 && pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0) {
+        if (pi2_routers_open(b->model_path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert, b->sc->n_embd, &b->routers,
+                             err, errlen) < 0) {
+            pthread_mutex_unlock(&b->cache_lock);
+            return -1;
+        }
+        b->guess_layer = -1;
+        if (b->routers != NULL && (b->guess_set = calloc(b->sc->n_expert, 1)) == NULL) {
+            pi2_routers_free(b->routers); // guessing is an optimization: go without
+            b->routers = NULL;
+        }
+        b->routers_read = true;
     }
     const uint64_t resident = pi2_resident_bytes();
     const uint32_t ahead_pairs = (uint32_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD);

@@ -21,6 +21,9 @@ static void pi2_binding_destroy(struct pi2_binding * b) {
     pi2_pipeline_free(b->pipe);
     pi2_embedding_free(b->embd);
     pi2_output_free(b->output);
+    pi2_routers_free(b->routers);
+    free(b->guess_set);
+    free(b->model_path);
     pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {
         for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
@@ -116,6 +119,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     atomic_init(&b->refs, 1);
     atomic_init(&b->mode, mode);
     b->load_mode = mode;
+    b->guess_layer = -1;
     atomic_init(&b->check_recall, 0);
     pi2_settings_unset(&b->settings);
     b->defaults = &config->defaults;
@@ -159,6 +163,11 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     }
     if (flash && model_path != NULL && (pi2_embedding_open(model_path, &b->embd, err, errlen) < 0 ||
                                         pi2_output_open(model_path, &b->output, err, errlen) < 0)) {
+        pi2_binding_destroy(b);
+        return NULL;
+    }
+    if (flash && model_path != NULL && (b->model_path = strdup(model_path)) == NULL) {
+        snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
         pi2_binding_destroy(b);
         return NULL;
     }

@@ -37,8 +37,11 @@ struct pi2_pipeline {
     struct iovec *             iov;     // per layer), its requests' iovecs and tags carved in order
     int32_t *                  tags;
     struct pi2_pf_set          pf[2];
-    struct pi2_pf_set          ahead;     // a batch's routed experts read ahead (pi2_pipeline_read_ahead)
-    uint32_t                   ahead_cap; // bundles it holds at most: PI2_EXPERT_AHEAD experts' worth
+    // a batch's routed experts read ahead (pi2_pipeline_read_ahead), in turns: batch k's reads (and its guesses of
+    // the next layer's experts, expert_speculate.h) go to set k % 2, so batch k + 1 starts without waiting for them
+    struct pi2_pf_set          ahead[2];
+    int                        ahead_at;  // the current batch's set
+    uint32_t                   ahead_cap; // bundles a set holds at most: PI2_EXPERT_AHEAD experts' worth
     uint64_t                   ahead_bridged;  // bytes its reads bridged into the scratch, and its requests, not yet
     uint32_t                   ahead_requests; // counted by a request
     atomic_int                 outstanding; // requests of the current batch not finished
@@ -55,8 +58,10 @@ static void pi2_read_done(void * ctx, const struct pi2_io_req * r, int err, cons
             set = &pp->pf[i];
         }
     }
-    if (pp->ahead.reqs != NULL && r >= pp->ahead.reqs && r < pp->ahead.reqs + pp->ahead_cap) {
-        set = &pp->ahead;
+    for (int i = 0; i < 2; ++i) {
+        if (pp->ahead[i].reqs != NULL && r >= pp->ahead[i].reqs && r < pp->ahead[i].reqs + pp->ahead_cap) {
+            set = &pp->ahead[i];
+        }
     }
     if (err != 0) { // a prefetch's error is the next layer's, once it finds the entries FAILED
         char * dst = set != NULL ? set->error : pp->error;
@@ -88,10 +93,10 @@ void pi2_pipeline_free(struct pi2_pipeline * pp) {
         free(pp->pf[i].reqs);
         free(pp->pf[i].iov);
         free(pp->pf[i].tags);
+        free(pp->ahead[i].reqs);
+        free(pp->ahead[i].iov);
+        free(pp->ahead[i].tags);
     }
-    free(pp->ahead.reqs);
-    free(pp->ahead.iov);
-    free(pp->ahead.tags);
     pthread_mutex_destroy(&pp->err_lock);
     free(pp);
 }
@@ -126,11 +131,14 @@ struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const s
         ok = ok && pp->pf[i].reqs != NULL && pp->pf[i].iov != NULL && pp->pf[i].tags != NULL;
     }
     if (sc->n_expert > 0 && io->ahead_pairs > 0) {
-        pp->ahead_cap  = (uint32_t) pi2_cache_ahead_bundles(sc, io->ahead_pairs);
-        pp->ahead.reqs = calloc(pp->ahead_cap, sizeof(*pp->ahead.reqs));
-        pp->ahead.iov  = calloc(pp->ahead_cap, sizeof(*pp->ahead.iov));
-        pp->ahead.tags = calloc(pp->ahead_cap, sizeof(*pp->ahead.tags));
-        ok = ok && pp->ahead.reqs != NULL && pp->ahead.iov != NULL && pp->ahead.tags != NULL;
+        pp->ahead_cap = (uint32_t) pi2_cache_ahead_bundles(sc, io->ahead_pairs);
+        for (int i = 0; i < 2; ++i) {
+            struct pi2_pf_set * S = &pp->ahead[i];
+            S->reqs = calloc(pp->ahead_cap, sizeof(*S->reqs));
+            S->iov  = calloc(pp->ahead_cap, sizeof(*S->iov));
+            S->tags = calloc(pp->ahead_cap, sizeof(*S->tags));
+            ok = ok && S->reqs != NULL && S->iov != NULL && S->tags != NULL;
+        }
     }
     if (!ok) {
         snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
@@ -354,7 +362,7 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
 // entries for it; cached ones are pinned for it too. Called between requests, when no computation holds
 // entries. At most max_pin entries are pinned; returns how many were.
 static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_t * want, uint32_t later, uint32_t max_pin) {
-    struct pi2_pf_set * S = &pp->ahead;
+    struct pi2_pf_set * S = &pp->ahead[pp->ahead_at];
     const uint32_t pin = pi2_cache_epoch(pp->cache) + later;
     const struct pi2_sidecar_layer * L = &pp->sc->layer[layer];
     uint32_t hot_k = 0, hot_slots = 0;
@@ -397,13 +405,16 @@ uint32_t pi2_pipeline_read_ahead(struct pi2_binding * b, int layer, const uint8_
     pthread_mutex_lock(&b->cache_lock);
     struct pi2_pipeline * pp = b->pipe;
     uint32_t n = 0;
-    if (pp != NULL && pp->ahead.reqs != NULL) {
-        if (first) { // the batch before took its bundles, so its reads are done or nearly
-            pi2_cache_wait_zero(pp->cache, &pp->ahead.outstanding);
-            pp->ahead.error[0] = '\0';
+    if (pp != NULL && pp->ahead[0].reqs != NULL) {
+        if (first) { // the set of the batch before that one: its reads are long done, or nearly
+            pp->ahead_at ^= 1;
+            struct pi2_pf_set * S = &pp->ahead[pp->ahead_at];
+            pi2_cache_wait_zero(pp->cache, &S->outstanding);
+            S->error[0] = '\0';
         }
-        if (atomic_load(&pp->ahead.outstanding) == 0) { // no read in flight uses the arrays
-            pp->ahead.n_req = pp->ahead.n_iov = 0;
+        struct pi2_pf_set * S = &pp->ahead[pp->ahead_at];
+        if (atomic_load(&S->outstanding) == 0) { // no read in flight uses the arrays
+            S->n_req = S->n_iov = 0;
         }
         n = pi2_read_ahead(pp, layer, want, later, max_pin);
     }
@@ -413,7 +424,7 @@ uint32_t pi2_pipeline_read_ahead(struct pi2_binding * b, int layer, const uint8_
 
 uint32_t pi2_pipeline_ahead_room(struct pi2_binding * b) {
     pthread_mutex_lock(&b->cache_lock);
-    const uint32_t room = b->pipe != NULL && b->pipe->ahead.reqs != NULL ? pi2_cache_ahead_room(b->pipe->cache) : 0;
+    const uint32_t room = b->pipe != NULL && b->pipe->ahead[0].reqs != NULL ? pi2_cache_ahead_room(b->pipe->cache) : 0;
     pthread_mutex_unlock(&b->cache_lock);
     return room;
 }
@@ -438,7 +449,8 @@ static const char * pi2_read_error(const struct pi2_pipeline * pp) {
     const uint32_t epoch = pi2_cache_epoch(pp->cache);
     const struct pi2_pf_set * a = pp->pf[0].key == epoch ? &pp->pf[0] : &pp->pf[1];
     const struct pi2_pf_set * b = a == &pp->pf[0] ? &pp->pf[1] : &pp->pf[0];
-    return a->error[0] != '\0' ? a->error : b->error[0] != '\0' ? b->error : pp->ahead.error;
+    return a->error[0] != '\0' ? a->error : b->error[0] != '\0' ? b->error
+         : pp->ahead[pp->ahead_at].error[0] != '\0' ? pp->ahead[pp->ahead_at].error : pp->ahead[pp->ahead_at ^ 1].error;
 }
 
 static const uint8_t * pi2_cache_bundle_get(struct pi2_sparse_plan * p, int64_t s, uint64_t * wait_ns) {

@@ -52,6 +52,8 @@ class Pi2LayerCounters(ctypes.Structure):
         ("expert_active", c_uint64),
         ("expert_hits", c_uint64),
         ("expert_misses", c_uint64),
+        ("experts_guessed", c_uint64),
+        ("experts_guessed_routed", c_uint64),
     ]
 
 

@@ -55,6 +55,10 @@ class Counters:
     # flash (a memory budget): routed pairs whose wanted bundles were all in the neuron cache (hits), or not
     expert_hits: np.ndarray
     expert_misses: np.ndarray
+    # flash, PI2_EXPERT_GUESS: experts read ahead for a layer on the next-layer router's guess while the layer before
+    # computed, and of the distinct experts its batches routed to, those guessed (recall: / experts_loaded)
+    experts_guessed: np.ndarray
+    experts_guessed_routed: np.ndarray
     # a sparse output layer (PI2_OUTPUT_ROWS under a memory budget): exact rows read from the model file, bytes
     output_rows: int = 0
     output_bytes: int = 0
