@@ -345,7 +345,8 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
 def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
                                        tmp_path: Path) -> None:
     """`pi2-gguf bench --decode text` on an MoE model: the pi2 row under the limit reports the share of routed experts
-    that read nothing, and the table has its column; every configuration decodes the held-out text."""
+    that read nothing and the share read ahead on the next-layer router's guess, and the table has their columns;
+    every configuration decodes the held-out text."""
     from pi2_gguf.bench.memory_limit import Row, format_table
     from pi2_gguf.cli import main
 
@@ -364,10 +365,11 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
     assert data["decode"] == "text"
     pi2 = next(r for r in data["rows"] if r["name"].startswith("pi2, memory budget"))
     assert pi2["status"] == "ok" and pi2["moe"] and 0 <= pi2["expert_hit_rate"] < 1 and pi2["decoded"] == 8
+    assert 0 < pi2["expert_guess_rate"] <= 1
     assert not any(r["moe"] for r in data["rows"] if r["name"].startswith("stock"))
     table = format_table(model, limit, None, [Row(**{**r, "rounds": []}) for r in data["rows"]], "text")
-    assert "| expert hits |" in table and "teacher forcing" in table
-    assert f"| {pi2['expert_hit_rate']:.1%} |" in table
+    assert "| expert hits | experts guessed |" in table and "teacher forcing" in table
+    assert f"| {pi2['expert_hit_rate']:.1%} | {pi2['expert_guess_rate']:.1%} |" in table
 
 
 def test_expert_reuse_counts_consecutive_tokens_within_windows() -> None:

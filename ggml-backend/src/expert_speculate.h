@@ -13,6 +13,9 @@
 
 #include "ggml-cpu.h"
 
+// guesses are read ahead only while at least this share of recent ones were right (expert_ffn.c)
+#define PI2_GUESS_MIN_PRECISION 0.8f
+
 struct pi2_routers {
     uint32_t          n_layer, n_expert; // MoE layers, and experts each
     int64_t           n_embd;

@@ -120,6 +120,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     atomic_init(&b->mode, mode);
     b->load_mode = mode;
     b->guess_layer = -1;
+    b->guess_precision = 1.0f; // guesses are read until they are found wrong too often
     atomic_init(&b->check_recall, 0);
     pi2_settings_unset(&b->settings);
     b->defaults = &config->defaults;

@@ -27,6 +27,7 @@ class Row:
     io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
     cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
     expert_hit_rate: float = 0.0     # pi2, MoE: routed (token, expert) pairs that read nothing / pairs routed
+    expert_guess_rate: float = 0.0   # pi2, MoE: routed experts (distinct a batch) read ahead on the router's guess
     moe: bool = False                # pi2 counted routed experts under the budget
     hot_mb: float = 0.0              # pi2: the neuron cache's hot segment (profiled hottest bundles, fixed)
     cold_mb: float = 0.0             # pi2: its cold segment (CLOCK-managed bundles read on misses)
@@ -81,6 +82,8 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         pairs = g.io.get("expert_hits", 0) + g.io.get("expert_misses", 0)
         if pairs:
             row.moe, row.expert_hit_rate = True, g.io["expert_hits"] / pairs
+            loaded = g.io.get("experts_loaded", 0)
+            row.expert_guess_rate = g.io.get("experts_guessed_routed", 0) / loaded if loaded else 0.0
         row.hot_mb, row.cold_mb = g.io.get("hot_bytes", 0) / 1e6, g.io.get("cold_bytes", 0) / 1e6
     return row
 
@@ -94,7 +97,7 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
     out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
     if failed is None:
         for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate",
-                     "expert_hit_rate", "hot_mb", "cold_mb"):
+                     "expert_hit_rate", "expert_guess_rate", "hot_mb", "cold_mb"):
             setattr(out, name, series.median(name))
     out.peak_mb = max(r.peak_mb for r in rows)
     return out
@@ -134,15 +137,16 @@ def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row],
              + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else "")
              + (", decode evaluates held-out text (teacher forcing)" if decode == "text" else ""),
              "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
-             "| cache hot + cold MB | cache hits" + (" | expert hits" if moe else "") +
+             "| cache hot + cold MB | cache hits" + (" | expert hits | experts guessed" if moe else "") +
              " | decode vs stock (repack off) | decode vs pi2 in RAM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if moe else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moe else "")]
     for r in rows:
         ok = r.status == "ok"
         wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
         hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
         cache = f"{r.hot_mb:.0f} + {r.cold_mb:.0f}" if ok and (r.hot_mb or r.cold_mb) else "-"
-        experts = (f" | {r.expert_hit_rate:.1%}" if ok and r.moe else " | -") if moe else ""
+        experts = ((f" | {r.expert_hit_rate:.1%} | {r.expert_guess_rate:.1%}" if ok and r.moe else " | - | -")
+                   if moe else "")
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
                      f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {cache} | {hits}{experts} | "
                      f"{_ratio(r, base)} | {_ratio(r, pi2_ram)} |")

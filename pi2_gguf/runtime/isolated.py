@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         misses=int(c.misses.sum() - c0.misses.sum()),
                         expert_hits=int(c.expert_hits.sum() - c0.expert_hits.sum()),
                         expert_misses=int(c.expert_misses.sum() - c0.expert_misses.sum()),
+                        experts_loaded=int(c.experts_loaded.sum() - c0.experts_loaded.sum()),
+                        experts_guessed_routed=int(c.experts_guessed_routed.sum() - c0.experts_guessed_routed.sum()),
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
             info = llm.cache_info()  # the neuron cache's segments, with a memory budget
             if info is not None:
