@@ -184,6 +184,21 @@ def test_silu_experts_are_placed_by_the_cost_rule(tmp_path: Path) -> None:
             llm.close()
 
 
+def test_experts_the_graph_computes_itself_are_left_to_ggml_cpu(moe_model: tuple[tuple, Path]) -> None:
+    """Without PI2_LAYERS=all a model's routed experts are held only where llama.cpp's own MoE graph would compute
+    another activation than the model states: smallthinker's ReLU experts (llama.cpp builds them as ReGLU) are left to
+    ggml-cpu and give stock llama.cpp's logits (repacked) bit for bit; llama's dReLU and qwen3moe's FATReLU (SwiGLU
+    in llama.cpp's graph) are held; SiLU experts without a sidecar are left."""
+    (arch, act, _, _), path = moe_model
+    stock = greedy_in_subprocess(path, [PROMPT], 4, pi2=False)[0]
+    run = greedy_in_subprocess(path, [PROMPT], 4, pi2=True, settings={"layers": "auto"})[0]
+    if arch == "smallthinker" or act == "silu":
+        assert run.pi2_matmuls == 0 and run.tokens == stock.tokens
+        assert np.array_equal(np.array(run.logits_first), np.array(stock.logits_first))
+    else:
+        assert run.pi2_matmuls > 0 and run.layers_in_pi2 == "3/3"
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):

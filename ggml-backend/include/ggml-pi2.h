@@ -186,6 +186,8 @@ struct pi2_model_summary {
     float    activation_threshold; // <arch>.ffn_activation_threshold (FATReLU), else 0
     uint64_t output_bytes;      // output.weight, a tensor of its own, else 0
     uint64_t output_copy_bytes; // the in-RAM copy PI2_OUTPUT_ROWS keeps of it instead (0: none would be smaller)
+    int32_t  experts_native;    // 1: llama.cpp's MoE graph for this architecture computes the stated activation of the
+                                // routed experts itself (smallthinker's ReLU experts), so PI2 need not hold them
 };
 GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen);
 

@@ -31,6 +31,7 @@ struct pi2_ffn_act {
 struct pi2_stated_act {
     bool               stated;
     struct pi2_ffn_act act;
+    bool               experts_native; // llama.cpp's MoE graph computes it for the routed experts itself
 };
 
 // names as the GGUF keys write them (sidecar pi2.activation, model <arch>.ffn_activation); "reglu" is

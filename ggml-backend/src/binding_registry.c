@@ -30,6 +30,7 @@ static int pi2_load_activation(const char * model_path, const struct pi2_sidecar
     const struct pi2_stated_act model = {
         .stated = m.activation >= 0,
         .act    = { m.activation >= 0 ? (enum pi2_activation) m.activation : PI2_ACT_SILU, m.activation_threshold },
+        .experts_native = m.experts_native != 0,
     };
     if (sc != NULL && model.stated && !pi2_act_equal(&model.act, &sc->activation)) {
         snprintf(err, errlen, "sidecar %s was made for FFN activation %s (threshold %g) but model %s states %s (threshold %g); "
@@ -46,6 +47,7 @@ static int pi2_load_activation(const char * model_path, const struct pi2_sidecar
     if (sc == NULL) {
         *out = model;
     }
+    out->experts_native = model.experts_native;
     return 0;
 }
 

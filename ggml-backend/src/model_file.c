@@ -216,6 +216,8 @@ static int pi2_stated_activation(const struct pi2_gguf_file * f, const char * pa
     }
     out->activation           = (int32_t) a;
     out->activation_threshold = t;
+    // llama.cpp builds smallthinker's experts with LLM_FFN_RELU (a ReGLU), every other MoE layout's as SwiGLU
+    out->experts_native       = a == PI2_ACT_RELU && strcmp(gguf_get_val_str(f->gguf, ia), "smallthinker") == 0;
     return 0;
 }
 

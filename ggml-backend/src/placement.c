@@ -83,7 +83,11 @@ bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act
 
 bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
                                  int layer) {
-    // a sidecar without experts cannot make the experts sparse: they follow the rule for no sidecar
+    // a sidecar without experts cannot make the experts sparse: they follow the rule for no sidecar; an activation
+    // llama.cpp's MoE graph computes itself (smallthinker's ReLU) needs no holding
+    if (act.experts_native) {
+        act.stated = false;
+    }
     const int forced = pi2_placement_forced(b != NULL && b->sc->n_expert > 0 ? b : NULL, act, defaults);
     if (forced >= 0) {
         return forced == 1 || (b != NULL && pi2_setting(&b->settings, defaults, PI2_SET_LAYERS) != 0.0);

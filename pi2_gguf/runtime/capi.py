@@ -95,6 +95,7 @@ class Pi2ModelSummary(ctypes.Structure):
         ("activation_threshold", c_float),
         ("output_bytes", c_uint64),
         ("output_copy_bytes", c_uint64),
+        ("experts_native", c_int32),
     ]
 
 
