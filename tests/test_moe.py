@@ -294,6 +294,23 @@ def test_moe_oracle_equals_dense_and_predicted_agrees(moe_sidecar: tuple[Path, P
         llm.close()
 
 
+def test_expert_guess_tool_reports_each_layer(moe_sidecar: tuple[Path, Path]) -> None:
+    """tools/expert_guess.py: per layer the share of the next layer's top-k that its router picks from this layer's FFN
+    input, a share in [0, 1] for all layers but the last, and the mean against chance (2 of 8)."""
+    import subprocess
+
+    model, _ = moe_sidecar
+    tool = Path(__file__).resolve().parent.parent / "tools" / "expert_guess.py"
+    out = subprocess.run([sys.executable, str(tool), str(model), "-n", "64"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split("|") for line in out.splitlines() if re.match(r"^\s*\d+ \|", line)]
+    assert [int(r[0]) for r in rows] == [0, 1, 2]
+    guess = [float(r[1]) for r in rows]
+    assert all(0.0 <= g <= 1.0 for g in guess[:2]) and np.isnan(guess[2])
+    assert "chance 0.250" in out
+    bad = subprocess.run([sys.executable, str(tool), str(model.with_suffix(".missing"))], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no such file" in bad.stderr
+
+
 def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path], tmp_path: Path) -> None:
     model, sidecar = moe_sidecar
     other = tmp_path / "other.gguf"
