@@ -22,8 +22,9 @@ from gguf.quants import dequantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pi2_gguf import register  # noqa: E402
 from pi2_gguf.bench import heldout_text  # noqa: E402
+from pi2_gguf.converter.profile import routed_experts  # noqa: E402
+from pi2_gguf.converter.synthetic_moe import routing_profile  # noqa: E402
 from pi2_gguf.runtime.runner import LlamaRunner  # noqa: E402
 
 
@@ -34,10 +35,6 @@ def routers(path: Path) -> dict[int, np.ndarray]:
         if t.name.startswith("blk.") and t.name.endswith(".ffn_gate_inp.weight"):
             out[int(t.name.split(".")[1])] = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
     return out
-
-
-def top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    return np.argsort(-logits, axis=1)[:, :k]
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> float:
@@ -62,23 +59,19 @@ def main() -> int:
     if used is None:
         ap.error(f"{args.model}: no {arch}.expert_used_count")
     n_used = int(used.contents())
-    seen: dict[tuple[str, int], list[np.ndarray]] = {}
-    register()
-    with LlamaRunner(args.model, n_ctx=args.n + 64, n_threads=args.threads, watch=("ffn_norm", "ffn_moe_logits"),
-                     sink=lambda il, name, a: seen.setdefault((name, il), []).append(a.copy()), repack=False) as r:
-        r.decode(r.tokenize(heldout_text(args.n))[:args.n])
+    with LlamaRunner(args.model, n_ctx=64) as r:  # tokens only
+        tokens = r.tokenize(heldout_text(args.n))[:args.n]
     layers = sorted(w)
+    xs, lg = routing_profile(args.model, tokens, layers[-1] + 1, args.threads)
     n_expert = w[layers[0]].shape[0]
     print(f"{args.model.name}: {len(layers)} MoE layers, top-{n_used} of {n_expert} experts, {args.n} held-out tokens")
     print("layer | next layer's top-k the guess picks | the same layer's previous token's experts")
     guesses, reuse = [], []
     for il in layers:
-        routed = top_k(np.concatenate(seen[("ffn_moe_logits", il)]), n_used)
+        routed = routed_experts(lg[il], n_used)
         reuse.append(overlap(routed[:-1], routed[1:]))
         if il + 1 in w:
-            x = np.concatenate(seen[("ffn_norm", il)])
-            nxt = top_k(np.concatenate(seen[("ffn_moe_logits", il + 1)]), n_used)
-            guesses.append(overlap(top_k(x @ w[il + 1].T, n_used), nxt))
+            guesses.append(overlap(routed_experts(xs[il] @ w[il + 1].T, n_used), routed_experts(lg[il + 1], n_used)))
         print(f"{il:5d} | {guesses[-1] if il + 1 in w else float('nan'):33.3f} | {reuse[-1]:.3f}")
     print(f"mean  | {np.mean(guesses):33.3f} | {np.mean(reuse):.3f}   (chance {n_used / n_expert:.3f}; the plugin reads "
           f"guesses while >= 0.8 are right)")

@@ -320,7 +320,6 @@ struct pi2_expert_ahead {
     struct pi2_counters *            counters;
     bool                             guessed;
     int32_t *                        top;       // [n_used]
-    uint8_t *                        chosen;    // [n_expert]
     int32_t *                        order;     // [n_expert] the guessed experts, in the order they were ranked
     int64_t *                        order_tok; // [n_expert] the token that ranked each
     int32_t                          n_order;   // -1: no guess made yet
@@ -332,7 +331,6 @@ static void pi2_expert_ahead_free(struct pi2_expert_ahead * A) {
     free(A->want);
     free(A->scratch);
     free(A->top);
-    free(A->chosen);
     free(A->order);
     free(A->order_tok);
     free(A->rscratch);
@@ -380,12 +378,11 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_backen
     }
     if (guess) {
         A->top      = malloc(sizeof(*A->top) * (size_t) o->n_used);
-        A->chosen    = malloc(n_expert);
         A->order     = malloc(sizeof(*A->order) * n_expert);
         A->order_tok = malloc(sizeof(*A->order_tok) * n_expert);
         A->rscratch  = malloc(pi2_routers_scratch(b->routers));
         A->n_order   = -1;
-        A->routers   = A->top != NULL && A->chosen != NULL && A->order != NULL && A->order_tok != NULL && A->rscratch != NULL
+        A->routers   = A->top != NULL && A->order != NULL && A->order_tok != NULL && A->rscratch != NULL
                      ? b->routers : NULL; // else no guess
     }
     return true;
@@ -413,21 +410,21 @@ static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
     struct pi2_binding * b = A->b;
     const uint32_t n_expert = (uint32_t) o->n_expert, next = (uint32_t) A->r->layer + 1;
     if (A->n_order < 0) {
-        memset(A->chosen, 0, n_expert);
+        // the guess goes straight to the binding, where the next layer scores it (its layers run one at a time)
+        memset(b->guess_set, 0, n_expert);
         A->n_order = 0;
         for (int64_t t = 0; t < o->n_tokens; ++t) {
             const float * x = (const float *) ((const char *) o->x->data + t * o->x->nb[2]);
             pi2_routers_top(A->routers, next, x, (int) o->n_used, A->top, A->rscratch);
             for (int64_t j = 0; j < o->n_used; ++j) {
                 const int32_t e = A->top[j];
-                if (e >= 0 && !A->chosen[e]) {
-                    A->chosen[e] = 1;
+                if (e >= 0 && !b->guess_set[e]) {
+                    b->guess_set[e] = 1;
                     A->order[A->n_order] = e;
                     A->order_tok[A->n_order++] = t;
                 }
             }
         }
-        memcpy(b->guess_set, A->chosen, n_expert); // this binding's layers run one at a time
         b->guess_layer = (int32_t) next;
         if (b->guess_precision < PI2_GUESS_MIN_PRECISION) {
             A->guessed = true; // made, to be scored, but not read

@@ -42,12 +42,13 @@ double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd
 }
 
 // The part of the rule that needs no cost estimate: 1 held, 0 left, -1 the layer's cost decides (predicted mode
-// in RAM with a sidecar).
-static int pi2_placement_forced(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults) {
+// in RAM with a sidecar). own: the model's settings (NULL: none); b: its binding, NULL where no sidecar counts.
+static int pi2_placement_forced(const struct pi2_settings * own, const struct pi2_binding * b, struct pi2_stated_act act,
+                                const struct pi2_settings * defaults) {
     if (act.stated && pi2_act_relu_family(act.act.kind)) {
         return 1;
     }
-    if (pi2_setting(b != NULL ? &b->settings : NULL, defaults, PI2_SET_LAYERS) != 0.0) {
+    if (pi2_setting(own, defaults, PI2_SET_LAYERS) != 0.0) {
         return 1;
     }
     if (b == NULL) {
@@ -71,7 +72,7 @@ static double pi2_layer_cost(const struct pi2_binding * b, const struct pi2_sett
 
 bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
                          int layer) {
-    const int forced = pi2_placement_forced(b, act, defaults);
+    const int forced = pi2_placement_forced(b != NULL ? &b->settings : NULL, b, act, defaults);
     if (forced >= 0) {
         return forced == 1;
     }
@@ -88,9 +89,10 @@ bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated
     if (act.experts_native) {
         act.stated = false;
     }
-    const int forced = pi2_placement_forced(b != NULL && b->sc->n_expert > 0 ? b : NULL, act, defaults);
+    const int forced = pi2_placement_forced(b != NULL ? &b->settings : NULL, b != NULL && b->sc->n_expert > 0 ? b : NULL, act,
+                                            defaults);
     if (forced >= 0) {
-        return forced == 1 || (b != NULL && pi2_setting(&b->settings, defaults, PI2_SET_LAYERS) != 0.0);
+        return forced == 1;
     }
     const uint32_t n = b->sc->n_expert;
     if (layer < 0 || (uint64_t) (layer + 1) * n > b->sc->n_layer) {

@@ -223,7 +223,7 @@ def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
     return hits / max(total, 1)
 
 
-def _profile(path: Path, tokens: list[int], n_layer: int, threads: int | None) -> tuple[dict, dict]:
+def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | None) -> tuple[dict, dict]:
     """Per layer, the FFN inputs [n_tok, n_embd] and router logits [n_tok, n_expert] of `tokens` (one window,
     through the plugin: it computes the stated activation, which llama.cpp's MoE graph alone does not)."""
     from .. import register
@@ -339,6 +339,6 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
                        f"{calib_tokens} and {heldout_tokens} were asked")
     if calib_tokens and activation != "silu":
         for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
-            _calibrate(w, arch, *_profile(out, calib, shape.n_layer, threads))
+            _calibrate(w, arch, *routing_profile(out, calib, shape.n_layer, threads))
             write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    return _report(w, arch, *_profile(out, held, shape.n_layer, threads)) if heldout_tokens else []
+    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads)) if heldout_tokens else []
