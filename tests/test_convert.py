@@ -491,3 +491,25 @@ def test_explicit_target_is_kept_and_measured(smol_sidecar: Path) -> None:
     kv = sidecar.read(smol_sidecar).kv
     assert kv["pi2.sparsity.target"] == pytest.approx(0.5)
     assert kv["pi2.quality.perplexity"] > kv["pi2.quality.perplexity_dense"] > 1.0
+
+
+def test_f32_keys_past_f32_range_are_written_as_inf(tmp_path: Path) -> None:
+    # a random model's perplexity can be exp(100) (the 1.5B dReLU model of tools/make_model.py): convert used to
+    # die in GGUFWriter's struct.pack after measuring it; the file holds f32, so it records +inf
+    from gguf import GGUFWriter
+
+    from pi2_gguf.sidecar import writer
+
+    path = tmp_path / "keys.gguf"
+    w = GGUFWriter(str(path), "pi2")
+    writer._ADD[fmt.KT.F32](w, "pi2.quality.perplexity_dense", 2.7e43)
+    writer._ADD[fmt.KT.F32](w, "pi2.quality.perplexity", 9.5)
+    writer._ADD[fmt.KT.F32_ARR](w, "pi2.test.values", [1e39, -1e39, 0.25])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    fields = GGUFReader(path).fields
+    assert float(fields["pi2.quality.perplexity_dense"].parts[-1][0]) == np.inf
+    assert float(fields["pi2.quality.perplexity"].parts[-1][0]) == pytest.approx(9.5)
+    f = fields["pi2.test.values"]
+    assert [float(f.parts[i][0]) for i in f.data] == [np.inf, -np.inf, 0.25]

@@ -10,16 +10,20 @@
 // after every cluster's gates and ups, by when a layer's worth of rows has pushed it out of L2, so it
 // is not fetched together with its up row
 #define PI2_DOWN_AHEAD 4
-// in RAM, gate rows are prefetched this many candidates ahead, and up rows this many fired neurons
-// ahead. Measured on the ReLU 1.5B model at rank 128 (2 threads): 8/8 took its gate/up pass from
-// ~200 to ~175 us per layer; prefetching a whole cluster's gates at once (the previous scheme) or
-// 16 ahead was slower, and so was prefetching up rows with the gates (30% of candidates do not fire)
-#define PI2_GATE_AHEAD 8
+// Scattered rows are latency-bound: a Q4_K row of 2,048 takes ~60 ns from L1 or in a contiguous stream, ~190 ns
+// when rows are 4 KiB apart at random (this machine, Zen 4). Prefetching into L2 rather than L1 (locality 2:
+// prefetcht1), candidates 16 ahead, a candidate's gate and up rows together (one contiguous 2-row run; its
+// up row is needed if it fires, 70-80% of predicted candidates on our ReLU and dReLU models): 190 -> 140 ns a
+// row alone, and in-RAM predicted decode +20-38% (dReLU 1.5B 42 -> 54 tok/s, ts3 44 -> 60; docs/MEASUREMENTS.md
+// 2026-11-26) against L1 prefetches 8 ahead of the gate row alone. Up rows are prefetched again, and read
+// PI2_UP_AHEAD fired neurons later.
+#define PI2_GATE_AHEAD 16
 #define PI2_UP_AHEAD   8
+#define PI2_PREFETCH_LOCALITY 2
 
 static inline void pi2_prefetch(const void * p, size_t n) {
     for (size_t off = 0; off < n; off += 64) {
-        __builtin_prefetch((const char *) p + off, 0, 3);
+        __builtin_prefetch((const char *) p + off, 0, PI2_PREFETCH_LOCALITY);
     }
 }
 
@@ -92,7 +96,7 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
             const int32_t a = cand[i + PI2_GATE_AHEAD];
             const uint8_t * ahead = p->bundle_peek(p, a >= 0 ? a : -1 - a);
             if (ahead != NULL) {
-                pi2_prefetch(ahead, L->up_offset);
+                pi2_prefetch(ahead, L->down_offset); // gate and up rows
             }
         }
         const bool    pred = cand[i] >= 0;

@@ -426,8 +426,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     elif best is not None:
         choice.append(f"sparsity {best[0].target:.2f} as given" if best[0].target is not None else "threshold as given")
         if not within(best[3]):
-            notes.append(f"perplexity {best[3]:.3f} is {rel(best[3])} over dense ({dense[0]:.3f}), beyond the budget of "
-                         f"+{perplexity_budget:.1%}: a lower --sparsity keeps more quality")
+            lever = ("a lower --sparsity keeps more quality" if best[0].target is not None else
+                     "the predictors leave active neurons out: a higher --recall keeps more quality")
+            notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
+                         f"+{perplexity_budget:.1%}: {lever}")
 
     precision_free = adaptive and bundle_qt is None and down_qt is None
     if best is not None and precision_free and not within(best[3]) and any(

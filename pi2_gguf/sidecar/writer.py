@@ -85,14 +85,21 @@ class SidecarMeta:
     reuse: list[float] | None = None  # pi2.moe.reuse: per (layer, expert), of its tokens the share whose next is too
 
 
+def _f32(v: Any) -> float:
+    """v as the f32 the file holds: a value past f32's range is +-inf (a random model's perplexity can be
+    exp(100); struct.pack refuses it), not an OverflowError after the whole conversion ran."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
 _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
     fmt.KT.U32: lambda w, k, v: w.add_uint32(k, int(v)),
     fmt.KT.U64: lambda w, k, v: w.add_uint64(k, int(v)),
-    fmt.KT.F32: lambda w, k, v: w.add_float32(k, float(v)),
+    fmt.KT.F32: lambda w, k, v: w.add_float32(k, _f32(v)),
     fmt.KT.STR: lambda w, k, v: w.add_string(k, str(v)),
     fmt.KT.U32_ARR: lambda w, k, v: w.add_key_value(k, [int(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.UINT32),
     fmt.KT.U64_ARR: lambda w, k, v: w.add_key_value(k, [int(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.UINT64),
-    fmt.KT.F32_ARR: lambda w, k, v: w.add_key_value(k, [float(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+    fmt.KT.F32_ARR: lambda w, k, v: w.add_key_value(k, [_f32(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
 }
 
 
