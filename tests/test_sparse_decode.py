@@ -13,6 +13,8 @@ import pytest
 
 import pi2_gguf
 from pi2_gguf.errors import SidecarError
+from pi2_gguf.runtime.counters import Counters
+from pi2_gguf.runtime.generate import last_logits
 from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
@@ -139,25 +141,32 @@ def test_gate_and_up_rows_from_the_model_equal_the_bundles(smollm2: Path, smol_s
 
 
 def test_prompt_batches_run_dense(relu_llm: pi2_gguf.Llama) -> None:
-    relu_llm.set_mode("predicted")
-    relu_llm.reset()
-    pi2_gguf.reset_counters()
-    relu_llm.eval(list(range(10, 40)))  # 30 tokens > the sparse batch limit of 4
-    c = pi2_gguf.read_counters()
-    # prompt batches run dense, never sparse: for this model, which states a ReLU activation, in PI2's dense
-    # kernel whatever PI2_PROMPT says (ggml-cpu would run an unpatched llama.cpp's SwiGLU); the last layer
-    # runs only the token whose logits llama returns: a decode-sized batch, so sparse
-    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 30).all()
-    assert c.sparse_tokens[-1] == 1
-    relu_llm.configure(prompt="pi2")
-    try:
+    def prompt_logits(n: int) -> tuple[Counters, np.ndarray]:
         relu_llm.reset()
         pi2_gguf.reset_counters()
-        relu_llm.eval(list(range(10, 39)))  # another shape: llama reuses a scheduled graph of the same shape
-        c = pi2_gguf.read_counters()
+        relu_llm.eval(list(range(10, 10 + n)))  # n tokens > the sparse batch limit of 4
+        return pi2_gguf.read_counters(), last_logits(relu_llm).copy()
+
+    relu_llm.set_mode("predicted")
+    c, _ = prompt_logits(30)
+    # prompt batches run dense, never sparse: for this model, which states a ReLU activation, the gate and up
+    # products in ggml-cpu (PI2_PROMPT=cpu), the GLU in PI2 with the stated activation (ggml-cpu would run an
+    # unpatched llama.cpp's SwiGLU) and down after it (matrix columns: gate, up, down); the last layer runs only the token whose logits llama returns: a
+    # decode-sized batch, so sparse
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, :2] == 0).all()
+    assert (c.glu_tokens[:-1] == 30).all() and (c.matmul_tokens[:-1, 2] == 30).all()  # so the GLU lands in PI2
+    assert c.sparse_tokens[-1] == 1
+    # llama reuses the last scheduled graph when the shape is the same: each run below has another shape
+    relu_llm.configure(prompt="pi2")
+    try:
+        c, own = prompt_logits(29)
+        prompt_logits(31)
     finally:
         relu_llm.configure(prompt="cpu")
-    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1, 0] == 29).all()
+    assert (c.sparse_tokens[:-1] == 0).all() and (c.matmul_tokens[:-1] == 29).all()
+    _, cpu = prompt_logits(29)
+    # ggml-cpu's matmul and PI2's dense kernel make each output with the same vec_dot over the row
+    np.testing.assert_allclose(cpu, own, rtol=0, atol=1e-4 * np.abs(own).max())
 
 
 def test_sparse_mode_without_sidecar_is_refused(smollm2: Path) -> None:

@@ -763,6 +763,8 @@ static bool pi2_supports_expert_glu(ggml_backend_dev_t dev, const struct ggml_te
            ggml_is_contiguous(a) && ggml_is_contiguous(b) && ggml_is_contiguous(op);
 }
 
+static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, enum ggml_op op, bool by_id);
+
 static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     const struct ggml_tensor * a = op->src[0];
     const struct ggml_tensor * b = op->src[1];
@@ -793,7 +795,8 @@ static bool pi2_supports_ffn_elementwise(ggml_backend_dev_t dev, const struct gg
         return false;
     }
     const struct pi2_stated_act sa = pi2_weight_act(w);
-    return sa.stated && pi2_act_relu_family(sa.act.kind) && op->type == GGML_TYPE_F32 && ggml_is_contiguous_1(op);
+    return sa.stated && pi2_act_relu_family(sa.act.kind) && op->type == GGML_TYPE_F32 && ggml_is_contiguous_1(op) &&
+           !pi2_is_prompt_batch(w, op->ne[1], op->op, false); // with its products, in ggml-cpu
 }
 
 // GET_ROWS of a token embedding left in the model file (a flash binding with an embedding)
@@ -844,24 +847,33 @@ static bool pi2_supports_output_mul_mat(ggml_backend_dev_t dev, const struct ggm
 // weights in place from PI2's host buffer: its batched matmul measured 1.5-2.5x PI2's row-by-row kernel
 // here. llama's weight-placement probe asks with a 512-token batch and an empty buffer; that must still
 // say yes, or the weights would not be placed in PI2 at all.
+// A model that states a ReLU-family activation sends only its gate and up products there (and a patched
+// llama.cpp's elementwise spelling of the activation, right as it is): PI2 must compute the GLU node with the
+// stated activation (ggml-cpu would run the SwiGLU an unmodified llama.cpp's graph holds), and ggml's
+// scheduler gives a node without weights to PI2 only next to a PI2 node, so PI2 keeps the down product after
+// it. Its routed experts keep their prompts in PI2.
 // (Flash weights are not in memory, so their prompts stay in PI2.)
-static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens) {
+static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, enum ggml_op op, bool by_id) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
     if (w->buffer == NULL || w->buffer->buft != &d->buft || ggml_backend_buffer_get_size(w->buffer) == 0) {
         return false;
     }
-    // a model that states a ReLU-family activation keeps its prompts in PI2: ggml-cpu would run the GLU an
-    // unmodified llama.cpp's graph holds (SwiGLU)
     const struct pi2_stated_act sa = pi2_weight_act(w);
-    return !(sa.stated && pi2_act_relu_family(sa.act.kind)) &&
-           pi2_weight_setting(w, PI2_SET_PROMPT) != 0.0 && n_tokens > pi2_weight_setting(w, PI2_SET_SPARSE_BATCH);
+    if (sa.stated && pi2_act_relu_family(sa.act.kind)) {
+        int layer;
+        enum pi2_matrix m;
+        if (by_id || op == GGML_OP_GLU || !pi2_ffn_weight_parse(w->name, &layer, &m) || m == PI2_MATRIX_DOWN) {
+            return false;
+        }
+    }
+    return pi2_weight_setting(w, PI2_SET_PROMPT) != 0.0 && n_tokens > pi2_weight_setting(w, PI2_SET_SPARSE_BATCH);
 }
 
 static bool pi2_device_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
         const bool by_id = op->op == GGML_OP_MUL_MAT_ID || op->src[0]->op == GGML_OP_MUL_MAT_ID;
         const struct ggml_tensor * w = op->op == GGML_OP_GLU ? op->src[0]->src[0] : op->src[0];
-        if (w != NULL && pi2_is_prompt_batch(w, by_id ? op->ne[2] : op->ne[1])) {
+        if (w != NULL && pi2_is_prompt_batch(w, by_id ? op->ne[2] : op->ne[1], op->op, by_id)) {
             return false;
         }
     }
