@@ -423,3 +423,30 @@ def test_moe_sidecar_records_reuse(moe_sidecar: tuple[Path, Path], capsys: pytes
     assert reuse.shape == (3 * 8,) and ((reuse >= 0) & (reuse <= 1)).all() and reuse.max() > 0
     assert main(["inspect", str(sidecar)]) == 0
     assert "reuse" in capsys.readouterr().out
+
+
+def test_moe_flash_prompt_reads_each_expert_once(moe_sidecar: tuple[Path, Path]) -> None:
+    """A prompt batch on flash runs its (token, expert) pairs expert by expert: an expert's bundles are read for its
+    first token and found in the cache by its other tokens. Token by token (as the same prompt fed one token at a
+    time, and as a batch ran before), a layer's 8 experts take turns in a cache that holds about 4 and are read again
+    and again: the batch must read far less."""
+    model, sidecar = moe_sidecar
+
+    def layer_reads(one_batch: bool) -> tuple[np.ndarray, np.ndarray]:
+        llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
+                             memory_budget="2GiB", settings={"cache_max": "8MiB", "expert_ahead": "0",
+                                                             "expert_guess": "off"})
+        try:
+            toks = llm.tokenize((PROMPT + " " + PROMPT).encode(), add_bos=True)
+            pi2_gguf.reset_counters()
+            for batch in [toks] if one_batch else [[t] for t in toks]:
+                llm.eval(batch)
+            c = pi2_gguf.read_counters()
+        finally:
+            llm.close()
+        return c.bytes_read[:2], c.experts_loaded[:2]  # llama prunes the last layer to the prompt's last token
+
+    batch, routed = layer_reads(True)
+    alone, _ = layer_reads(False)
+    assert (routed >= 6).all(), routed  # most of a layer's 8 experts: more than the cache holds
+    assert (batch > 0).all() and (batch <= 0.7 * alone).all(), (batch, alone)

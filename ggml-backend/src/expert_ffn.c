@@ -22,7 +22,12 @@ struct pi2_id_operands {
     const struct ggml_tensor * w, * x, * ids;
     struct ggml_tensor *       out;
     int64_t k, n_rows, n_expert, n_b, n_used, n_tokens;
+    const int32_t * order; // the order pairs run in (pair q = order[i]: slot q % n_used of token q / n_used); NULL: i
 };
+
+static inline int64_t pi2_pair_at(const struct pi2_id_operands * o, int64_t i) {
+    return o->order != NULL ? o->order[i] : i;
+}
 
 static struct pi2_id_operands pi2_id_operands(struct ggml_tensor * node) {
     const struct ggml_tensor * w = node->src[0];
@@ -467,7 +472,7 @@ static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, int64_t i) {
             return; // the next pairs' reads wait until earlier pairs free entries
         }
         const uint32_t max_pin = q == i ? UINT32_MAX : (uint32_t) (A->room - later);
-        const int64_t s = q % o->n_used, t = q / o->n_used;
+        const int64_t pq = pi2_pair_at(o, q), s = pq % o->n_used, t = pq / o->n_used;
         const int v = A->r->layer * (int) o->n_expert + pi2_id_at(o, s, t);
         pi2_expert_want(A, v, (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]));
         A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, A->want, (uint32_t) (q - i + 1), max_pin, q == 0);
@@ -502,12 +507,12 @@ struct pi2_pair_ffn {
 };
 
 static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_id_operands * o, const struct pi2_expert_region * r, int64_t i) {
-    const int64_t s = i % o->n_used, t = i / o->n_used;
+    const int64_t q = pi2_pair_at(o, i), s = q % o->n_used, t = q / o->n_used;
     const int32_t e = pi2_id_at(o, s, t);
     f->wg = pi2_expert_matrix(r->gate->src[0], e);
     f->wu = pi2_expert_matrix(r->up->src[0], e);
     f->wd = pi2_expert_matrix(r->down->src[0], e);
-    f->x  = pi2_pair_column(r->gate->src[1], s % o->n_b, t);
+    f->x  = pi2_pair_column(o->x, s % o->n_b, t); // the gate's FFN input (or the copy pi2_expert_order made)
     f->gate = pi2_pair_column(r->gate, s, t);
     f->up   = pi2_pair_column(r->up, s, t);
     f->glu  = pi2_pair_column(r->glu, s, t);
@@ -590,9 +595,66 @@ static bool pi2_expert_pairs_parallel(struct pi2_backend_ctx * ctx, struct pi2_b
     return true;
 }
 
+// A batch of several tokens on flash (a prompt) runs its pairs expert by expert, so an expert's bundles are read
+// once and its other tokens find them in the cache, instead of token by token, where a layer's experts take turns
+// in a cache smaller than the layer. Each pair computes as before, so the values are the same. Out of token order,
+// a pair's down product may land where llama's allocator put an input not yet read (the down product may share
+// memory with the FFN input or the gate and up products, which the graph has consumed by then): so the input is
+// copied first and the pairs' gate, up and GLU rows go to scratch, and nothing but down columns is written.
+struct pi2_expert_order {
+    int32_t *          order; // [n_pairs]
+    float *            x;     // the FFN input's copy
+    float *            rows;  // a pair's gate, up and GLU rows
+    struct ggml_tensor xt;    // the copy, as the FFN input's tensor
+};
+
+static bool pi2_expert_order_init(struct pi2_expert_order * d, struct pi2_id_operands * o, const struct pi2_expert_region * r) {
+    *d = (struct pi2_expert_order) { 0 };
+    const int64_t n_pairs = o->n_used * o->n_tokens;
+    if (o->n_tokens < 2) {
+        return true; // one token: its pairs already run one expert after another
+    }
+    const size_t x_bytes = ggml_nbytes(o->x);
+    d->order = malloc((size_t) n_pairs * sizeof(int32_t));
+    d->x     = malloc(x_bytes);
+    d->rows  = malloc((size_t) 3 * (size_t) r->gate->ne[0] * sizeof(float));
+    int64_t * start = calloc((size_t) o->n_expert + 1, sizeof(int64_t));
+    if (d->order == NULL || d->x == NULL || d->rows == NULL || start == NULL) {
+        free(start);
+        free(d->order);
+        free(d->x);
+        free(d->rows);
+        *d = (struct pi2_expert_order) { 0 };
+        return false;
+    }
+    // counting sort by expert, token order kept within an expert (ids were checked in range by the caller)
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        ++start[pi2_id_at(o, q % o->n_used, q / o->n_used) + 1];
+    }
+    for (int64_t e = 0; e < o->n_expert; ++e) {
+        start[e + 1] += start[e];
+    }
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        d->order[start[pi2_id_at(o, q % o->n_used, q / o->n_used)]++] = (int32_t) q;
+    }
+    free(start);
+    memcpy(d->x, o->x->data, x_bytes);
+    d->xt      = *o->x;
+    d->xt.data = d->x;
+    o->x       = &d->xt;
+    o->order   = d->order;
+    return true;
+}
+
+static void pi2_expert_order_free(struct pi2_expert_order * d) {
+    free(d->order);
+    free(d->x);
+    free(d->rows);
+}
+
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
                                   enum ggml_status * st) {
-    const struct pi2_id_operands o = pi2_id_operands(r->gate);
+    struct pi2_id_operands o = pi2_id_operands(r->gate);
     const int mode = atomic_load(&b->mode);
     if (b->flash && (r->down == NULL || b->sc->n_expert == 0)) {
         // on flash the bundles are the weights' only copy: a region the engine cannot run is refused
@@ -656,6 +718,12 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         pi2_count_routing(&ctx->dev->counters, r->layer, &o);
         return 4;
     }
+    struct pi2_expert_order ord;
+    if (!pi2_expert_order_init(&ord, &o, r)) {
+        PI2_LOG_ERROR("pi2: out of memory for the expert order of a %lld-token batch\n", (long long) o.n_tokens);
+        *st = GGML_STATUS_ALLOC_FAILED;
+        return 4;
+    }
     struct pi2_expert_ahead ahead;
     const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, &o, r);
     uint64_t hits = 0, misses = 0;
@@ -666,6 +734,11 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         }
         struct pi2_pair_ffn f;
         pi2_pair_ffn(&f, &o, r, i);
+        if (ord.rows != NULL) {
+            f.gate.data = ord.rows;
+            f.up.data   = ord.rows + r->gate->ne[0];
+            f.glu.data  = ord.rows + 2 * r->gate->ne[0];
+        }
         struct pi2_cache_token_stats io = { 0 };
         *st = pi2_exec_sparse_ffn(ctx, b, &f.region, &io);
         hits   += io.misses == 0;
@@ -674,6 +747,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
     if (reads_ahead) {
         pi2_expert_ahead_free(&ahead);
     }
+    pi2_expert_order_free(&ord);
     if (*st != GGML_STATUS_SUCCESS) {
         return 4;
     }
