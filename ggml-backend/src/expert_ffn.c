@@ -525,6 +525,15 @@ static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_id_operands *
                                           .up = &f->up, .out = &f->glu, .down = &f->down, .act = r->act };
 }
 
+// the pair's gate, up and GLU rows into rows[3 * n_ff] instead of the graph's products (which llama's allocator may
+// have given to another node of the region: the callers' comments say which)
+static void pi2_pair_ffn_scratch(struct pi2_pair_ffn * f, float * rows) {
+    const int64_t n_ff = f->gate.ne[0];
+    f->gate.data = rows;
+    f->up.data   = rows + n_ff;
+    f->glu.data  = rows + 2 * n_ff;
+}
+
 // In RAM, a batch's routed pairs run one per thread, each on that thread alone, instead of each pair on every
 // thread in turn: a pair's decode is short (a few hundred rows), and splitting it costs each pair a parallel region
 // and its barriers, where the threads wait on each other (11% of a TurboSparse-shaped decode's samples were
@@ -576,9 +585,7 @@ static bool pi2_expert_pairs_parallel(struct pi2_backend_ctx * ctx, struct pi2_b
             }
             struct pi2_pair_ffn f;
             pi2_pair_ffn(&f, o, r, i);
-            f.gate.data = own;
-            f.up.data   = own + n_ff;
-            f.glu.data  = own + 2 * n_ff;
+            pi2_pair_ffn_scratch(&f, own);
             f.down.data = (float *) w + (size_t) i * (size_t) n_embd;
             const enum ggml_status s = pi2_exec_sparse_ffn_split(mine, b, &f.region, NULL, nth);
             if (s != GGML_STATUS_SUCCESS) {
@@ -735,9 +742,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         struct pi2_pair_ffn f;
         pi2_pair_ffn(&f, &o, r, i);
         if (ord.rows != NULL) {
-            f.gate.data = ord.rows;
-            f.up.data   = ord.rows + r->gate->ne[0];
-            f.glu.data  = ord.rows + 2 * r->gate->ne[0];
+            pi2_pair_ffn_scratch(&f, ord.rows);
         }
         struct pi2_cache_token_stats io = { 0 };
         *st = pi2_exec_sparse_ffn(ctx, b, &f.region, &io);
