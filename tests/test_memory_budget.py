@@ -60,9 +60,11 @@ def _steps(llm: pi2_gguf.Llama, n: int = N_STEPS) -> np.ndarray:
     return np.stack(rows)
 
 
-# In RAM, prompts and many-active tokens take other kernels (ggml-cpu, the model's down rows); on flash every
-# token runs the sparse engine. Comparing the engine with itself needs those off for the model in RAM.
+# In RAM, prompts and many-active tokens take other kernels (ggml-cpu, the model's down rows); on flash a prompt
+# runs as a batch (batch_ffn.h). Comparing the sparse engine with itself needs those off: in RAM both, on flash
+# the batch (FLASH_SAME_ENGINE).
 SAME_ENGINE = {"sparse_batch": 64, "down_sparse_max": 1.0}
+FLASH_SAME_ENGINE = {"sparse_batch": 64}
 
 
 def _minimum(model: Path, sidecar: Path, settings: dict[str, int] | None = None) -> int:
@@ -91,7 +93,7 @@ def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: s
                          settings=SAME_ENGINE)
     want = _steps(ram, n)
     ram.close()
-    flash = _load_small_cache(model, flash_sidecar, mode)
+    flash = _load_small_cache(model, flash_sidecar, mode, FLASH_SAME_ENGINE)
     pi2_gguf.reset_counters()
     got = _steps(flash, n)
     c = pi2_gguf.read_counters()
@@ -165,6 +167,54 @@ def test_next_layer_prefetch_changes_nothing_but_timing(smollm2: Path, smol_side
     align = int(read_sidecar(smol_sidecar).kv["pi2.bundle.align"])
     assert int(c_on.bytes_read.sum()) % align == 0  # whole bundles (multiples of the sidecar's alignment)
     assert int(c_on.bytes_read.sum()) >= int(c_off.bytes_read.sum())
+
+
+LONG_PROMPT = PROMPT + " and its provinces, from the kings to the republic and the emperors who followed"
+
+
+@pytest.mark.parametrize("which", ["relu", "smol"])
+def test_prompt_batch_reads_each_layer_once(which: str, relu_model: tuple[Path, Path, list], smollm2: Path,
+                                            smol_sidecar: Path) -> None:
+    """On flash a prompt runs as one batch per layer (batch_ffn.h): the bundles of the neurons any of its tokens needs
+    are requested once and each cluster serves every token, so a layer reads at most its bundles, once, in a cache
+    far smaller than the FFN. In oracle and dense modes it computes every neuron for every token, as llama.cpp
+    computes a prompt in RAM: for the ReLU model exactly the neurons that fire, for SmolLM2 all of them, so its logits are the
+    token-by-token engine's in that mode up to float rounding (the down sums are grouped differently; each layer's
+    GLU is the same bit for bit, its down output within 1e-6). Token by token in predicted mode, each token requests
+    its own neurons and, where those differ, reads more."""
+    model, sidecar = (relu_model[0], relu_model[1]) if which == "relu" else (smollm2, smol_sidecar)
+    reference_mode = "oracle" if which == "relu" else "dense"
+    sc = read_sidecar(sidecar)
+    layer_bytes = np.array([sc.bundles(il).nbytes for il in range(sc.n_layer)])
+
+    def prompt(mode: str, settings: dict[str, int]) -> tuple[np.ndarray, pi2_gguf.Counters, int]:
+        llm = _load_small_cache(model, sidecar, mode, settings)
+        toks = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
+        pi2_gguf.reset_counters()
+        llm.eval(toks)
+        c = pi2_gguf.read_counters()
+        row = last_logits(llm).copy()
+        llm.close()
+        return row, c, len(toks)
+
+    _, c, n = prompt("predicted", {})
+    _, alone, _ = prompt("predicted", FLASH_SAME_ENGINE)
+    assert 4 < n <= 32  # a batch (past PI2_SPARSE_BATCH), within the budget's n_batch
+    assert int(c.misses.sum()) > 0
+    assert (c.bytes_read <= layer_bytes).all(), (c.bytes_read, layer_bytes)
+    assert int(c.bytes_read.sum()) <= int(alone.bytes_read.sum())
+    if which == "relu":  # each token's own neurons, requested token by token: bridged reads again and again
+        assert int(c.bytes_read.sum()) < int(alone.bytes_read.sum()), (int(c.bytes_read.sum()), int(alone.bytes_read.sum()))
+    # one batch (llama prunes the last layer to the last token): the gates of the neurons some token's predictor
+    # chose, for every token; in the reference mode every neuron's
+    n_ff = np.array(sc.kv["pi2.n_ff"][:-1])
+    assert (c.sparse_tokens[:-1] == n).all() and (c.predicted[:-1] <= n * n_ff).all() and (c.predicted[:-1] % n == 0).all()
+    got, c_ref, _ = prompt(reference_mode, {})
+    assert (c_ref.predicted[:-1] == n * n_ff).all()
+    want, _, _ = prompt(reference_mode, FLASH_SAME_ENGINE)
+    assert np.argmax(got) == np.argmax(want)
+    if which == "relu":  # (SmolLM2's outlier activations, ~500, carry its layers' 1e-6 differences to a few % of a logit)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
 
 
 def test_failed_prefetch_read_ends_generation_with_a_message(smollm2: Path, smol_sidecar: Path) -> None:
@@ -315,7 +365,7 @@ def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], 
                          settings=SAME_ENGINE)
     want = _steps(ram)
     ram.close()
-    flash = _load_small_cache(untied, sidecar)
+    flash = _load_small_cache(untied, sidecar, settings=FLASH_SAME_ENGINE)
     info = flash.cache_info()
     got = _steps(flash)
     flash.close()
@@ -339,7 +389,7 @@ def test_output_matrix_stays_in_the_model_file(relu_model: tuple[Path, Path, lis
     ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
     want = _steps(ram)
     ram.close()
-    flash = _load_small_cache(untied, sidecar, settings={"output_rows": OUTPUT_ROWS})
+    flash = _load_small_cache(untied, sidecar, settings={"output_rows": OUTPUT_ROWS, **FLASH_SAME_ENGINE})
     pi2_gguf.reset_counters()
     got = _steps(flash)
     c = pi2_gguf.read_counters()

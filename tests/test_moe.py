@@ -331,7 +331,9 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
     through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine, with a batch's
     routed experts read before the first computes (PI2_EXPERT_AHEAD) or each when it computes (0), with or without
     the next layer's experts guessed and read ahead (PI2_EXPERT_GUESS), in a cache with room to read ahead (8 MiB)
-    or hardly any (1 MiB). (In RAM the pairs run one per thread, on flash in turn on both threads.)"""
+    or hardly any (1 MiB). (In RAM the pairs run one per thread, on flash in turn on both threads.) The prompt too runs
+    token by token on both (PI2_SPARSE_BATCH 64): on flash a prompt batch otherwise runs expert by expert as a batch
+    (test_moe_flash_prompt_batches_read_each_expert_once)."""
     model, sidecar = moe_sidecar
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
@@ -342,7 +344,7 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
         ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                            memory_budget="2GiB", settings={"cache_max": cache_max, "expert_ahead": ahead,
-                                                           "expert_guess": guess})
+                                                           "expert_guess": guess, "sparse_batch": 64})
     try:
         pi2_gguf.reset_counters()
         got, got_logits = decode(flash, PROMPT, 16)
@@ -425,28 +427,45 @@ def test_moe_sidecar_records_reuse(moe_sidecar: tuple[Path, Path], capsys: pytes
     assert "reuse" in capsys.readouterr().out
 
 
-def test_moe_flash_prompt_reads_each_expert_once(moe_sidecar: tuple[Path, Path]) -> None:
-    """A prompt batch on flash runs its (token, expert) pairs expert by expert: an expert's bundles are read for its
-    first token and found in the cache by its other tokens. Token by token (as the same prompt fed one token at a
-    time, and as a batch ran before), a layer's 8 experts take turns in a cache that holds about 4 and are read again
-    and again: the batch must read far less."""
-    model, sidecar = moe_sidecar
+def test_moe_flash_prompt_batches_read_each_expert_once(moe_sidecar: tuple[Path, Path]) -> None:
+    """A prompt batch on flash runs each routed expert once, as one FFN over the tokens routed to it (batch_ffn.h):
+    a layer reads at most the bundles of the experts it routes to, each once, though the cache holds about 4 of 8.
+    Fed one token at a time, a layer's experts take turns in the cache and are read again and again; as a batch run
+    pair by pair (PI2_SPARSE_BATCH 64), each pair reads its own predicted neurons and the gaps bridged between them,
+    which the expert's next pair reads again. In oracle mode the batch computes every neuron for every routed token,
+    for dReLU experts the exact set: its logits are the pair-by-pair oracle engine's up to float rounding."""
+    from pi2_gguf.runtime.generate import last_logits
+    from pi2_gguf.sidecar.reader import read as read_sidecar
 
-    def layer_reads(one_batch: bool) -> tuple[np.ndarray, np.ndarray]:
-        llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
-                             memory_budget="2GiB", settings={"cache_max": "8MiB", "expert_ahead": "0",
-                                                             "expert_guess": "off"})
+    model, sidecar = moe_sidecar
+    sc = read_sidecar(sidecar)
+    expert_bytes = max(sc.bundles(v).nbytes for v in range(sc.n_layer))
+
+    def prompt(mode: str, how: str) -> tuple[np.ndarray, pi2_gguf.Counters]:
+        llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False,
+                             memory_budget="2GiB", settings={"cache_max": "8MiB", "expert_ahead": "0", "expert_guess": "off",
+                                                             "sparse_batch": 64 if how == "pairs" else 4})
         try:
             toks = llm.tokenize((PROMPT + " " + PROMPT).encode(), add_bos=True)
+            assert 4 < len(toks) <= 32  # one batch past PI2_SPARSE_BATCH, within the budget's n_batch
             pi2_gguf.reset_counters()
-            for batch in [toks] if one_batch else [[t] for t in toks]:
+            for batch in [[t] for t in toks] if how == "alone" else [toks]:
                 llm.eval(batch)
             c = pi2_gguf.read_counters()
+            return last_logits(llm).copy(), c
         finally:
             llm.close()
-        return c.bytes_read[:2], c.experts_loaded[:2]  # llama prunes the last layer to the prompt's last token
 
-    batch, routed = layer_reads(True)
-    alone, _ = layer_reads(False)
+    _, c = prompt("predicted", "batch")
+    _, alone = prompt("predicted", "alone")
+    _, pairs = prompt("predicted", "pairs")
+    batch, routed = c.bytes_read[:2], c.experts_loaded[:2]  # llama prunes the last layer to the prompt's last token
     assert (routed >= 6).all(), routed  # most of a layer's 8 experts: more than the cache holds
-    assert (batch > 0).all() and (batch <= 0.7 * alone).all(), (batch, alone)
+    assert (batch > 0).all() and (batch <= routed * expert_bytes).all(), (batch, routed * expert_bytes)
+    assert (batch <= 0.5 * alone.bytes_read[:2]).all() and (batch <= pairs.bytes_read[:2]).all() and \
+        int(batch.sum()) < int(pairs.bytes_read[:2].sum()), (batch, alone.bytes_read[:2], pairs.bytes_read[:2])
+    assert int(c.expert_hits.sum() + c.expert_misses.sum()) == int(c.experts_routed.sum())
+    got, _ = prompt("oracle", "batch")
+    want, _ = prompt("oracle", "pairs")
+    assert np.argmax(got) == np.argmax(want)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()

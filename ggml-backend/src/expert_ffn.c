@@ -659,6 +659,72 @@ static void pi2_expert_order_free(struct pi2_expert_order * d) {
     free(d->rows);
 }
 
+// A [ne0, n] f32 tensor over a contiguous buffer, with the type and name of `like`
+static struct ggml_tensor pi2_scratch_matrix(const struct ggml_tensor * like, int64_t ne0, int64_t n, float * data) {
+    struct ggml_tensor m = *like;
+    m.ne[0] = ne0;
+    m.ne[1] = n;
+    m.ne[2] = m.ne[3] = 1;
+    m.nb[0] = sizeof(float);
+    m.nb[1] = (size_t) ne0 * sizeof(float);
+    m.nb[2] = m.nb[3] = m.nb[1] * (size_t) n;
+    m.data  = data;
+    return m;
+}
+
+// A prompt on flash (a batch past PI2_SPARSE_BATCH; o->order sorts its pairs by expert): each routed expert runs
+// once, as one FFN over the tokens routed to it (batch_ffn.h), so its bundles are requested once and each of its
+// rows serves all those tokens; pair by pair, every pair requested what its own predictor chose, and read again
+// what earlier pairs' requests had read past (the bridged gaps go to scratch). The tokens' inputs are gathered from
+// the copy pi2_expert_order made, and the down rows scattered to the pairs' columns.
+static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
+                                           const struct pi2_expert_region * r, uint64_t * hits, uint64_t * misses) {
+    const int64_t n_pairs = o->n_used * o->n_tokens, n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    float * buf = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
+    if (buf == NULL) {
+        PI2_LOG_ERROR("pi2: out of memory for the expert batches of a %lld-token batch\n", (long long) o->n_tokens);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    float * xs = buf, * ys = xs + o->n_tokens * n_embd, * rows = ys + o->n_tokens * n_embd;
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    for (int64_t i0 = 0, i1; i0 < n_pairs && st == GGML_STATUS_SUCCESS; i0 = i1) {
+        const int64_t q0 = pi2_pair_at(o, i0);
+        const int32_t e  = pi2_id_at(o, q0 % o->n_used, q0 / o->n_used);
+        for (i1 = i0; i1 < n_pairs; ++i1) {
+            const int64_t q = pi2_pair_at(o, i1), s = q % o->n_used, t = q / o->n_used;
+            if (pi2_id_at(o, s, t) != e) {
+                break;
+            }
+            memcpy(xs + (i1 - i0) * n_embd, (const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
+                   (size_t) n_embd * sizeof(float));
+        }
+        const int64_t n = i1 - i0;
+        struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
+                           wd = pi2_expert_matrix(r->down->src[0], e);
+        struct ggml_tensor x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
+        struct ggml_tensor gate = pi2_scratch_matrix(r->gate, n_ff, n, rows);
+        struct ggml_tensor up   = pi2_scratch_matrix(r->up, n_ff, n, rows + n * n_ff);
+        struct ggml_tensor glu  = pi2_scratch_matrix(r->glu, n_ff, n, rows + 2 * n * n_ff);
+        struct ggml_tensor down = pi2_scratch_matrix(r->down, n_embd, n, ys);
+        gate.src[0] = &wg;   gate.src[1] = &x;
+        up.src[0]   = &wu;   up.src[1]   = &x;
+        glu.src[0]  = &gate; glu.src[1]  = &up;
+        down.src[0] = &wd;   down.src[1] = &glu;
+        const struct pi2_ffn_region region = { .n_nodes = 4, .layer = r->layer * (int) o->n_expert + e, .gate = &gate, .up = &up,
+                                               .out = &glu, .down = &down, .act = r->act, .batch = true };
+        struct pi2_cache_token_stats io = { 0 };
+        st = pi2_exec_sparse_ffn(ctx, b, &region, &io);
+        for (int64_t i = i0; i < i1 && st == GGML_STATUS_SUCCESS; ++i) {
+            const int64_t q = pi2_pair_at(o, i);
+            memcpy(pi2_id_out(r->down, q % o->n_used, q / o->n_used), ys + (i - i0) * n_embd, (size_t) n_embd * sizeof(float));
+        }
+        *hits   += io.misses == 0 ? (uint64_t) n : 0;
+        *misses += io.misses != 0 ? (uint64_t) n : 0;
+    }
+    free(buf);
+    return st;
+}
+
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
                                   enum ggml_status * st) {
     struct pi2_id_operands o = pi2_id_operands(r->gate);
@@ -731,9 +797,20 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         *st = GGML_STATUS_ALLOC_FAILED;
         return 4;
     }
+    uint64_t hits = 0, misses = 0;
+    if (b->flash && o.order != NULL && o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH)) {
+        *st = pi2_expert_batches(ctx, b, &o, r, &hits, &misses);
+        pi2_expert_order_free(&ord);
+        if (*st != GGML_STATUS_SUCCESS) {
+            return 4;
+        }
+        pi2_count_routing(&ctx->dev->counters, r->layer, &o);
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_hits, hits);
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_misses, misses);
+        return 4;
+    }
     struct pi2_expert_ahead ahead;
     const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, &o, r);
-    uint64_t hits = 0, misses = 0;
     *st = GGML_STATUS_SUCCESS;
     for (int64_t i = 0; i < n_pairs && *st == GGML_STATUS_SUCCESS; ++i) {
         if (reads_ahead) {

@@ -19,6 +19,7 @@ struct pi2_ffn_region {
     struct ggml_tensor * out;        // the node down reads: act(gate) * up
     struct ggml_tensor * down;       // down's product of `out`, or NULL when it does not follow directly
     struct pi2_ffn_act   act;        // what PI2 computes into `out`
+    bool                 batch;      // a routed expert's tokens of a prompt: computed as a batch on flash (batch_ffn.h)
 };
 
 // true when node i of g starts a layer's FFN PI2 can compute, given what the model states (the gate weight's

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "batch_ffn.h"
 #include "bundle_io.h"
 #include "cluster_sched.h"
 #include "memory_budget.h"
@@ -465,7 +466,7 @@ static const uint8_t * pi2_cache_bundle_peek(const struct pi2_sparse_plan * p, i
 // which slots this token needs (thread ith's clusters), then one thread queues the reads
 static void pi2_pipeline_request(struct pi2_sparse_plan * p, int ith, int nth, int64_t t) {
     const bool predicted = p->select != PI2_SELECT_ALL;
-    for (int64_t c = ith; c < p->n_clusters; c += nth) {
+    for (int64_t c = ith; c < p->n_clusters && !p->batch; c += nth) { // (a batch marks its own: batch_ffn.h)
         const int64_t s0 = c * PI2_CLUSTER;
         const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
         for (int64_t s = s0; s < s1; ++s) {
@@ -515,7 +516,11 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
         p->prefetch_layer = next;
     }
     const uint64_t t0 = pi2_now_ns();
-    pi2_sched_run(p, n_threads);
+    if (p->batch) {
+        pi2_batch_run(p, n_threads);
+    } else {
+        pi2_sched_run(p, n_threads);
+    }
     // every read done (also after a failure, before entries are reused); the file unchanged meanwhile
     char err[sizeof(p->error)] = "";
     const int finished = pi2_finish(p->pipe, err, sizeof(err));

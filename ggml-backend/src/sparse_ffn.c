@@ -129,10 +129,14 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
     const bool always = pi2_setting(&b->settings, b->defaults, PI2_SET_PREDICTOR) != 0.0;
     // flash keeps only the predictors that run (the others were dropped at load)
     const bool predicted = pi2_predictor_runs(&p->B->pred, mode == PI2_MODE_PREDICTED, always);
-    p->recall_check = mode == PI2_MODE_PREDICTED && atomic_load(&b->check_recall);
+    p->recall_check = mode == PI2_MODE_PREDICTED && atomic_load(&b->check_recall) && !p->batch;
     p->rule   = mode == PI2_MODE_DENSE ? PI2_RULE_ALL : method == PI2_SPARSITY_METHOD_RELU ? PI2_RULE_RELU
               : method == PI2_SPARSITY_METHOD_PRODUCT ? PI2_RULE_PRODUCT : PI2_RULE_THRESHOLD;
     p->select = !predicted ? PI2_SELECT_ALL : p->recall_check ? PI2_SELECT_CHECKED : PI2_SELECT_PREDICTED;
+    if (p->batch) { // a prompt computes what llama.cpp computes in RAM: the stated activation, no threshold
+        p->rule   = pi2_act_relu_family(p->act.kind) ? PI2_RULE_RELU : PI2_RULE_ALL;
+        p->select = predicted ? PI2_SELECT_PREDICTED : PI2_SELECT_ALL; // the neurons of the batch's union (batch_ffn.h)
+    }
     // in RAM, predicted mode without a predictor (it would cost more than it saves): every gate row is
     // computed anyway, so gate and up rows stream from the model's own contiguous matrices in row order
     // instead of from the 4 KiB-strided bundles; not where the bundles hold the rows in another type (convert
@@ -174,6 +178,8 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         return GGML_STATUS_FAILED;
     }
+    // on flash a prompt (a batch past PI2_SPARSE_BATCH, or a routed expert's tokens of one) runs as a batch
+    p.batch = b->flash && (r->batch || p.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH));
     pi2_plan_choose(&p, b, atomic_load(&b->mode));
     const bool alias_gate = pi2_overlaps(r->gate, r->out), alias_up = pi2_overlaps(r->up, r->out);
     struct ggml_tensor gate_scratch = *r->gate, up_scratch = *r->up;
@@ -207,7 +213,8 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         pi2_align64(ggml_row_size(tp->vec_dot_type, p.n_embd)),
         pi2_align64((size_t) p.rank * sizeof(float)),
         pi2_align64((size_t) p.n_ff * sizeof(float)),
-        pi2_align64((size_t) p.n_split * p.n_embd * sizeof(float)),
+        pi2_align64((size_t) (p.batch ? nth * p.n_tokens : p.n_split) * p.n_embd * sizeof(float)),
+        p.batch ? pi2_align64((size_t) nth * p.n_tokens * PI2_CLUSTER * sizeof(float)) : 0,
         pi2_align64((size_t) n_part * p.tmp_stride * sizeof(float)),
         pi2_align64((size_t) p.n_ff * sizeof(struct pi2_active)),
         pi2_align64((size_t) p.n_clusters * sizeof(int32_t)),
@@ -236,20 +243,21 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     p.h      = (float *) w;                   w += sizes[3];
     p.z      = (float *) w;                   w += sizes[4];
     p.y      = (float *) w;                   w += sizes[5];
-    p.tmp    = (float *) w;                   w += sizes[6];
-    p.list   = (struct pi2_active *) w;       w += sizes[7];
-    p.n_act  = (int32_t *) w;                 w += sizes[8];
-    p.weight = (int32_t *) w;                 w += sizes[9];
-    p.stats  = (struct pi2_thread_stats *) w; w += sizes[10];
-    p.gluq   = w;                             w += sizes[11];
-    p.want   = b->flash ? (uint8_t *) w : NULL; w += sizes[12];
-    p.cand   = (int32_t *) w;          w += sizes[13];
+    p.acts   = (float *) w;                   w += sizes[6];
+    p.tmp    = (float *) w;                   w += sizes[7];
+    p.list   = (struct pi2_active *) w;       w += sizes[8];
+    p.n_act  = (int32_t *) w;                 w += sizes[9];
+    p.weight = (int32_t *) w;                 w += sizes[10];
+    p.stats  = (struct pi2_thread_stats *) w; w += sizes[11];
+    p.gluq   = w;                             w += sizes[12];
+    p.want   = b->flash ? (uint8_t *) w : NULL; w += sizes[13];
+    p.cand   = (int32_t *) w;          w += sizes[14];
     if (alias_gate) {
         gate_scratch.data = w;
         gate_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);
         p.gate = &gate_scratch;
     }
-    w += sizes[14];
+    w += sizes[15];
     if (alias_up) {
         up_scratch.data = w;
         up_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);

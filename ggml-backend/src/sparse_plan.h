@@ -88,6 +88,7 @@ struct pi2_sparse_plan {
     enum pi2_select select;
     enum pi2_source source;
     enum pi2_assign assign;
+    bool            batch;           // flash, a prompt: every neuron for every token, bundle-major (batch_ffn.h)
     bool            recall_check;    // counted as checked tokens (the check was asked for in predicted mode)
     float           down_sparse_max; // down by columns when at most this fraction is active
 
@@ -113,7 +114,8 @@ struct pi2_sparse_plan {
     char *                    xp;          // x in the predictor's vec_dot type
     float *                   h;           // [rank] predictor hidden layer
     float *                   z;           // [n_ff] predictor scores, slot order
-    float *                   y;           // [n_split][n_embd] partial down sums
+    float *                   y;           // [n_split][n_embd] partial down sums (batch: [nth][n_tokens][n_embd])
+    float *                   acts;        // batch: [nth][n_tokens][PI2_CLUSTER] a cluster's GLU values
     float *                   tmp;         // [max(nth, n_split)][tmp_stride] dequantization scratch
     int64_t                   tmp_stride;
     // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons are

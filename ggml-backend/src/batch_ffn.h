@@ -1,0 +1,13 @@
+// A batch of several tokens through the neuron cache (a prompt on flash): the neurons any of its tokens needs are
+// requested once, and each cluster of them is computed for every token of the batch while its rows are in the CPU's
+// caches. Token by token, each token requested its own predicted neurons, and the gaps bridged between them went to
+// scratch and were read again for the next token (a 32-token dReLU prompt read 2.5x the layer, in 70,000 requests).
+// Every wanted neuron is computed for every token with the stated activation and no threshold, as llama.cpp
+// computes a prompt in RAM: in oracle and dense modes that is every neuron (for the ReLU family, exactly those
+// that fire), in predicted mode every neuron the predictor selects for some token of the batch.
+#pragma once
+
+#include "sparse_plan.h"
+
+// Runs every token of the plan on up to nth threads: p->want is marked here, p->request queues its reads.
+void pi2_batch_run(struct pi2_sparse_plan * p, int nth);
