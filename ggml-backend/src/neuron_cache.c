@@ -204,6 +204,15 @@ uint8_t * pi2_cache_scratch(struct pi2_neuron_cache * c) {
     return c->scratch;
 }
 
+void pi2_cache_unpin(struct pi2_neuron_cache * c) {
+    for (uint32_t e = 0; e < c->n_cold; ++e) {
+        struct pi2_cold_entry * E = &c->ent[e];
+        if ((int32_t) (E->pin - c->epoch) >= 0) {
+            E->pin = c->epoch - 1;
+        }
+    }
+}
+
 uint32_t pi2_cache_begin_request(struct pi2_neuron_cache * c) {
     return ++c->epoch;
 }
@@ -212,19 +221,15 @@ uint32_t pi2_cache_epoch(const struct pi2_neuron_cache * c) {
     return c->epoch;
 }
 
-// A CLOCK victim for a bundle of `layer`; `done`: the current request's computation has finished, so its entries are
-// free too.
-static int64_t pi2_victim(struct pi2_neuron_cache * c, int layer, bool done) {
+// A CLOCK victim; `done`: the current request's computation has finished, so its entries are free too.
+static int64_t pi2_victim(struct pi2_neuron_cache * c, bool done) {
     for (uint64_t step = 0; step < 2 * (uint64_t) c->n_cold + 1; ++step) {
         const uint32_t e = c->hand;
         c->hand = c->hand + 1 < c->n_cold ? c->hand + 1 : 0;
         struct pi2_cold_entry * E = &c->ent[e];
         // this request's, read ahead for a later one (the next layer's, or a routed expert's further on), or
-        // still being read (a prefetch the request did not want). An entry read ahead for this request but of
-        // another layer is not this request's: the layers did not come in the order foreseen (a generation ended by
-        // an error, then a new prompt from the first layer), and a request for a whole layer needs its entry.
-        const bool mine = E->pin == c->epoch && !done && !(E->prefetched && E->layer != layer);
-        if (mine || (int32_t) (E->pin - c->epoch) > 0 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
+        // still being read (a prefetch the request did not want)
+        if ((E->pin == c->epoch && !done) || (int32_t) (E->pin - c->epoch) > 0 || atomic_load(&E->state) == PI2_ENTRY_PENDING) {
             continue;
         }
         if (E->ref) {
@@ -241,7 +246,7 @@ int64_t pi2_cache_claim(struct pi2_neuron_cache * c, int layer, uint32_t k, uint
     struct pi2_cache_layer * L = &c->layer[layer];
     int64_t e = L->where[k];
     if (e < 0) {
-        e = pi2_victim(c, layer, done);
+        e = pi2_victim(c, done);
         if (e < 0) {
             return -1;
         }

@@ -53,6 +53,10 @@ uint32_t pi2_cache_ahead_room(const struct pi2_neuron_cache * c);
 
 // A new request (its epoch; the entries of the one before are no longer pinned by it), and the current one.
 uint32_t pi2_cache_begin_request(struct pi2_neuron_cache * c);
+// After a failed computation: the requests entries were pinned for (read ahead for the next layer, a routed expert
+// further on) will not come in that order (the next prompt starts from the first layer), so no entry stays pinned
+// and a request for a whole layer finds its room. Reads still in flight keep their entries until they end.
+void pi2_cache_unpin(struct pi2_neuron_cache * c);
 uint32_t pi2_cache_epoch(const struct pi2_neuron_cache * c);
 
 enum pi2_found {

@@ -528,6 +528,7 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
     if (!ok) { // the request's own error first, then a read error or a changed file
         snprintf(b->error, sizeof(b->error), "%s",
                  p->error[0] != '\0' ? p->error : err[0] != '\0' ? err : pi2_read_error(p->pipe));
+        pi2_cache_unpin(p->cache);
     }
     if (ok && p->prefetch_layer >= 0) { // this layer's entries are free now: the rest of the next layer
         pi2_prefetch(p->pipe, p->prefetch_layer, true);
