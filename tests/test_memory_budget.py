@@ -177,8 +177,8 @@ def test_prompt_batch_reads_each_layer_once(which: str, relu_model: tuple[Path, 
                                             smol_sidecar: Path) -> None:
     """On flash a prompt runs as one batch per layer (batch_ffn.h): the bundles of the neurons any of its tokens needs
     are requested once and each cluster serves every token, so a layer reads at most its bundles, once, in a cache
-    far smaller than the FFN. In oracle and dense modes it computes every neuron for every token, as llama.cpp
-    computes a prompt in RAM: for the ReLU model exactly the neurons that fire, for SmolLM2 all of them, so its logits are the
+    far smaller than the FFN. In oracle and dense modes it computes every neuron's gate for every token and applies the
+    mode's rule: for the ReLU model exactly the neurons that fire, for SmolLM2 (dense) all of them, so its logits are the
     token-by-token engine's in that mode up to float rounding (the down sums are grouped differently; each layer's
     GLU is the same bit for bit, its down output within 1e-6). Token by token in predicted mode, each token requests
     its own neurons and, where those differ, reads more."""

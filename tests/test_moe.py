@@ -432,8 +432,8 @@ def test_moe_flash_prompt_batches_read_each_expert_once(moe_sidecar: tuple[Path,
     a layer reads at most the bundles of the experts it routes to, each once, though the cache holds about 4 of 8.
     Fed one token at a time, a layer's experts take turns in the cache and are read again and again; as a batch run
     pair by pair (PI2_SPARSE_BATCH 64), each pair reads its own predicted neurons and the gaps bridged between them,
-    which the expert's next pair reads again. In oracle mode the batch computes every neuron for every routed token,
-    for dReLU experts the exact set: its logits are the pair-by-pair oracle engine's up to float rounding."""
+    which the expert's next pair reads again. In oracle mode the batch computes every neuron's gate for every routed
+    token, for dReLU experts the exact set: its logits are the pair-by-pair oracle engine's up to float rounding."""
     from pi2_gguf.runtime.generate import last_logits
     from pi2_gguf.sidecar.reader import read as read_sidecar
 

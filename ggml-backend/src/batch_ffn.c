@@ -22,7 +22,6 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
     float * acts = p->acts + (size_t) ith * (size_t) n_tokens * PI2_CLUSTER; // [n_tokens][PI2_CLUSTER]
     float * tmp  = p->tmp + (size_t) ith * p->tmp_stride;
     const uint8_t * bundle[PI2_CLUSTER];
-    const bool drelu = p->act.kind == PI2_ACT_DRELU;
     for (int64_t c = ith; c < p->n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += nth) {
         const int64_t s0 = c * PI2_CLUSTER, s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
         for (int64_t s = s0; s < s1; ++s) {
@@ -53,12 +52,13 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
                 p->gate_dot((int) n_embd, &g, 0, gate_row, 0, r.xq, 0, 1);
                 r.gate_out[neuron] = g;
                 const float act = pi2_act_gate(&p->act, g);
-                if (p->rule == PI2_RULE_ALL || g > p->act.threshold) {
+                if (pi2_fires(p, g, act)) {
                     p->up_dot((int) n_embd, &u, 0, up_row, 0, r.xqu, 0, 1);
                     r.up_out[neuron] = u;
                     st->admitted++;
-                    if (!drelu || u > 0.0f) {
-                        a = act * pi2_act_up(&p->act, u);
+                    const float v = act * pi2_act_up(&p->act, u);
+                    if (pi2_active(p, v, u)) {
+                        a = v;
                         r.glu_out[neuron] = a;
                         st->active++;
                     }

@@ -672,33 +672,86 @@ static struct ggml_tensor pi2_scratch_matrix(const struct ggml_tensor * like, in
     return m;
 }
 
+// the FFN input of the pair at position i of the order
+static const float * pi2_pair_x(const struct pi2_id_operands * o, int64_t i) {
+    const int64_t q = pi2_pair_at(o, i), s = q % o->n_used, t = q / o->n_used;
+    return (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]);
+}
+
+static int32_t pi2_pair_expert(const struct pi2_id_operands * o, int64_t i) {
+    const int64_t q = pi2_pair_at(o, i);
+    return pi2_id_at(o, q % o->n_used, q / o->n_used);
+}
+
+// Before expert group g computes (its pairs [g0[g], g0[g + 1]) of the order): the reads of groups up to g + window - 1
+// queued, each with the bundles its batch will request (the union of its tokens' predicted neurons, or all), pinned
+// for that group's request, which is the (q - g + 1)-th from now: each group makes one. As for pairs
+// (pi2_expert_ahead_before), entries pinned for groups after g stay within the cache's ahead room.
+static void pi2_expert_batch_ahead(struct pi2_expert_ahead * A, const int64_t * g0, int64_t n_groups, int64_t g, uint8_t * uni) {
+    const struct pi2_id_operands * o = A->o;
+    while (A->issued < n_groups && A->issued < g + A->window) {
+        const int64_t q = A->issued;
+        uint64_t later = 0;
+        for (int64_t j = g + 1; j < q; ++j) {
+            later += A->pinned[j];
+        }
+        if (q > g && later >= A->room) {
+            return;
+        }
+        const int v = A->r->layer * (int) o->n_expert + pi2_pair_expert(o, g0[q]);
+        const uint32_t n_ff = A->b->sc->layer[v].n_ff;
+        memset(uni, 0, n_ff);
+        for (int64_t i = g0[q]; i < g0[q + 1]; ++i) {
+            pi2_expert_want(A, v, pi2_pair_x(o, i));
+            for (uint32_t k = 0; k < n_ff; ++k) {
+                uni[k] |= A->want[k];
+            }
+        }
+        A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, uni, (uint32_t) (q - g + 1), q == g ? UINT32_MAX : (uint32_t) (A->room - later),
+                                               q == 0);
+        A->issued++;
+    }
+}
+
 // A prompt on flash (a batch past PI2_SPARSE_BATCH; o->order sorts its pairs by expert): each routed expert runs
 // once, as one FFN over the tokens routed to it (batch_ffn.h), so its bundles are requested once and each of its
 // rows serves all those tokens; pair by pair, every pair requested what its own predictor chose, and read again
-// what earlier pairs' requests had read past (the bridged gaps go to scratch). The tokens' inputs are gathered from
+// what earlier pairs' requests had read past (the bridged gaps go to scratch). The next experts' reads are queued
+// ahead (PI2_EXPERT_AHEAD groups), so the disk reads them while one computes. The tokens' inputs are gathered from
 // the copy pi2_expert_order made, and the down rows scattered to the pairs' columns.
-static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
+static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct pi2_binding * b, struct pi2_id_operands * o,
                                            const struct pi2_expert_region * r, uint64_t * hits, uint64_t * misses) {
     const int64_t n_pairs = o->n_used * o->n_tokens, n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
-    float * buf = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
-    if (buf == NULL) {
+    float *   buf = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
+    int64_t * g0  = malloc(sizeof(int64_t) * (size_t) (n_pairs + 1));
+    uint8_t * uni = malloc((size_t) n_ff);
+    if (buf == NULL || g0 == NULL || uni == NULL) {
+        free(buf);
+        free(g0);
+        free(uni);
         PI2_LOG_ERROR("pi2: out of memory for the expert batches of a %lld-token batch\n", (long long) o->n_tokens);
         return GGML_STATUS_ALLOC_FAILED;
     }
+    int64_t n_groups = 0;
+    for (int64_t i = 0; i < n_pairs; ++i) {
+        if (i == 0 || pi2_pair_expert(o, i) != pi2_pair_expert(o, i - 1)) {
+            g0[n_groups++] = i;
+        }
+    }
+    g0[n_groups] = n_pairs;
+    struct pi2_expert_ahead ahead;
+    const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, o, r);
     float * xs = buf, * ys = xs + o->n_tokens * n_embd, * rows = ys + o->n_tokens * n_embd;
     enum ggml_status st = GGML_STATUS_SUCCESS;
-    for (int64_t i0 = 0, i1; i0 < n_pairs && st == GGML_STATUS_SUCCESS; i0 = i1) {
-        const int64_t q0 = pi2_pair_at(o, i0);
-        const int32_t e  = pi2_id_at(o, q0 % o->n_used, q0 / o->n_used);
-        for (i1 = i0; i1 < n_pairs; ++i1) {
-            const int64_t q = pi2_pair_at(o, i1), s = q % o->n_used, t = q / o->n_used;
-            if (pi2_id_at(o, s, t) != e) {
-                break;
-            }
-            memcpy(xs + (i1 - i0) * n_embd, (const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
-                   (size_t) n_embd * sizeof(float));
+    for (int64_t g = 0; g < n_groups && st == GGML_STATUS_SUCCESS; ++g) {
+        if (reads_ahead) {
+            pi2_expert_batch_ahead(&ahead, g0, n_groups, g, uni);
         }
-        const int64_t n = i1 - i0;
+        const int64_t i0 = g0[g], i1 = g0[g + 1], n = i1 - i0;
+        const int32_t e  = pi2_pair_expert(o, i0);
+        for (int64_t i = i0; i < i1; ++i) {
+            memcpy(xs + (i - i0) * n_embd, pi2_pair_x(o, i), (size_t) n_embd * sizeof(float));
+        }
         struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
                            wd = pi2_expert_matrix(r->down->src[0], e);
         struct ggml_tensor x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
@@ -721,7 +774,12 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
         *hits   += io.misses == 0 ? (uint64_t) n : 0;
         *misses += io.misses != 0 ? (uint64_t) n : 0;
     }
+    if (reads_ahead) {
+        pi2_expert_ahead_free(&ahead);
+    }
     free(buf);
+    free(g0);
+    free(uni);
     return st;
 }
 

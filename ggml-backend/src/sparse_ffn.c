@@ -133,9 +133,8 @@ static void pi2_plan_choose(struct pi2_sparse_plan * p, const struct pi2_binding
     p->rule   = mode == PI2_MODE_DENSE ? PI2_RULE_ALL : method == PI2_SPARSITY_METHOD_RELU ? PI2_RULE_RELU
               : method == PI2_SPARSITY_METHOD_PRODUCT ? PI2_RULE_PRODUCT : PI2_RULE_THRESHOLD;
     p->select = !predicted ? PI2_SELECT_ALL : p->recall_check ? PI2_SELECT_CHECKED : PI2_SELECT_PREDICTED;
-    if (p->batch) { // a prompt computes what llama.cpp computes in RAM: the stated activation, no threshold
-        p->rule   = pi2_act_relu_family(p->act.kind) ? PI2_RULE_RELU : PI2_RULE_ALL;
-        p->select = predicted ? PI2_SELECT_PREDICTED : PI2_SELECT_ALL; // the neurons of the batch's union (batch_ffn.h)
+    if (p->batch) { // the neurons of the batch's union (batch_ffn.h), each token by the mode's rule
+        p->select = predicted ? PI2_SELECT_PREDICTED : PI2_SELECT_ALL;
     }
     // in RAM, predicted mode without a predictor (it would cost more than it saves): every gate row is
     // computed anyway, so gate and up rows stream from the model's own contiguous matrices in row order

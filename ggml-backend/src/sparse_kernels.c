@@ -46,16 +46,6 @@ struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith, int64_
     };
 }
 
-// a neuron's gate fires: every one under rule all, g past the activation's cut (0, or FATReLU's t) under
-// relu, else |act| above the threshold
-static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float act) {
-    switch (p->rule) {
-        case PI2_RULE_ALL:  return true;
-        case PI2_RULE_RELU: return g > p->act.threshold;
-        default:            return fabsf(act) > p->L->threshold;
-    }
-}
-
 // a neuron that fired, waiting for its up row
 struct pi2_fired {
     const uint8_t * bundle;
@@ -72,8 +62,7 @@ static void pi2_fired_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, 
     r->up_out[f->neuron] = u;
     r->st->admitted++;
     const float a = f->act * pi2_act_up(&p->act, u);
-    if ((p->rule == PI2_RULE_PRODUCT && !(fabsf(a) > p->L->product_threshold)) ||
-        (p->rule == PI2_RULE_RELU && p->act.kind == PI2_ACT_DRELU && !(u > 0.0f))) {
+    if (!pi2_active(p, a, u)) {
         return; // its GLU output stays 0, as the down pass sees it
     }
     r->glu_out[f->neuron] = a;

@@ -5,6 +5,7 @@
 // cache. Neurons are addressed by bundle slot (hottest first); PI2_CLUSTER slots make a cluster.
 #pragma once
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -137,6 +138,23 @@ struct pi2_sparse_plan {
 // the predictor selects slot s (p->z holds the token's scores)
 static inline bool pi2_plan_selects(const struct pi2_sparse_plan * p, int64_t s) {
     return pi2_predictor_selects(p->z[s], p->L->cutoff, &p->act);
+}
+
+// a neuron's gate fires: every one under rule all, g past the activation's cut (0, or FATReLU's t) under
+// relu, else |act| above the threshold
+static inline bool pi2_fires(const struct pi2_sparse_plan * p, float g, float act) {
+    switch (p->rule) {
+        case PI2_RULE_ALL:  return true;
+        case PI2_RULE_RELU: return g > p->act.threshold;
+        default:            return fabsf(act) > p->L->threshold;
+    }
+}
+
+// a neuron whose gate fired is active, given a = act(g) * up and its up value u: past the product threshold
+// (rule product), up positive (dReLU)
+static inline bool pi2_active(const struct pi2_sparse_plan * p, float a, float u) {
+    return !((p->rule == PI2_RULE_PRODUCT && !(fabsf(a) > p->L->product_threshold)) ||
+             (p->rule == PI2_RULE_RELU && p->act.kind == PI2_ACT_DRELU && !(u > 0.0f)));
 }
 
 // the bundle of slot s through the accessor; marks the plan failed if its read failed
