@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from pi2_gguf.converter.profile import Profile
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "ffn_precision_error.py"
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from tool_script import load_tool  # noqa: E402
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ffn_precision_error", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ffn_precision_error")
 
 
 def test_more_neurons_kept_exact_means_less_error(smollm2: Path, smol_profile: Profile, tmp_path: Path,

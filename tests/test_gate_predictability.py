@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +11,12 @@ import pytest
 
 from pi2_gguf.converter.profile import Profile
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "gate_predictability.py"
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from tool_script import load_tool  # noqa: E402
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gate_predictability", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gate_predictability")
 
 
 def test_low_bit_copies_keep_signs_and_approach_the_weights_with_more_bits() -> None:

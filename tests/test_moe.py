@@ -213,12 +213,9 @@ def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
 def test_make_model_moe_calibrates_and_reports_routing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """tools/make_model.py --n-expert: calibrated gate densities near the target on held-out text, and the LRU
     expert-cache hit curve (rising with the cache size) in its report."""
-    import importlib.util
+    from tool_script import load_tool
 
-    spec = importlib.util.spec_from_file_location("make_model", Path(__file__).parent.parent / "tools" / "make_model.py")
-    assert spec is not None and spec.loader is not None
-    mm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mm)
+    mm = load_tool("make_model")
     out = tmp_path / "moe.gguf"
     rc = mm.main([str(out), "--n-embd", "256", "--n-ff", "512", "--n-layer", "3", "--n-head", "4", "--n-head-kv", "2",
                   "--n-expert", "8", "--n-expert-used", "2", "--arch", "qwen3moe", "--activation", "relu",

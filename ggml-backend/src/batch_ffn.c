@@ -39,9 +39,7 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
             if (s + 1 < s1 && p->want[s + 1] != 0) {
                 const uint8_t * next = p->bundle_peek(p, s + 1);
                 if (next != NULL) {
-                    for (size_t off = 0; off < L->data_end; off += 64) {
-                        __builtin_prefetch(next + off, 0, 2);
-                    }
+                    pi2_prefetch_bytes(next, L->data_end);
                 }
             }
             const uint8_t * gate_row = bundle[j], * up_row = bundle[j] + L->up_offset;
@@ -117,11 +115,7 @@ void pi2_batch_run(struct pi2_sparse_plan * p, int nth) {
         // the input) its outputs cleared, a token to a thread; this thread's sums zeroed
         pi2_batch_want(p, ith, n);
         for (int64_t t = ith; t < n_tokens; t += n) {
-            const float * xt = (const float *) ((const char *) p->x->data + t * p->x->nb[1]);
-            pi2_convert_row(p->to_gate_vdt, xt, p->xq + (size_t) t * p->xq_stride, n_embd);
-            if (p->xq_up != p->xq) {
-                pi2_convert_row(p->to_up_vdt, xt, p->xq_up + (size_t) t * p->xq_up_stride, n_embd);
-            }
+            pi2_convert_token(p, t);
         }
         #pragma omp barrier
         for (int64_t t = ith; t < n_tokens; t += n) {

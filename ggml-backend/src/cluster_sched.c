@@ -102,10 +102,7 @@ static void pi2_sched_token(struct pi2_sparse_plan * p, int ith, int nth, int64_
     const int64_t k0 = n_clusters * ith / nth, k1 = n_clusters * (ith + 1) / nth;
     memset(p->n_act + k0, 0, (size_t) (k1 - k0) * sizeof(int32_t)); // clusters a failed read skipped stay empty
     if (ith == 0) {
-        pi2_convert_row(p->to_gate_vdt, xt, p->xq + (size_t) t * p->xq_stride, n_embd);
-        if (p->xq_up != p->xq) {
-            pi2_convert_row(p->to_up_vdt, xt, p->xq_up + (size_t) t * p->xq_up_stride, n_embd);
-        }
+        pi2_convert_token(p, t);
     }
     if (predicted && ith == nth - 1) {
         pi2_convert_row(p->to_pred_vdt, xt, p->xp, n_embd);

@@ -62,6 +62,17 @@ static float * pi2_id_out(const struct ggml_tensor * out, int64_t s, int64_t t) 
     return (float *) ((char *) out->data + t * out->nb[2] + s * out->nb[1]);
 }
 
+// the FFN input of the pair at position i of the order
+static const float * pi2_pair_x(const struct pi2_id_operands * o, int64_t i) {
+    const int64_t q = pi2_pair_at(o, i), s = q % o->n_used, t = q / o->n_used;
+    return (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]);
+}
+
+static int32_t pi2_pair_expert(const struct pi2_id_operands * o, int64_t i) {
+    const int64_t q = pi2_pair_at(o, i);
+    return pi2_id_at(o, q % o->n_used, q / o->n_used);
+}
+
 // the routed work of a layer's batch (o: its gate product), counted once whichever path computed it
 static void pi2_count_routing(struct pi2_counters * c, int layer, const struct pi2_id_operands * o) {
     pi2_count_layer_seen(c, layer);
@@ -459,26 +470,40 @@ static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
     pi2_count(&A->counters->layer[next].experts_guessed, n_read);
 }
 
-// before pair i computes: the reads of pairs up to i + window - 1 queued
-static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, int64_t i) {
+// Before unit i computes, the reads of units up to i + window - 1 queued. A unit is a routed pair (g0 NULL: unit q is
+// pair q), or in a prompt batch an expert's group of pairs [g0[q], g0[q + 1]), whose batch requests the union of its
+// tokens' wants (built in uni). Each unit makes one request, so unit q's is the (q - i + 1)-th from now.
+static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, const int64_t * g0, int64_t n_units, int64_t i, uint8_t * uni) {
     const struct pi2_id_operands * o = A->o;
-    while (A->issued < A->n_pairs && A->issued < i + A->window) {
+    while (A->issued < n_units && A->issued < i + A->window) {
         const int64_t q = A->issued;
-        uint64_t later = 0; // pinned for pairs after i and before q
+        uint64_t later = 0; // pinned for units after i and before q
         for (int64_t j = i + 1; j < q; ++j) {
             later += A->pinned[j];
         }
         if (q > i && later >= A->room) {
-            return; // the next pairs' reads wait until earlier pairs free entries
+            return; // the next units' reads wait until earlier units free entries
         }
         const uint32_t max_pin = q == i ? UINT32_MAX : (uint32_t) (A->room - later);
-        const int64_t pq = pi2_pair_at(o, q), s = pq % o->n_used, t = pq / o->n_used;
-        const int v = A->r->layer * (int) o->n_expert + pi2_id_at(o, s, t);
-        pi2_expert_want(A, v, (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]));
-        A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, A->want, (uint32_t) (q - i + 1), max_pin, q == 0);
+        const int64_t p0 = g0 != NULL ? g0[q] : q, p1 = g0 != NULL ? g0[q + 1] : q + 1;
+        const int v = A->r->layer * (int) o->n_expert + pi2_pair_expert(o, p0);
+        const uint8_t * want = A->want;
+        pi2_expert_want(A, v, pi2_pair_x(o, p0));
+        if (p1 - p0 > 1) {
+            const uint32_t n_ff = A->b->sc->layer[v].n_ff;
+            memcpy(uni, A->want, n_ff);
+            for (int64_t k = p0 + 1; k < p1; ++k) {
+                pi2_expert_want(A, v, pi2_pair_x(o, k));
+                for (uint32_t f = 0; f < n_ff; ++f) {
+                    uni[f] |= A->want[f];
+                }
+            }
+            want = uni;
+        }
+        A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, want, (uint32_t) (q - i + 1), max_pin, q == 0);
         A->issued++;
     }
-    if (A->issued == A->n_pairs && A->routers != NULL && !A->guessed) {
+    if (g0 == NULL && A->issued == n_units && A->routers != NULL && !A->guessed) {
         pi2_expert_guess(A, i);
     }
 }
@@ -672,45 +697,32 @@ static struct ggml_tensor pi2_scratch_matrix(const struct ggml_tensor * like, in
     return m;
 }
 
-// the FFN input of the pair at position i of the order
-static const float * pi2_pair_x(const struct pi2_id_operands * o, int64_t i) {
-    const int64_t q = pi2_pair_at(o, i), s = q % o->n_used, t = q / o->n_used;
-    return (const float *) ((const char *) o->x->data + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1]);
-}
-
-static int32_t pi2_pair_expert(const struct pi2_id_operands * o, int64_t i) {
-    const int64_t q = pi2_pair_at(o, i);
-    return pi2_id_at(o, q % o->n_used, q / o->n_used);
-}
-
-// Before expert group g computes (its pairs [g0[g], g0[g + 1]) of the order): the reads of groups up to g + window - 1
-// queued, each with the bundles its batch will request (the union of its tokens' predicted neurons, or all), pinned
-// for that group's request, which is the (q - g + 1)-th from now: each group makes one. As for pairs
-// (pi2_expert_ahead_before), entries pinned for groups after g stay within the cache's ahead room.
-static void pi2_expert_batch_ahead(struct pi2_expert_ahead * A, const int64_t * g0, int64_t n_groups, int64_t g, uint8_t * uni) {
-    const struct pi2_id_operands * o = A->o;
-    while (A->issued < n_groups && A->issued < g + A->window) {
-        const int64_t q = A->issued;
-        uint64_t later = 0;
-        for (int64_t j = g + 1; j < q; ++j) {
-            later += A->pinned[j];
+// A batch's routed pairs one after another, each on every thread (rows: scratch for the pairs' gate, up and GLU
+// rows, or NULL to write the graph's), the reads of the next PI2_EXPERT_AHEAD pairs queued before each computes.
+static enum ggml_status pi2_expert_pairs_in_turn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
+                                                 const struct pi2_expert_region * r, float * rows, uint64_t * hits, uint64_t * misses) {
+    const int64_t n_pairs = o->n_used * o->n_tokens;
+    struct pi2_expert_ahead ahead;
+    const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, o, r);
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    for (int64_t i = 0; i < n_pairs && st == GGML_STATUS_SUCCESS; ++i) {
+        if (reads_ahead) {
+            pi2_expert_ahead_before(&ahead, NULL, n_pairs, i, NULL);
         }
-        if (q > g && later >= A->room) {
-            return;
+        struct pi2_pair_ffn f;
+        pi2_pair_ffn(&f, o, r, i);
+        if (rows != NULL) {
+            pi2_pair_ffn_scratch(&f, rows);
         }
-        const int v = A->r->layer * (int) o->n_expert + pi2_pair_expert(o, g0[q]);
-        const uint32_t n_ff = A->b->sc->layer[v].n_ff;
-        memset(uni, 0, n_ff);
-        for (int64_t i = g0[q]; i < g0[q + 1]; ++i) {
-            pi2_expert_want(A, v, pi2_pair_x(o, i));
-            for (uint32_t k = 0; k < n_ff; ++k) {
-                uni[k] |= A->want[k];
-            }
-        }
-        A->pinned[q] = pi2_pipeline_read_ahead(A->b, v, uni, (uint32_t) (q - g + 1), q == g ? UINT32_MAX : (uint32_t) (A->room - later),
-                                               q == 0);
-        A->issued++;
+        struct pi2_cache_token_stats io = { 0 };
+        st = pi2_exec_sparse_ffn(ctx, b, &f.region, &io);
+        *hits   += io.misses == 0;
+        *misses += io.misses != 0;
     }
+    if (reads_ahead) {
+        pi2_expert_ahead_free(&ahead);
+    }
+    return st;
 }
 
 // A prompt on flash (a batch past PI2_SPARSE_BATCH; o->order sorts its pairs by expert): each routed expert runs
@@ -745,7 +757,7 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
     enum ggml_status st = GGML_STATUS_SUCCESS;
     for (int64_t g = 0; g < n_groups && st == GGML_STATUS_SUCCESS; ++g) {
         if (reads_ahead) {
-            pi2_expert_batch_ahead(&ahead, g0, n_groups, g, uni);
+            pi2_expert_ahead_before(&ahead, g0, n_groups, g, uni);
         }
         const int64_t i0 = g0[g], i1 = g0[g + 1], n = i1 - i0;
         const int32_t e  = pi2_pair_expert(o, i0);
@@ -856,37 +868,9 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         return 4;
     }
     uint64_t hits = 0, misses = 0;
-    if (b->flash && o.order != NULL && o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH)) {
-        *st = pi2_expert_batches(ctx, b, &o, r, &hits, &misses);
-        pi2_expert_order_free(&ord);
-        if (*st != GGML_STATUS_SUCCESS) {
-            return 4;
-        }
-        pi2_count_routing(&ctx->dev->counters, r->layer, &o);
-        pi2_count(&ctx->dev->counters.layer[r->layer].expert_hits, hits);
-        pi2_count(&ctx->dev->counters.layer[r->layer].expert_misses, misses);
-        return 4;
-    }
-    struct pi2_expert_ahead ahead;
-    const bool reads_ahead = pi2_expert_ahead_init(&ahead, ctx, b, &o, r);
-    *st = GGML_STATUS_SUCCESS;
-    for (int64_t i = 0; i < n_pairs && *st == GGML_STATUS_SUCCESS; ++i) {
-        if (reads_ahead) {
-            pi2_expert_ahead_before(&ahead, i);
-        }
-        struct pi2_pair_ffn f;
-        pi2_pair_ffn(&f, &o, r, i);
-        if (ord.rows != NULL) {
-            pi2_pair_ffn_scratch(&f, ord.rows);
-        }
-        struct pi2_cache_token_stats io = { 0 };
-        *st = pi2_exec_sparse_ffn(ctx, b, &f.region, &io);
-        hits   += io.misses == 0;
-        misses += io.misses != 0;
-    }
-    if (reads_ahead) {
-        pi2_expert_ahead_free(&ahead);
-    }
+    *st = b->flash && o.order != NULL && o.n_tokens > pi2_binding_setting(b, PI2_SET_SPARSE_BATCH)
+        ? pi2_expert_batches(ctx, b, &o, r, &hits, &misses)
+        : pi2_expert_pairs_in_turn(ctx, b, &o, r, ord.rows, &hits, &misses);
     pi2_expert_order_free(&ord);
     if (*st != GGML_STATUS_SUCCESS) {
         return 4;

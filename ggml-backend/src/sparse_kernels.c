@@ -19,19 +19,20 @@
 // PI2_UP_AHEAD fired neurons later.
 #define PI2_GATE_AHEAD 16
 #define PI2_UP_AHEAD   8
-#define PI2_PREFETCH_LOCALITY 2
-
-static inline void pi2_prefetch(const void * p, size_t n) {
-    for (size_t off = 0; off < n; off += 64) {
-        __builtin_prefetch((const char *) p + off, 0, PI2_PREFETCH_LOCALITY);
-    }
-}
 
 void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, int64_t n) {
     if (f == NULL) {
         memcpy(dst, src, (size_t) n * sizeof(float));
     } else {
         f(src, dst, n);
+    }
+}
+
+void pi2_convert_token(struct pi2_sparse_plan * p, int64_t t) {
+    const float * xt = (const float *) ((const char *) p->x->data + t * p->x->nb[1]);
+    pi2_convert_row(p->to_gate_vdt, xt, p->xq + (size_t) t * p->xq_stride, p->n_embd);
+    if (p->xq_up != p->xq) {
+        pi2_convert_row(p->to_up_vdt, xt, p->xq_up + (size_t) t * p->xq_up_stride, p->n_embd);
     }
 }
 
@@ -85,7 +86,7 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
             const int32_t a = cand[i + PI2_GATE_AHEAD];
             const uint8_t * ahead = p->bundle_peek(p, a >= 0 ? a : -1 - a);
             if (ahead != NULL) {
-                pi2_prefetch(ahead, L->down_offset); // gate and up rows
+                pi2_prefetch_bytes(ahead, L->down_offset); // gate and up rows
             }
         }
         const bool    pred = cand[i] >= 0;
@@ -108,7 +109,7 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
         if (!active) {
             continue;
         }
-        pi2_prefetch(bundle + L->up_offset, up_bytes);
+        pi2_prefetch_bytes(bundle + L->up_offset, up_bytes);
         if (queued == PI2_UP_AHEAD) {
             pi2_fired_up(p, r, &ring[head]);
             head = (head + 1) % PI2_UP_AHEAD;
@@ -145,7 +146,7 @@ void pi2_kernel_gate_up_model_rows(struct pi2_sparse_plan * p, struct pi2_token_
             const float act = pi2_act_gate(&p->act, g);
             if (pi2_fires(p, g, act)) {
                 const char * up_row = (const char *) wu->data + n * wu->nb[1];
-                pi2_prefetch(up_row, up_bytes);
+                pi2_prefetch_bytes(up_row, up_bytes);
                 fill[na[i % 2]++] = (struct pi2_fired) {
                     .bundle = p->B->bundles + pi2_slot_offset(L, p->B->slot_of[n]), .up = up_row,
                     .neuron = (int32_t) n, .c = (int32_t) (c0 / PI2_CLUSTER), .act = act,
@@ -197,11 +198,11 @@ void pi2_kernel_down_columns(struct pi2_sparse_plan * p, int ith, int nth, int64
     struct pi2_list_cursor at = e0 < e1 ? pi2_list_seek(p, e0) : (struct pi2_list_cursor) { 0, 0 }, ahead = at;
     int64_t e_ahead = e0;
     for (; e_ahead < e1 && e_ahead < e0 + PI2_DOWN_AHEAD; ++e_ahead) {
-        pi2_prefetch(pi2_list_next(p, &ahead)->bundle + off, size);
+        pi2_prefetch_bytes(pi2_list_next(p, &ahead)->bundle + off, size);
     }
     for (int64_t e = e0; e < e1; ++e) {
         if (e_ahead < e1) {
-            pi2_prefetch(pi2_list_next(p, &ahead)->bundle + off, size);
+            pi2_prefetch_bytes(pi2_list_next(p, &ahead)->bundle + off, size);
             ++e_ahead;
         }
         const struct pi2_active * a = pi2_list_next(p, &at);

@@ -4,6 +4,7 @@
 // scheduler hands each call its share (candidate slots, rows, or down-list entries).
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "sparse_plan.h"
@@ -17,8 +18,18 @@ struct pi2_token_rows {
 };
 struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith, int64_t t);
 
+// The n bytes at p fetched into L2 (locality 2: prefetcht1), where scattered bundle rows are read from: L1's few miss
+// buffers stay free (sparse_kernels.c says what it measured).
+static inline void pi2_prefetch_bytes(const void * p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) {
+        __builtin_prefetch((const char *) p + off, 0, 2);
+    }
+}
+
 // f32 row -> vec_dot type (a copy when f is NULL: the type is f32)
 void pi2_convert_row(ggml_from_float_t f, const float * src, void * dst, int64_t n);
+// token t's FFN input in the gate's vec_dot type (p->xq) and, where it differs, the up's (p->xq_up)
+void pi2_convert_token(struct pi2_sparse_plan * p, int64_t t);
 
 // Gate/up/GLU of the candidate slots cand[0..n) (s for a predicted slot, -1 - s for one computed only for
 // the recall check), in that order, bundles from the accessor. Each cluster's down list keeps slot order.

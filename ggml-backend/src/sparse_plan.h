@@ -89,7 +89,7 @@ struct pi2_sparse_plan {
     enum pi2_select select;
     enum pi2_source source;
     enum pi2_assign assign;
-    bool            batch;           // flash, a prompt: every neuron for every token, bundle-major (batch_ffn.h)
+    bool            batch;           // flash, a prompt: its neurons requested once, each for every token (batch_ffn.h)
     bool            recall_check;    // counted as checked tokens (the check was asked for in predicted mode)
     float           down_sparse_max; // down by columns when at most this fraction is active
 
