@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MissingExtraError, Pi2Error
+from .runtime.memory_budget import N_BATCH as BUDGET_N_BATCH
 from .runtime.memory_budget import parse_size
 
 SERVER_MODULES = ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -155,10 +156,11 @@ def build_app(cfg: ServeConfig) -> tuple[Any, Any]:
     ms: dict[str, Any] = {"model": str(cfg.model), "n_ctx": cfg.n_ctx, "n_threads": threads,
                           "n_threads_batch": threads, "chat_format": cfg.chat_format, "verbose": False}
     if cfg.memory_budget is not None:
-        # the FFN stays on flash: no mmap, llama's compute buffers sized for small batches, and no logits
-        # kept for every position (the server's default logits_all holds n_ctx x n_vocab floats, 100 MB for
-        # SmolLM2 at n_ctx 512, for the `logprobs` option, which then is refused)
-        ms.update(use_mmap=False, n_batch=32, n_ubatch=32, logits_all=False)
+        # the FFN stays on flash: no mmap, llama's compute buffers sized for prompt batches of
+        # BUDGET_N_BATCH, and no logits kept for every position (the server's default logits_all holds
+        # n_ctx x n_vocab floats, 100 MB for SmolLM2 at n_ctx 512, for the `logprobs` option, which then
+        # is refused)
+        ms.update(use_mmap=False, n_batch=BUDGET_N_BATCH, n_ubatch=BUDGET_N_BATCH, logits_all=False)
     factory = functools.partial(Llama, sidecar=cfg.sidecar, mode=cfg.mode, memory_budget=cfg.memory_budget)
     with _llama_class_is(factory):
         app = server_app.create_app(server_settings=ServerSettings(host=cfg.host, port=cfg.port),

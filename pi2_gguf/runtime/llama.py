@@ -123,8 +123,8 @@ class Llama(llama_cpp.Llama):
     memory_budget ("600MB", "2GiB", bytes; default PI2_MEMORY_BUDGET): the whole process stays within it.
     The FFN then stays on flash: llama loads without mmap and PI2 keeps none of the FFN weights it is
     handed (it checks them against the sidecar); what the budget leaves after llama's weights, KV cache
-    and compute buffers becomes the neuron cache. n_batch defaults to 32 then (llama sizes its compute
-    buffers by it). Raises MemoryBudgetError stating the minimum if the budget is too small.
+    and compute buffers becomes the neuron cache. n_batch defaults to 128 then: llama sizes its compute
+    buffers by it (a few MB of cache), and PI2 reads each layer's bundles once per batch of a prompt. Raises MemoryBudgetError stating the minimum if the budget is too small.
 
     settings: per-model PI2_* settings (docs/SETTINGS.md), e.g. {"down_sparse_max": 1.0, "cache_max": "6MiB"},
     applied to this model's binding before its weights load (see configure())."""
@@ -143,7 +143,7 @@ class Llama(llama_cpp.Llama):
             if kwargs.get("use_mmap", False):
                 raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
             kwargs["use_mmap"] = False
-            kwargs.setdefault("n_batch", 32)
+            kwargs.setdefault("n_batch", budgets.N_BATCH)
             budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar, _output_rows(settings))
         with _LOADING:  # the weights llama allocates until load_end belong to this binding
             self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode,

@@ -20,6 +20,10 @@ from . import native
 from .native import ModelSummary
 
 MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
+# n_batch (and n_ubatch) under a budget: llama sizes its compute buffers by it, and a prompt batch reads each
+# layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
+# Qwen2.5-1.5B's 6%, decode unchanged, 5-7 MB less neuron cache.
+N_BATCH = 128
 
 
 def parse_size(value: str | int | float, what: str = "memory budget") -> int:
