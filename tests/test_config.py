@@ -28,6 +28,7 @@ MALFORMED = {
     "PI2_ROWS": ["rows"],
     "PI2_LAYERS": ["some", "ALL"],
     "PI2_IO_THREADS": ["abc", "0", "65"],
+    "PI2_IO_ENGINE": ["io_uring", "1"],
     "PI2_IO_INFLIGHT_BYTES": ["2 elephants", "-1MB"],
     "PI2_IO_MAX_BYTES": ["abc", "1", "2GiB"],
     "PI2_IO_GAP": ["32 KB per gap"],

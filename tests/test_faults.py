@@ -32,10 +32,10 @@ PROMPT = "The history of the Roman Empire"
 CLI = [sys.executable, "-m", "pi2_gguf.cli"]
 
 
-def _small_cache(model: Path, sidecar: Path) -> pi2_gguf.Llama:
+def _small_cache(model: Path, sidecar: Path, engine: str = "uring") -> pi2_gguf.Llama:
     """Flash decode behind a 6 MB neuron cache: most of the test model's bundles are read per token."""
     return pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="1GB", n_ctx=256, n_threads=2, verbose=False,
-                          settings={"cache_max": 6 << 20})
+                          settings={"cache_max": 6 << 20, "io_engine": engine})
 
 
 def _steps(llm: pi2_gguf.Llama, n: int = 12) -> np.ndarray:
@@ -56,14 +56,16 @@ def _leftovers(directory: Path, keep: set[str]) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name not in keep)
 
 
-def test_short_reads_are_completed_and_change_nothing(relu_model: tuple[Path, Path, list]) -> None:
+@pytest.mark.parametrize("engine", ["uring", "threads"])
+def test_short_reads_are_completed_and_change_nothing(relu_model: tuple[Path, Path, list], engine: str) -> None:
     """Every bundle read made of 512-byte preadv calls (each returning short, as over a network file system):
-    the reader resumes where each stopped, and the logits are those of whole reads, bit for bit."""
+    the reader resumes where each stopped, and the logits are those of whole reads, bit for bit; with either
+    I/O engine (the io_uring one reads such requests with preadv on its thread)."""
     model, sidecar, _ = relu_model
-    llm = _small_cache(model, sidecar)
+    llm = _small_cache(model, sidecar, engine)
     want = _steps(llm)
     llm.close()
-    llm = _small_cache(model, sidecar)  # a cache as cold as the first one's
+    llm = _small_cache(model, sidecar, engine)  # a cache as cold as the first one's
     pi2_gguf.reset_counters()
     plugin.inject_short_reads(llm.pi2_binding, 10**9)
     got = _steps(llm)
@@ -164,10 +166,13 @@ def test_signal_while_generating(smollm2: Path, smol_sidecar: Path, sig: int) ->
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status = Path(f"/proc/{proc.pid}/status")
 
-    def decoding() -> bool:  # the I/O threads exist once the neuron cache is made, i.e. the model loaded
+    def decoding() -> bool:  # the reader exists once the neuron cache is made, i.e. the model loaded
         try:
+            fds = list(Path(f"/proc/{proc.pid}/fd").iterdir())
+            if any("io_uring" in os.readlink(fd) for fd in fds):  # the io_uring reader's ring
+                return True
             return int(next(x for x in status.read_text().splitlines() if x.startswith("Threads:")).split()[1]) > 4
-        except (OSError, StopIteration):
+        except (OSError, StopIteration):  # (a descriptor closed while listed)
             return False
 
     _wait_for(decoding, proc, 120, "the model loaded")

@@ -4,6 +4,7 @@ generation with a clear error, and under a cgroup limit equal to the budget the 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -86,14 +87,15 @@ def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted",
 
 
 def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: str = "predicted",
-                    n: int = N_STEPS) -> tuple[np.ndarray, np.ndarray, pi2_gguf.Counters, CacheInfo]:
-    """Logits of n greedy steps all in RAM, then on flash behind the small cache (_load_small_cache); with
-    the flash run's counters and its cache."""
+                    n: int = N_STEPS, flash_settings: dict[str, str] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, pi2_gguf.Counters, CacheInfo]:
+    """Logits of n greedy steps all in RAM, then on flash behind the small cache (_load_small_cache, with
+    flash_settings too); with the flash run's counters and its cache."""
     ram = pi2_gguf.Llama(str(model), sidecar=ram_sidecar, mode=mode, n_ctx=256, n_threads=2, verbose=False,
                          settings=SAME_ENGINE)
     want = _steps(ram, n)
     ram.close()
-    flash = _load_small_cache(model, flash_sidecar, mode, FLASH_SAME_ENGINE)
+    flash = _load_small_cache(model, flash_sidecar, mode, {**FLASH_SAME_ENGINE, **(flash_settings or {})})
     pi2_gguf.reset_counters()
     got = _steps(flash, n)
     c = pi2_gguf.read_counters()
@@ -117,6 +119,29 @@ def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path,
     assert needed == int(c.predicted.sum())  # every neuron whose gate was computed came through the cache
     sc = read_sidecar(sidecar)  # one neuron to a bundle: a miss reads at least its bundle
     assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * min(sc.layout(il).size for il in range(sc.n_layer))
+
+
+def _io_uring_available() -> bool:
+    """Whether this kernel lets the process make an io_uring (io_uring_setup of 2 entries: system call 425
+    on x86_64 and aarch64), probed apart from the plugin."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    fd = libc.syscall(ctypes.c_long(425), ctypes.c_uint(2), params)
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("engine", ["uring", "threads"])
+def test_io_engines_decode_as_in_ram(relu_model: tuple[Path, Path, list], engine: str) -> None:
+    """Bundle reads through io_uring (PI2_IO_ENGINE=uring, the default, where the kernel allows it) and on
+    I/O threads: either way the logits are the in-RAM decode's bit for bit, and the cache says which read."""
+    model, sidecar, _ = relu_model
+    want, got, c, info = _ram_then_flash(model, sidecar, sidecar, "predicted", flash_settings={"io_engine": engine})
+    assert int(c.misses.sum()) > 0 and int(c.io_requests.sum()) > 0
+    assert np.array_equal(got, want)
+    assert info.io_ring == (engine == "uring" and _io_uring_available())
 
 
 def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_sidecar: Path) -> None:
@@ -495,6 +520,42 @@ def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[
     with pytest.raises(SidecarError, match="untied.gguf changed on disk while the model was running"):
         _steps(llm, 2)
     llm.close()
+
+
+def test_budget_batch_is_128_or_32_where_only_that_fits(relu_model: tuple[Path, Path, list],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a budget n_batch defaults to 128 (a prompt reads each layer's bundles once per 128 tokens); a
+    budget that fits llama's compute buffers only for batches of 32 loads at 32 instead of failing, and a
+    budget too small for either states the minimum at 32. The test model's buffers differ by only ~2 MB
+    between 128 and 32, so the fallback is shown with a default of 1024 (tens of MB apart)."""
+    from pi2_gguf.runtime import memory_budget as budgets
+
+    model, sidecar, _ = relu_model
+    roomy = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="1GB", n_ctx=256, n_threads=2, verbose=False)
+    assert roomy.n_batch == budgets.N_BATCH == 128
+    roomy.close()
+    monkeypatch.setattr(budgets, "N_BATCH", 1024)
+    below = _minimum(model, sidecar) + 1_000_000  # past the lower bound checked before loading, below the plugin's
+
+    def plugin_minimum(**kwargs: int) -> int:
+        with pytest.raises(MemoryBudgetError) as e:
+            pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=below, n_ctx=1024, n_threads=2, verbose=False,
+                           **kwargs)
+        m = re.search(r"needs at least (\d+) MB", str(e.value))
+        assert m, str(e.value)
+        return int(m.group(1)) * 1_000_000
+
+    at_1024 = plugin_minimum(n_batch=1024)
+    at_32 = plugin_minimum()  # the default tries 1024, then 32: the error is the second load's
+    assert abs(at_32 - plugin_minimum(n_batch=32)) <= 2_000_000  # the resident memory of a load varies by a MB
+    assert at_1024 - at_32 >= 10_000_000, (at_1024, at_32)
+    tight = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=(at_32 + at_1024) // 2, n_ctx=1024,
+                           n_threads=2, verbose=False)
+    assert tight.n_batch == 32
+    tight.close()
+    with pytest.raises(MemoryBudgetError):  # a batch the caller chose is not changed
+        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=(at_32 + at_1024) // 2, n_ctx=1024, n_threads=2,
+                       verbose=False, n_batch=1024)
 
 
 def test_budget_too_small_states_the_minimum(relu_model: tuple[Path, Path, list]) -> None:

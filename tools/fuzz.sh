@@ -26,9 +26,9 @@ TARGETS=(sidecar model_summary embedding_rows config)
 # the plugin's files each target links (compiled with the sanitizers), and its -max_len
 sources() {
     case "$1" in
-        sidecar)        echo "sidecar.c gguf_file.c fingerprint.c bundle_io.c config.c" ;;
-        model_summary)  echo "model_file.c gguf_file.c fingerprint.c ffn_names.c bundle_io.c" ;;
-        embedding_rows) echo "embedding_rows.c bundle_io.c" ;;
+        sidecar)        echo "sidecar.c gguf_file.c fingerprint.c bundle_io.c io_ring.c config.c" ;;
+        model_summary)  echo "model_file.c gguf_file.c fingerprint.c ffn_names.c bundle_io.c io_ring.c" ;;
+        embedding_rows) echo "embedding_rows.c bundle_io.c io_ring.c" ;;
         config)         echo "config.c ffn_names.c" ;;
         *) echo "fuzz.sh: unknown target '$1' (tools/fuzz.sh --list)" >&2; return 1 ;;
     esac

@@ -114,6 +114,7 @@ struct pi2_cache_info {
     uint32_t n_prefetch;    // of the cold entries, kept for the next layer's first bundles
     uint64_t ffn_ns;        // time in flash FFN layers since the cache was made
     uint64_t embd_bytes;    // token embedding left in the model file, its rows read per token (0: in RAM)
+    uint32_t io_ring;       // 1 when bundle reads go through io_uring (PI2_IO_ENGINE), 0 on I/O threads
 };
 // -1 for an unknown id or a binding without a cache
 GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);

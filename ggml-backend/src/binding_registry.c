@@ -314,6 +314,7 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->n_prefetch  = plan->n_prefetch;
         out->freq_cutoff = plan->freq_cutoff;
         out->direct_io   = pi2_pipeline_direct_io(b->pipe);
+        out->io_ring     = pi2_pipeline_io_ring(b->pipe);
         out->ffn_ns      = b->ffn_ns;
         out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
         r = 0;

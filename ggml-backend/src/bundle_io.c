@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "bundle_io.h"
 #include "ggml-pi2.h"
+#include "io_ring.h"
 #include "pi2_log.h"
 
 #include <errno.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -26,6 +28,13 @@
 struct pi2_io_batch {
     struct pi2_io_req * reqs;
     int                 n, next; // requests, and the first one no thread has taken
+};
+
+// a request the ring is reading: its merged iovecs live here until the kernel has taken them
+struct pi2_ring_slot {
+    const struct pi2_io_req * r;
+    size_t                    bytes;
+    struct iovec              iov[PI2_IO_MAX_RUN];
 };
 
 struct pi2_bundle_file {
@@ -45,6 +54,12 @@ struct pi2_bundle_file {
     bool                stop;
     pthread_t           threads[PI2_IO_MAX_THREADS];
     int                 n_threads;
+
+    // with io_uring: one thread (threads[0]) keeps up to `depth` requests in the ring, woken by `wake_fd`
+    struct pi2_ring *      ring;
+    int                    wake_fd;
+    int                    depth;
+    struct pi2_ring_slot * slots;
 
     atomic_int_fast64_t  fault_after;
     atomic_int           fault_err;
@@ -132,11 +147,8 @@ static int pi2_merged_iov(const struct pi2_io_req * r, struct iovec * iov) {
     return m;
 }
 
-// one request of `total` bytes (its iovecs' lengths) into its iovecs: O_DIRECT, falling back to buffered
-// where the filesystem refuses
-static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, size_t total, char * why, size_t whylen) {
-    struct iovec iov[PI2_IO_MAX_RUN];
-    const int m = pi2_merged_iov(r, iov);
+// testing: the errno this request is to fail with (0: none), with why
+static int pi2_injected_fault(struct pi2_bundle_file * f, const struct pi2_io_req * r, size_t total, char * why, size_t whylen) {
     const int64_t left = atomic_fetch_sub(&f->fault_after, 1);
     const int inject = atomic_load(&f->fault_err);
     if (inject != 0 && left == 0) {
@@ -145,8 +157,21 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
                  (unsigned long long) r->offset, strerror(inject));
         return inject;
     }
-    // 512: a sector, so that O_DIRECT takes each piece
-    const size_t max_call = atomic_load(&f->short_left) > 0 && atomic_fetch_sub(&f->short_left, 1) > 0 ? 512 : 0;
+    return 0;
+}
+
+// testing: whether this request is read by short preadv calls (of 512 bytes: a sector, so O_DIRECT takes each)
+static bool pi2_short_reads(struct pi2_bundle_file * f) {
+    return atomic_load(&f->short_left) > 0 && atomic_fetch_sub(&f->short_left, 1) > 0;
+}
+
+// one request of `total` bytes (its iovecs' lengths) into its iovecs on this thread: O_DIRECT, falling back
+// to buffered where the filesystem refuses
+static int pi2_read_sync(struct pi2_bundle_file * f, const struct pi2_io_req * r, size_t total, bool short_calls,
+                         char * why, size_t whylen) {
+    struct iovec iov[PI2_IO_MAX_RUN];
+    const int m = pi2_merged_iov(r, iov);
+    const size_t max_call = short_calls ? 512 : 0;
     size_t got = 0;
     const bool direct = atomic_load(&f->direct);
     int e = pi2_preadv_full(direct ? f->fd : f->fd_plain, iov, m, r->offset, &got, max_call);
@@ -170,12 +195,28 @@ static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r,
     return 0;
 }
 
+static int pi2_read_req(struct pi2_bundle_file * f, const struct pi2_io_req * r, size_t total, char * why, size_t whylen) {
+    const int e = pi2_injected_fault(f, r, total, why, whylen);
+    return e != 0 ? e : pi2_read_sync(f, r, total, pi2_short_reads(f), why, whylen);
+}
+
 static size_t pi2_req_bytes(const struct pi2_io_req * r) {
     size_t n = 0;
     for (int k = 0; k < r->n; ++k) {
         n += r->iov[k].iov_len;
     }
     return n;
+}
+
+// the oldest request no thread has taken (f->lock held, a batch queued)
+static const struct pi2_io_req * pi2_take_req(struct pi2_bundle_file * f) {
+    struct pi2_io_batch * q = &f->queue[f->head];
+    const struct pi2_io_req * r = &q->reqs[q->next++];
+    if (q->next >= q->n) { // every request of the batch taken
+        f->head = (f->head + 1) % PI2_IO_MAX_BATCHES;
+        f->n_batches--;
+    }
+    return r;
 }
 
 // Threads take requests in submission order while fewer than in_flight_max bytes are being read. Large
@@ -195,12 +236,7 @@ static void * pi2_io_thread(void * arg) {
             pthread_mutex_unlock(&f->lock);
             return NULL;
         }
-        struct pi2_io_batch * q = &f->queue[f->head];
-        const struct pi2_io_req * r = &q->reqs[q->next++];
-        if (q->next >= q->n) { // every request of the batch taken
-            f->head = (f->head + 1) % PI2_IO_MAX_BATCHES;
-            f->n_batches--;
-        }
+        const struct pi2_io_req * r = pi2_take_req(f);
         const size_t bytes = pi2_req_bytes(r);
         f->in_flight += bytes;
         pthread_mutex_unlock(&f->lock);
@@ -214,8 +250,167 @@ static void * pi2_io_thread(void * arg) {
     }
 }
 
-int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, uint64_t inflight_max, pi2_io_done_fn done,
-                         void * done_ctx, char * err, size_t errlen) {
+#define PI2_RING_WAKE UINT64_MAX // the tag of the wake-up read on wake_fd
+
+// wakes the ring's thread from io_uring_enter (a no-op for the thread pool)
+static void pi2_ring_wake(struct pi2_bundle_file * f) {
+    if (f->wake_fd < 0) {
+        return;
+    }
+    const uint64_t one = 1;
+    // EAGAIN: the counter is at its maximum, so the thread wakes anyway; nothing else can fail on an eventfd
+    while (write(f->wake_fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+}
+
+// The io_uring engine: one thread keeps up to `depth` requests in the ring, taking them in submission order
+// under the same in-flight limit as the threads, and finishes each as its completion arrives. It blocks in
+// io_uring_enter until a read completes or wake_fd is written (a batch submitted, or stop). Anything but a
+// whole read (a short read, O_DIRECT refused, an interruption) is read again on this thread with preadv,
+// which reports errors as the threads do.
+static void * pi2_ring_thread(void * arg) {
+    struct pi2_bundle_file * f = arg;
+    char why[512];
+    uint64_t wake_count = 0;
+    struct iovec wake_iov = { .iov_base = &wake_count, .iov_len = sizeof(wake_count) };
+    int * free_slots = malloc((size_t) f->depth * sizeof(int));
+    int * unsent = malloc((size_t) f->depth * sizeof(int)); // slots taken from the queue, then those the kernel has not taken
+    if (free_slots == NULL || unsent == NULL) {
+        PI2_LOG_ERROR("pi2: sidecar %s: out of memory for the read ring; reads stop\n", f->path);
+        free(free_slots);
+        free(unsent);
+        return NULL;
+    }
+    int n_free = f->depth, n_unsent = 0, busy = 0;
+    for (int k = 0; k < f->depth; ++k) {
+        free_slots[k] = f->depth - 1 - k;
+    }
+    size_t in_flight = 0;
+    bool armed = false, ring_ok = true;
+    for (;;) {
+        if (!armed && ring_ok) {
+            armed = pi2_ring_readv(f->ring, f->wake_fd, &wake_iov, 1, 0, PI2_RING_WAKE);
+        }
+        pthread_mutex_lock(&f->lock);
+        const bool stop = f->stop;
+        while (!stop && f->n_batches > 0 && n_free > 0 && (in_flight < f->in_flight_max || in_flight == 0)) {
+            const int k = free_slots[--n_free];
+            struct pi2_ring_slot * sl = &f->slots[k];
+            sl->r     = pi2_take_req(f);
+            sl->bytes = pi2_req_bytes(sl->r);
+            in_flight += sl->bytes;
+            unsent[n_unsent++] = k; // marked for the ring below, outside the lock
+        }
+        pthread_mutex_unlock(&f->lock);
+        int n_queued = 0;
+        for (int u = 0; u < n_unsent; ++u) {
+            const int k = unsent[u];
+            struct pi2_ring_slot * sl = &f->slots[k];
+            why[0] = '\0';
+            int e = pi2_injected_fault(f, sl->r, sl->bytes, why, sizeof(why));
+            const bool short_calls = e == 0 && pi2_short_reads(f);
+            bool queued = false;
+            if (e == 0 && !short_calls && ring_ok) {
+                const int m = pi2_merged_iov(sl->r, sl->iov);
+                const int fd = atomic_load(&f->direct) ? f->fd : f->fd_plain;
+                queued = pi2_ring_readv(f->ring, fd, sl->iov, (unsigned) m, sl->r->offset, (uint64_t) k);
+            }
+            if (queued) {
+                unsent[n_queued++] = k;
+                busy++;
+                continue;
+            }
+            if (e == 0) {
+                e = pi2_read_sync(f, sl->r, sl->bytes, short_calls, why, sizeof(why));
+            }
+            f->done(f->done_ctx, sl->r, e, why);
+            in_flight -= sl->bytes;
+            free_slots[n_free++] = k;
+        }
+        n_unsent = n_queued;
+        if (stop && busy == 0) {
+            break; // the wake-up read still pending is cancelled when the ring closes
+        }
+        if (n_unsent == 0 && busy == 0 && !armed) { // no ring left to wait in: wait for a batch
+            pthread_mutex_lock(&f->lock);
+            while (!f->stop && f->n_batches == 0) {
+                pthread_cond_wait(&f->wake, &f->lock);
+            }
+            pthread_mutex_unlock(&f->lock);
+            continue;
+        }
+        const int e = pi2_ring_enter(f->ring, ring_ok, 1);
+        if (e < 0) { // not transient: what the kernel did not take fails, the rest is read with preadv
+            PI2_LOG_ERROR("pi2: sidecar %s: io_uring_enter failed: %s; reading with preadv from now on\n", f->path,
+                          strerror(-e));
+            ring_ok = false;
+            for (int u = 0; u < n_unsent; ++u) {
+                struct pi2_ring_slot * sl = &f->slots[unsent[u]];
+                snprintf(why, sizeof(why), "sidecar %s: read of %zu bytes at offset %llu failed: io_uring_enter: %s",
+                         f->path, sl->bytes, (unsigned long long) sl->r->offset, strerror(-e));
+                f->done(f->done_ctx, sl->r, -e, why);
+                in_flight -= sl->bytes;
+                free_slots[n_free++] = unsent[u];
+                busy--;
+            }
+            if (armed) {
+                armed = false; // never taken by the kernel either
+            }
+        }
+        n_unsent = 0;
+        uint64_t user;
+        int32_t res;
+        while (pi2_ring_complete(f->ring, &user, &res)) {
+            if (user == PI2_RING_WAKE) {
+                armed = false;
+                continue;
+            }
+            const int k = (int) user;
+            struct pi2_ring_slot * sl = &f->slots[k];
+            why[0] = '\0';
+            int err = 0;
+            if (res < 0 || (size_t) res != sl->bytes) {
+                err = pi2_read_sync(f, sl->r, sl->bytes, false, why, sizeof(why));
+            }
+            f->done(f->done_ctx, sl->r, err, why);
+            in_flight -= sl->bytes;
+            free_slots[n_free++] = k;
+            busy--;
+        }
+    }
+    free(free_slots);
+    free(unsent);
+    return NULL;
+}
+
+// The io_uring engine's ring, wake-up eventfd and slots for n_threads requests; false (the thread pool
+// reads) where io_uring is unavailable, said at the info level.
+static bool pi2_ring_start(struct pi2_bundle_file * f, int n_threads) {
+    char why[256];
+    if (pi2_ring_open(&f->ring, (unsigned) n_threads + 1, why, sizeof(why)) != 0) {
+        PI2_LOG_INFO("pi2: %s; bundle reads use %d I/O threads\n", why, n_threads);
+        return false;
+    }
+    f->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    f->slots   = calloc((size_t) n_threads, sizeof(*f->slots));
+    if (f->wake_fd < 0 || f->slots == NULL) {
+        PI2_LOG_INFO("pi2: no eventfd or memory for the read ring; bundle reads use %d I/O threads\n", n_threads);
+        pi2_ring_close(f->ring);
+        f->ring = NULL;
+        if (f->wake_fd >= 0) {
+            close(f->wake_fd);
+        }
+        f->wake_fd = -1;
+        free(f->slots);
+        f->slots = NULL;
+        return false;
+    }
+    f->depth = n_threads;
+    return true;
+}
+
+int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, bool ring, uint64_t inflight_max,
+                         pi2_io_done_fn done, void * done_ctx, char * err, size_t errlen) {
     *out = NULL;
     struct pi2_bundle_file * f = calloc(1, sizeof(*f));
     if (f == NULL || (f->path = strdup(path)) == NULL) {
@@ -223,7 +418,7 @@ int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n
         snprintf(err, errlen, "sidecar %s: out of memory", path);
         return -1;
     }
-    f->fd = f->fd_plain = -1;
+    f->fd = f->fd_plain = f->wake_fd = -1;
     f->done     = done;
     f->done_ctx = done_ctx;
     f->fd_plain = open(path, O_RDONLY | O_CLOEXEC);
@@ -258,8 +453,9 @@ int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n
     if (n_threads > PI2_IO_MAX_THREADS) {
         n_threads = PI2_IO_MAX_THREADS;
     }
-    for (int k = 0; k < n_threads; ++k) {
-        const int e = pthread_create(&f->threads[k], &attr, pi2_io_thread, f);
+    const bool use_ring = ring && pi2_ring_start(f, n_threads);
+    for (int k = 0; k < (use_ring ? 1 : n_threads); ++k) {
+        const int e = pthread_create(&f->threads[k], &attr, use_ring ? pi2_ring_thread : pi2_io_thread, f);
         if (e != 0) {
             pthread_attr_destroy(&attr);
             snprintf(err, errlen, "sidecar %s: cannot start I/O thread: %s", path, strerror(e));
@@ -282,12 +478,18 @@ void pi2_bundle_file_close(struct pi2_bundle_file * f) {
         f->stop = true;
         pthread_cond_broadcast(&f->wake);
         pthread_mutex_unlock(&f->lock);
+        pi2_ring_wake(f);
         for (int k = 0; k < f->n_threads; ++k) {
             pthread_join(f->threads[k], NULL);
         }
         pthread_mutex_destroy(&f->lock);
         pthread_cond_destroy(&f->wake);
     }
+    pi2_ring_close(f->ring); // after its thread: nothing of ours is in flight
+    if (f->wake_fd >= 0) {
+        close(f->wake_fd);
+    }
+    free(f->slots);
     if (f->fd >= 0 && f->fd != f->fd_plain) {
         close(f->fd);
     }
@@ -310,12 +512,13 @@ void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs
     }
     f->queue[(f->head + f->n_batches) % PI2_IO_MAX_BATCHES] = (struct pi2_io_batch) { .reqs = reqs, .n = n, .next = 0 };
     f->n_batches++;
-    if (n == 1) {
+    if (n == 1 || f->ring != NULL) {
         pthread_cond_signal(&f->wake);
     } else {
         pthread_cond_broadcast(&f->wake);
     }
     pthread_mutex_unlock(&f->lock);
+    pi2_ring_wake(f);
 }
 
 int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen) {
@@ -323,6 +526,10 @@ int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint6
     int32_t           tag = -1;
     struct pi2_io_req r   = { .offset = off, .n = 1, .iov = &iov, .tag = &tag };
     return pi2_read_req(f, &r, n, err, errlen) == 0 ? 0 : -1;
+}
+
+bool pi2_bundle_file_ring(const struct pi2_bundle_file * f) {
+    return f->ring != NULL;
 }
 
 bool pi2_bundle_file_direct(const struct pi2_bundle_file * f) {

@@ -29,6 +29,7 @@ struct pi2_bundle_file;
 // How the pipeline reads (the flash PI2_IO_* settings).
 struct pi2_io_params {
     int      threads;      // I/O threads: the queue depth
+    bool     ring;         // through io_uring where the kernel allows (PI2_IO_ENGINE)
     uint64_t inflight_max; // bytes being read at once (SIZE_MAX: no limit)
     uint64_t max_bytes;    // largest request
     uint64_t gap;          // bytes a request may bridge between two misses
@@ -36,10 +37,13 @@ struct pi2_io_params {
 };
 
 
-// Opens path for bundle reads with n_threads I/O threads, at most inflight_max bytes being read at once
-// (SIZE_MAX or 0: no limit); 0 on success, -1 with err.
-int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, uint64_t inflight_max, pi2_io_done_fn done,
-                          void * done_ctx, char * err, size_t errlen);
+// Opens path for bundle reads, n_threads at a time: with `ring`, through io_uring where the kernel
+// allows (one thread, io_ring.h), else on n_threads I/O threads; at most inflight_max bytes being read at
+// once (SIZE_MAX or 0: no limit); 0 on success, -1 with err.
+int  pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n_threads, bool ring, uint64_t inflight_max,
+                          pi2_io_done_fn done, void * done_ctx, char * err, size_t errlen);
+// Whether reads go through io_uring.
+bool pi2_bundle_file_ring(const struct pi2_bundle_file * f);
 void pi2_bundle_file_close(struct pi2_bundle_file * f);
 
 // Queues n requests behind the batches queued before (the arrays of a batch must stay valid until its

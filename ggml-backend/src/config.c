@@ -33,6 +33,7 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
     [PI2_SET_ROWS]              = { "PI2_ROWS", PI2_KIND_SWITCH, 0, 1, 1, "model", "bundles" },
     [PI2_SET_LAYERS]            = { "PI2_LAYERS", PI2_KIND_SWITCH, 0, 1, 0, "all", "auto" },
     [PI2_SET_IO_THREADS]        = { "PI2_IO_THREADS", PI2_KIND_COUNT, 1, 64, 32, "a number of threads", NULL },
+    [PI2_SET_IO_ENGINE]         = { "PI2_IO_ENGINE", PI2_KIND_SWITCH, 0, 1, 1, "uring", "threads" },
     [PI2_SET_IO_INFLIGHT_BYTES] = { "PI2_IO_INFLIGHT_BYTES", PI2_KIND_SIZE, 0, 0x1p40, 2 << 20, NULL, NULL },
     [PI2_SET_IO_MAX_BYTES]      = { "PI2_IO_MAX_BYTES", PI2_KIND_SIZE, 4096, 0x1p30, 1 << 20, NULL, NULL },
     [PI2_SET_IO_GAP]            = { "PI2_IO_GAP", PI2_KIND_SIZE, 0, 0x1p30, 32768, NULL, NULL },

@@ -22,6 +22,7 @@ enum pi2_setting {
     PI2_SET_ROWS,              // 1: predictor-less layers in RAM read gate/up rows from the model (model)
     PI2_SET_LAYERS,            // in RAM, 1: PI2 holds every FFN layer (all), 0: only those it runs faster (auto)
     PI2_SET_IO_THREADS,        // flash: I/O threads (queue depth)
+    PI2_SET_IO_ENGINE,         // flash: 1: reads through io_uring where the kernel allows (uring), 0: I/O threads (threads)
     PI2_SET_IO_INFLIGHT_BYTES, // flash: bytes being read at once (0: no limit)
     PI2_SET_IO_MAX_BYTES,      // flash: largest request
     PI2_SET_IO_GAP,            // flash: bytes a read may bridge between two misses

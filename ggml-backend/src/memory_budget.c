@@ -262,6 +262,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     const uint64_t inflight = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_INFLIGHT_BYTES);
     const struct pi2_io_params io = {
         .threads      = (int) pi2_binding_setting(b, PI2_SET_IO_THREADS),
+        .ring         = pi2_binding_setting(b, PI2_SET_IO_ENGINE) != 0.0,
         .inflight_max = inflight > 0 ? inflight : UINT64_MAX,
         .max_bytes    = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
         .gap          = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_GAP),

@@ -340,6 +340,22 @@ void pi2_cache_wait_zero(struct pi2_neuron_cache * c, atomic_int * n) {
     }
 }
 
+bool pi2_cache_wait_reading(struct pi2_neuron_cache * c, bool done) {
+    atomic_fetch_add(&c->waiters, 1);
+    const unsigned g = atomic_load(&c->completions); // before the scan: a read finishing after it ends the wait
+    bool reading = false;
+    for (uint32_t e = 0; e < c->n_cold && !reading; ++e) {
+        const struct pi2_cold_entry * E = &c->ent[e];
+        const bool pinned = (E->pin == c->epoch && !done) || (int32_t) (E->pin - c->epoch) > 0;
+        reading = !pinned && atomic_load(&E->state) == PI2_ENTRY_PENDING;
+    }
+    if (reading) {
+        pi2_futex_wait(&c->completions, g);
+    }
+    atomic_fetch_sub(&c->waiters, 1);
+    return reading;
+}
+
 const uint8_t * pi2_cache_peek(const struct pi2_neuron_cache * c, int layer, int64_t slot) {
     const struct pi2_cache_layer * L = &c->layer[layer];
     const int64_t k      = slot / L->neurons;

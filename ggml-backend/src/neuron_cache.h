@@ -85,6 +85,10 @@ void pi2_cache_entry_done(struct pi2_neuron_cache * c, int64_t e, bool ok);
 void pi2_cache_signal(struct pi2_neuron_cache * c);
 // Waits until *n is 0 (a count the signalling side decrements before pi2_cache_signal).
 void pi2_cache_wait_zero(struct pi2_neuron_cache * c, atomic_int * n);
+// When pi2_cache_claim found no entry: waits for a read to finish if some entry is free but for its read
+// still in flight (a prefetch no request wanted, read ahead by an earlier batch), and returns true (claim
+// again); false if no read in flight would free one.
+bool pi2_cache_wait_reading(struct pi2_neuron_cache * c, bool done);
 
 // What one request found, counted in neurons (a bundle is read when any of its neurons is wanted)
 struct pi2_cache_token_stats {

@@ -149,7 +149,7 @@ struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const s
     // bridged bundles land in the cache's scratch (one gap's worth, shared: its contents are never used)
     pp->cache = pi2_cache_create(sc, plan, pp->gap, err, errlen);
     if (pp->cache == NULL ||
-        pi2_bundle_file_open(&pp->file, sc->path, io->threads, io->inflight_max, pi2_read_done, pp, err, errlen) != 0) {
+        pi2_bundle_file_open(&pp->file, sc->path, io->threads, io->ring, io->inflight_max, pi2_read_done, pp, err, errlen) != 0) {
         pi2_pipeline_free(pp);
         return NULL;
     }
@@ -167,6 +167,10 @@ struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const s
 
 struct pi2_neuron_cache * pi2_pipeline_cache(const struct pi2_pipeline * pp) {
     return pp->cache;
+}
+
+bool pi2_pipeline_io_ring(const struct pi2_pipeline * pp) {
+    return pi2_bundle_file_ring(pp->file);
 }
 
 bool pi2_pipeline_direct_io(const struct pi2_pipeline * pp) {
@@ -340,7 +344,10 @@ static int pi2_request(struct pi2_pipeline * pp, int layer, const uint8_t * want
         }
         st->misses += wanted;
         uint8_t * dst = NULL;
-        const int64_t ge = pi2_cache_claim(pp->cache, layer, k, epoch, false, false, &dst);
+        int64_t ge;
+        while ((ge = pi2_cache_claim(pp->cache, layer, k, epoch, false, false, &dst)) < 0 &&
+               pi2_cache_wait_reading(pp->cache, false)) {
+        }
         if (ge < 0) {
             snprintf(err, errlen, "neuron cache: no free entry among %u for layer %d (cache too small)",
                      pi2_cache_get_plan(pp->cache)->n_cold, layer);

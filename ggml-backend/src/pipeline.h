@@ -21,6 +21,7 @@ struct pi2_pipeline * pi2_pipeline_create(const struct pi2_sidecar * sc, const s
 void pi2_pipeline_free(struct pi2_pipeline * pp);
 struct pi2_neuron_cache * pi2_pipeline_cache(const struct pi2_pipeline * pp);
 bool pi2_pipeline_direct_io(const struct pi2_pipeline * pp); // reads bypass the page cache (O_DIRECT)
+bool pi2_pipeline_io_ring(const struct pi2_pipeline * pp);   // reads go through io_uring
 // Testing: the read request after `after` more fails with errno err (0 disarms)
 void pi2_pipeline_inject_fault(struct pi2_pipeline * pp, int64_t after, int err);
 

@@ -80,6 +80,7 @@ class Pi2CacheInfo(ctypes.Structure):
         ("n_prefetch", c_uint32),
         ("ffn_ns", c_uint64),
         ("embd_bytes", c_uint64),
+        ("io_ring", c_uint32),
     ]
 
 

@@ -101,8 +101,8 @@ def reset_counters() -> None:
 class CacheInfo:
     """The neuron cache of a model with a memory budget: segment sizes (bytes), hot neurons (all layers),
     cold entries, whether reads bypass the page cache, time spent in its FFN layers, the bytes of token
-    embedding left in the model file (read per token; 0 when it is in RAM), and the cold entries kept for
-    prefetching the next layer's first bundles."""
+    embedding left in the model file (read per token; 0 when it is in RAM), the cold entries kept for
+    prefetching the next layer's first bundles, and whether reads go through io_uring."""
 
     fixed_bytes: int
     hot_bytes: int
@@ -114,6 +114,7 @@ class CacheInfo:
     ffn_seconds: float
     embedding_bytes: int
     n_prefetch: int
+    io_ring: bool  # bundle reads through io_uring (PI2_IO_ENGINE=uring where the kernel allows), else I/O threads
 
 
 def cache_info(binding: int) -> CacheInfo | None:
@@ -123,4 +124,4 @@ def cache_info(binding: int) -> CacheInfo | None:
         return None
     return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons),
                      int(raw.n_cold), bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9,
-                     int(raw.embd_bytes), int(raw.n_prefetch))
+                     int(raw.embd_bytes), int(raw.n_prefetch), bool(raw.io_ring))

@@ -24,6 +24,7 @@ MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
 # layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
 # Qwen2.5-1.5B's 6%, decode unchanged, 5-7 MB less neuron cache.
 N_BATCH = 128
+N_BATCH_SMALL = 32  # where the budget fits only the compute buffers of smaller batches
 
 
 def parse_size(value: str | int | float, what: str = "memory budget") -> int:
