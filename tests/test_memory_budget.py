@@ -4,7 +4,6 @@ generation with a clear error, and under a cgroup limit equal to the budget the 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import mmap
@@ -34,6 +33,7 @@ from pi2_gguf.sidecar.reader import read as read_sidecar
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from gguf_copy import copy_gguf  # noqa: E402
+from kernel_probe import io_uring_available  # noqa: E402
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
@@ -121,18 +121,6 @@ def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path,
     assert int(c.bytes_read.sum()) >= int(c.misses.sum()) * min(sc.layout(il).size for il in range(sc.n_layer))
 
 
-def _io_uring_available() -> bool:
-    """Whether this kernel lets the process make an io_uring (io_uring_setup of 2 entries: system call 425
-    on x86_64 and aarch64), probed apart from the plugin."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
-    fd = libc.syscall(ctypes.c_long(425), ctypes.c_uint(2), params)
-    if fd < 0:
-        return False
-    os.close(fd)
-    return True
-
-
 @pytest.mark.parametrize("engine", ["uring", "threads"])
 def test_io_engines_decode_as_in_ram(relu_model: tuple[Path, Path, list], engine: str) -> None:
     """Bundle reads through io_uring (PI2_IO_ENGINE=uring, the default, where the kernel allows it) and on
@@ -141,7 +129,7 @@ def test_io_engines_decode_as_in_ram(relu_model: tuple[Path, Path, list], engine
     want, got, c, info = _ram_then_flash(model, sidecar, sidecar, "predicted", flash_settings={"io_engine": engine})
     assert int(c.misses.sum()) > 0 and int(c.io_requests.sum()) > 0
     assert np.array_equal(got, want)
-    assert info.io_ring == (engine == "uring" and _io_uring_available())
+    assert info.io_ring == (engine == "uring" and io_uring_available())
 
 
 def test_budget_decode_of_a_product_sidecar_equals_in_ram(smollm2: Path, smol_sidecar: Path) -> None:

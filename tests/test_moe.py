@@ -24,6 +24,7 @@ from pi2_gguf.runtime.runner import LlamaRunner
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from decode_steps import decode  # noqa: E402
+from kernel_probe import io_uring_available  # noqa: E402
 
 PROMPT = "The history of the Roman Empire begins with the founding of the city"
 FATRELU_T = 0.05
@@ -321,16 +322,19 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
             llm.close()
 
 
-@pytest.mark.parametrize("cache_max,ahead,guess", [("1MiB", "0", "off"), ("1MiB", "16", "off"), ("8MiB", "16", "off"),
-                                                   ("1MiB", "16", "router"), ("8MiB", "16", "router")])
-def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str, guess: str) -> None:
+@pytest.mark.parametrize("cache_max,ahead,guess,engine", [
+    ("1MiB", "0", "off", None), ("1MiB", "16", "off", None), ("8MiB", "16", "off", None), ("1MiB", "16", "router", None),
+    ("8MiB", "16", "router", None), ("1MiB", "16", "router", "uring")])
+def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str, guess: str,
+                                        engine: str | None) -> None:
     """Under a memory budget the experts live in the sidecar on flash: each routed expert's active neurons are read
     through the neuron cache; the tokens and logits equal in-RAM sparse decode run by the same engine, with a batch's
     routed experts read before the first computes (PI2_EXPERT_AHEAD) or each when it computes (0), with or without
     the next layer's experts guessed and read ahead (PI2_EXPERT_GUESS), in a cache with room to read ahead (8 MiB)
     or hardly any (1 MiB). (In RAM the pairs run one per thread, on flash in turn on both threads.) The prompt too runs
     token by token on both (PI2_SPARSE_BATCH 64): on flash a prompt batch otherwise runs expert by expert as a batch
-    (test_moe_flash_prompt_batches_read_each_expert_once)."""
+    (test_moe_flash_prompt_batches_read_each_expert_once). Bundles are read on I/O threads, an MoE sidecar's
+    default (PI2_IO_ENGINE), or through io_uring."""
     model, sidecar = moe_sidecar
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
@@ -341,15 +345,18 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
         ram.close()
     flash = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
                            memory_budget="2GiB", settings={"cache_max": cache_max, "expert_ahead": ahead,
-                                                           "expert_guess": guess, "sparse_batch": 64})
+                                                           "expert_guess": guess, "sparse_batch": 64,
+                                                           **({"io_engine": engine} if engine else {})})
     try:
         pi2_gguf.reset_counters()
         got, got_logits = decode(flash, PROMPT, 16)
         c = pi2_gguf.read_counters()
+        info = flash.cache_info()
         n_tok = len(flash.tokenize(PROMPT.encode(), add_bos=True)) + 16
     finally:
         flash.close()
     assert got == want and np.array_equal(got_logits, want_logits)
+    assert info is not None and info.io_ring == (engine == "uring" and io_uring_available())
     assert int(c.misses.sum()) > 0 and int(c.bytes_read.sum()) > 0
     # every token (prompt too: on flash all batches run the engine) through n_expert_used = 2 experts in each layer;
     # llama prunes the last layer to the tokens whose logits it returns (the prompt's last, then each step's)

@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
-#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -34,6 +33,9 @@ struct pi2_io_batch {
 struct pi2_ring_slot {
     const struct pi2_io_req * r;
     size_t                    bytes;
+    int                       err;         // an injected fault (testing), or the ring's failure
+    bool                      short_calls; // testing: read with short preadv calls instead
+    char                      why[256];
     struct iovec              iov[PI2_IO_MAX_RUN];
 };
 
@@ -55,11 +57,17 @@ struct pi2_bundle_file {
     pthread_t           threads[PI2_IO_MAX_THREADS];
     int                 n_threads;
 
-    // with io_uring: one thread (threads[0]) keeps up to `depth` requests in the ring, woken by `wake_fd`
+    // with io_uring (all under `lock`): submitters move requests into the ring's `depth` slots themselves
+    // (pi2_ring_pump); one thread (threads[0]) takes completions and refills it
     struct pi2_ring *      ring;
-    int                    wake_fd;
+    bool                   ring_ok;        // false once io_uring_enter failed
     int                    depth;
     struct pi2_ring_slot * slots;
+    int *                  free_slots, n_free;
+    int *                  unsent;         // slots queued in the ring by one pump, until submitted
+    int *                  sync, n_sync;   // slots the ring's thread finishes without the ring
+    int                    busy;           // slots the kernel is reading
+    size_t                 ring_in_flight; // bytes of the slots taken from the queue and not finished
 
     atomic_int_fast64_t  fault_after;
     atomic_int           fault_err;
@@ -250,162 +258,158 @@ static void * pi2_io_thread(void * arg) {
     }
 }
 
-#define PI2_RING_WAKE UINT64_MAX // the tag of the wake-up read on wake_fd
-
-// wakes the ring's thread from io_uring_enter (a no-op for the thread pool)
-static void pi2_ring_wake(struct pi2_bundle_file * f) {
-    if (f->wake_fd < 0) {
-        return;
+// The io_uring engine (f->lock held): moves queued requests into free slots of the ring, in submission order
+// and under the same in-flight limit as the threads, and submits them, on the calling thread: the thread
+// that submits a batch issues its reads itself, without waking another first (on two cores that wake-up
+// cost a dependent read more than the thread pool's: 2026-11-26). Requests the ring must not read (testing:
+// an injected fault, short reads; or a ring that failed) go to the sync list for the ring's thread.
+static void pi2_ring_pump(struct pi2_bundle_file * f) {
+    int n_new = 0;
+    while (f->n_batches > 0 && f->n_free > 0 && (f->ring_in_flight < f->in_flight_max || f->ring_in_flight == 0)) {
+        const int k = f->free_slots[--f->n_free];
+        struct pi2_ring_slot * sl = &f->slots[k];
+        sl->r     = pi2_take_req(f);
+        sl->bytes = pi2_req_bytes(sl->r);
+        sl->err   = pi2_injected_fault(f, sl->r, sl->bytes, sl->why, sizeof(sl->why));
+        sl->short_calls = sl->err == 0 && pi2_short_reads(f);
+        f->ring_in_flight += sl->bytes;
+        bool queued = false;
+        if (sl->err == 0 && !sl->short_calls && f->ring_ok) {
+            const int m  = pi2_merged_iov(sl->r, sl->iov);
+            const int fd = atomic_load(&f->direct) ? f->fd : f->fd_plain;
+            queued = pi2_ring_readv(f->ring, fd, sl->iov, (unsigned) m, sl->r->offset, (uint64_t) k);
+        }
+        if (queued) {
+            f->unsent[n_new++] = k;
+        } else {
+            f->sync[f->n_sync++] = k;
+        }
     }
-    const uint64_t one = 1;
-    // EAGAIN: the counter is at its maximum, so the thread wakes anyway; nothing else can fail on an eventfd
-    while (write(f->wake_fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    if (n_new > 0) {
+        const int e = pi2_ring_enter(f->ring, true, 0);
+        if (e < 0) { // not transient (a bug, or the ring torn down): the kernel took none of these
+            PI2_LOG_ERROR("pi2: sidecar %s: io_uring_enter failed: %s; bundle reads fail from now on\n", f->path, strerror(-e));
+            f->ring_ok = false;
+            for (int u = 0; u < n_new; ++u) {
+                struct pi2_ring_slot * sl = &f->slots[f->unsent[u]];
+                sl->err = -e;
+                snprintf(sl->why, sizeof(sl->why), "sidecar %s: read of %zu bytes at offset %llu failed: io_uring_enter: %s",
+                         f->path, sl->bytes, (unsigned long long) sl->r->offset, strerror(-e));
+                f->sync[f->n_sync++] = f->unsent[u];
+            }
+            n_new = 0;
+        }
+        f->busy += n_new;
+    }
+    if (f->n_sync > 0 || (n_new > 0 && f->busy == n_new)) {
+        pthread_cond_signal(&f->wake); // the ring's thread may be waiting for work to finish
     }
 }
 
-// The io_uring engine: one thread keeps up to `depth` requests in the ring, taking them in submission order
-// under the same in-flight limit as the threads, and finishes each as its completion arrives. It blocks in
-// io_uring_enter until a read completes or wake_fd is written (a batch submitted, or stop). Anything but a
-// whole read (a short read, O_DIRECT refused, an interruption) is read again on this thread with preadv,
-// which reports errors as the threads do.
+// a finished slot back to the free list (f->lock held)
+static void pi2_ring_release(struct pi2_bundle_file * f, int k) {
+    f->ring_in_flight -= f->slots[k].bytes;
+    f->free_slots[f->n_free++] = k;
+}
+
+// The io_uring engine's thread: waits in io_uring_enter for completions (or on f->wake while nothing is in
+// the ring), finishes each request (a result other than a whole read is read again with preadv here, which
+// reports errors as the threads do), and refills the ring from the queue.
 static void * pi2_ring_thread(void * arg) {
     struct pi2_bundle_file * f = arg;
-    char why[512];
-    uint64_t wake_count = 0;
-    struct iovec wake_iov = { .iov_base = &wake_count, .iov_len = sizeof(wake_count) };
-    int * free_slots = malloc((size_t) f->depth * sizeof(int));
-    int * unsent = malloc((size_t) f->depth * sizeof(int)); // slots taken from the queue, then those the kernel has not taken
-    if (free_slots == NULL || unsent == NULL) {
-        PI2_LOG_ERROR("pi2: sidecar %s: out of memory for the read ring; reads stop\n", f->path);
-        free(free_slots);
-        free(unsent);
+    int * done_k = malloc((size_t) f->depth * sizeof(int));
+    int32_t * done_res = malloc((size_t) f->depth * sizeof(int32_t));
+    int * sync_k = malloc((size_t) f->depth * sizeof(int));
+    if (done_k == NULL || done_res == NULL || sync_k == NULL) { // (the ring's memory was just allocated)
+        PI2_LOG_ERROR("pi2: sidecar %s: out of memory for the read ring's thread\n", f->path);
+        free(done_k), free(done_res), free(sync_k);
         return NULL;
     }
-    int n_free = f->depth, n_unsent = 0, busy = 0;
-    for (int k = 0; k < f->depth; ++k) {
-        free_slots[k] = f->depth - 1 - k;
-    }
-    size_t in_flight = 0;
-    bool armed = false, ring_ok = true;
     for (;;) {
-        if (!armed && ring_ok) {
-            armed = pi2_ring_readv(f->ring, f->wake_fd, &wake_iov, 1, 0, PI2_RING_WAKE);
-        }
         pthread_mutex_lock(&f->lock);
-        const bool stop = f->stop;
-        while (!stop && f->n_batches > 0 && n_free > 0 && (in_flight < f->in_flight_max || in_flight == 0)) {
-            const int k = free_slots[--n_free];
-            struct pi2_ring_slot * sl = &f->slots[k];
-            sl->r     = pi2_take_req(f);
-            sl->bytes = pi2_req_bytes(sl->r);
-            in_flight += sl->bytes;
-            unsent[n_unsent++] = k; // marked for the ring below, outside the lock
+        while (!f->stop && f->busy == 0 && f->n_sync == 0) {
+            pthread_cond_wait(&f->wake, &f->lock);
         }
-        pthread_mutex_unlock(&f->lock);
-        int n_queued = 0;
-        for (int u = 0; u < n_unsent; ++u) {
-            const int k = unsent[u];
-            struct pi2_ring_slot * sl = &f->slots[k];
-            why[0] = '\0';
-            int e = pi2_injected_fault(f, sl->r, sl->bytes, why, sizeof(why));
-            const bool short_calls = e == 0 && pi2_short_reads(f);
-            bool queued = false;
-            if (e == 0 && !short_calls && ring_ok) {
-                const int m = pi2_merged_iov(sl->r, sl->iov);
-                const int fd = atomic_load(&f->direct) ? f->fd : f->fd_plain;
-                queued = pi2_ring_readv(f->ring, fd, sl->iov, (unsigned) m, sl->r->offset, (uint64_t) k);
-            }
-            if (queued) {
-                unsent[n_queued++] = k;
-                busy++;
-                continue;
-            }
-            if (e == 0) {
-                e = pi2_read_sync(f, sl->r, sl->bytes, short_calls, why, sizeof(why));
-            }
-            f->done(f->done_ctx, sl->r, e, why);
-            in_flight -= sl->bytes;
-            free_slots[n_free++] = k;
-        }
-        n_unsent = n_queued;
-        if (stop && busy == 0) {
-            break; // the wake-up read still pending is cancelled when the ring closes
-        }
-        if (n_unsent == 0 && busy == 0 && !armed) { // no ring left to wait in: wait for a batch
-            pthread_mutex_lock(&f->lock);
-            while (!f->stop && f->n_batches == 0) {
-                pthread_cond_wait(&f->wake, &f->lock);
-            }
+        if (f->stop && f->busy == 0) {
             pthread_mutex_unlock(&f->lock);
-            continue;
+            break;
         }
-        const int e = pi2_ring_enter(f->ring, ring_ok, 1);
-        if (e < 0) { // not transient: what the kernel did not take fails, the rest is read with preadv
-            PI2_LOG_ERROR("pi2: sidecar %s: io_uring_enter failed: %s; reading with preadv from now on\n", f->path,
-                          strerror(-e));
-            ring_ok = false;
-            for (int u = 0; u < n_unsent; ++u) {
-                struct pi2_ring_slot * sl = &f->slots[unsent[u]];
-                snprintf(why, sizeof(why), "sidecar %s: read of %zu bytes at offset %llu failed: io_uring_enter: %s",
-                         f->path, sl->bytes, (unsigned long long) sl->r->offset, strerror(-e));
-                f->done(f->done_ctx, sl->r, -e, why);
-                in_flight -= sl->bytes;
-                free_slots[n_free++] = unsent[u];
-                busy--;
+        const int n_sync = f->n_sync;
+        memcpy(sync_k, f->sync, (size_t) n_sync * sizeof(int));
+        f->n_sync = 0;
+        const bool wait = f->busy > 0;
+        pthread_mutex_unlock(&f->lock);
+        for (int u = 0; u < n_sync; ++u) {
+            struct pi2_ring_slot * sl = &f->slots[sync_k[u]];
+            if (sl->err == 0) {
+                sl->err = pi2_read_sync(f, sl->r, sl->bytes, sl->short_calls, sl->why, sizeof(sl->why));
             }
-            if (armed) {
-                armed = false; // never taken by the kernel either
+            f->done(f->done_ctx, sl->r, sl->err, sl->err != 0 ? sl->why : "");
+        }
+        int n_done = 0;
+        if (wait) {
+            // (only this thread takes completions; submitters enter the ring too, which the kernel allows)
+            const int e = pi2_ring_enter(f->ring, false, 1);
+            if (e < 0) {
+                PI2_LOG_ERROR("pi2: sidecar %s: waiting in io_uring_enter failed: %s\n", f->path, strerror(-e));
+            }
+            uint64_t user;
+            int32_t res;
+            while (n_done < f->depth && pi2_ring_complete(f->ring, &user, &res)) {
+                done_k[n_done]   = (int) user;
+                done_res[n_done] = res;
+                n_done++;
             }
         }
-        n_unsent = 0;
-        uint64_t user;
-        int32_t res;
-        while (pi2_ring_complete(f->ring, &user, &res)) {
-            if (user == PI2_RING_WAKE) {
-                armed = false;
-                continue;
-            }
-            const int k = (int) user;
-            struct pi2_ring_slot * sl = &f->slots[k];
-            why[0] = '\0';
+        for (int u = 0; u < n_done; ++u) {
+            struct pi2_ring_slot * sl = &f->slots[done_k[u]];
+            char why[512] = "";
             int err = 0;
-            if (res < 0 || (size_t) res != sl->bytes) {
+            if (done_res[u] < 0 || (size_t) done_res[u] != sl->bytes) {
                 err = pi2_read_sync(f, sl->r, sl->bytes, false, why, sizeof(why));
             }
             f->done(f->done_ctx, sl->r, err, why);
-            in_flight -= sl->bytes;
-            free_slots[n_free++] = k;
-            busy--;
         }
+        pthread_mutex_lock(&f->lock);
+        for (int u = 0; u < n_sync; ++u) {
+            pi2_ring_release(f, sync_k[u]);
+        }
+        for (int u = 0; u < n_done; ++u) {
+            pi2_ring_release(f, done_k[u]);
+        }
+        f->busy -= n_done;
+        if (!f->stop) {
+            pi2_ring_pump(f);
+        }
+        pthread_mutex_unlock(&f->lock);
     }
-    free(free_slots);
-    free(unsent);
+    free(done_k), free(done_res), free(sync_k);
     return NULL;
 }
 
-// The io_uring engine's ring, wake-up eventfd and slots for n_threads requests; false (the thread pool
-// reads) where io_uring is unavailable, said at the info level.
+// The io_uring engine's ring and slots for n_threads requests; false (the thread pool reads) where io_uring
+// is unavailable, said at the info level.
 static bool pi2_ring_start(struct pi2_bundle_file * f, int n_threads) {
     char why[256];
-    if (pi2_ring_open(&f->ring, (unsigned) n_threads + 1, why, sizeof(why)) != 0) {
+    if (pi2_ring_open(&f->ring, (unsigned) n_threads, why, sizeof(why)) != 0) {
         PI2_LOG_INFO("pi2: %s; bundle reads use %d I/O threads\n", why, n_threads);
         return false;
     }
-    f->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    f->slots   = calloc((size_t) n_threads, sizeof(*f->slots));
-    if (f->wake_fd < 0 || f->slots == NULL) {
-        PI2_LOG_INFO("pi2: no eventfd or memory for the read ring; bundle reads use %d I/O threads\n", n_threads);
+    f->slots      = calloc((size_t) n_threads, sizeof(*f->slots));
+    f->free_slots = calloc((size_t) n_threads, sizeof(int));
+    f->unsent     = calloc((size_t) n_threads, sizeof(int));
+    f->sync       = calloc((size_t) n_threads, sizeof(int));
+    if (f->slots == NULL || f->free_slots == NULL || f->unsent == NULL || f->sync == NULL) {
+        PI2_LOG_INFO("pi2: no memory for the read ring; bundle reads use %d I/O threads\n", n_threads);
         pi2_ring_close(f->ring);
         f->ring = NULL;
-        if (f->wake_fd >= 0) {
-            close(f->wake_fd);
-        }
-        f->wake_fd = -1;
-        free(f->slots);
-        f->slots = NULL;
         return false;
     }
-    f->depth = n_threads;
+    f->depth   = n_threads;
+    f->ring_ok = true;
+    for (int k = 0; k < n_threads; ++k) {
+        f->free_slots[f->n_free++] = n_threads - 1 - k;
+    }
     return true;
 }
 
@@ -418,7 +422,7 @@ int pi2_bundle_file_open(struct pi2_bundle_file ** out, const char * path, int n
         snprintf(err, errlen, "sidecar %s: out of memory", path);
         return -1;
     }
-    f->fd = f->fd_plain = f->wake_fd = -1;
+    f->fd = f->fd_plain = -1;
     f->done     = done;
     f->done_ctx = done_ctx;
     f->fd_plain = open(path, O_RDONLY | O_CLOEXEC);
@@ -478,7 +482,6 @@ void pi2_bundle_file_close(struct pi2_bundle_file * f) {
         f->stop = true;
         pthread_cond_broadcast(&f->wake);
         pthread_mutex_unlock(&f->lock);
-        pi2_ring_wake(f);
         for (int k = 0; k < f->n_threads; ++k) {
             pthread_join(f->threads[k], NULL);
         }
@@ -486,10 +489,10 @@ void pi2_bundle_file_close(struct pi2_bundle_file * f) {
         pthread_cond_destroy(&f->wake);
     }
     pi2_ring_close(f->ring); // after its thread: nothing of ours is in flight
-    if (f->wake_fd >= 0) {
-        close(f->wake_fd);
-    }
     free(f->slots);
+    free(f->free_slots);
+    free(f->unsent);
+    free(f->sync);
     if (f->fd >= 0 && f->fd != f->fd_plain) {
         close(f->fd);
     }
@@ -512,13 +515,14 @@ void pi2_bundle_file_submit(struct pi2_bundle_file * f, struct pi2_io_req * reqs
     }
     f->queue[(f->head + f->n_batches) % PI2_IO_MAX_BATCHES] = (struct pi2_io_batch) { .reqs = reqs, .n = n, .next = 0 };
     f->n_batches++;
-    if (n == 1 || f->ring != NULL) {
+    if (f->ring != NULL) {
+        pi2_ring_pump(f);
+    } else if (n == 1) {
         pthread_cond_signal(&f->wake);
     } else {
         pthread_cond_broadcast(&f->wake);
     }
     pthread_mutex_unlock(&f->lock);
-    pi2_ring_wake(f);
 }
 
 int pi2_bundle_file_read(struct pi2_bundle_file * f, void * dst, size_t n, uint64_t off, char * err, size_t errlen) {

@@ -48,17 +48,10 @@ static void pi2_store_release(unsigned * p, unsigned v) {
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
 
+// No IORING_SETUP_COOP_TASKRUN: a read's completion runs as task work on the thread that submitted it, often a
+// compute thread; without an interruption it would wait until that thread next entered the kernel.
 static int pi2_ring_setup(unsigned entries, struct io_uring_params * p) {
     memset(p, 0, sizeof(*p));
-#    ifdef IORING_SETUP_COOP_TASKRUN
-    // completions are run when the ring's thread enters the kernel anyway: no interrupt to tell it (5.19+)
-    p->flags = IORING_SETUP_COOP_TASKRUN;
-    const long fd = syscall(__NR_io_uring_setup, entries, p);
-    if (fd >= 0 || errno != EINVAL) {
-        return (int) fd;
-    }
-    memset(p, 0, sizeof(*p));
-#    endif
     return (int) syscall(__NR_io_uring_setup, entries, p);
 }
 
@@ -171,7 +164,9 @@ int pi2_ring_enter(struct pi2_ring * ring, bool submit, unsigned min_complete) {
         const unsigned n = submit ? ring->unsubmitted : 0;
         const long r = syscall(__NR_io_uring_enter, ring->fd, n, min_complete, flags, NULL, 0);
         if (r >= 0) {
-            ring->unsubmitted -= (unsigned) r < n ? (unsigned) r : n;
+            if (n > 0) { // (a thread that only waits leaves the count to the submitters)
+                ring->unsubmitted -= (unsigned) r < n ? (unsigned) r : n;
+            }
             if (ring->unsubmitted == 0 || !submit || min_complete > 0) {
                 return 0;
             }

@@ -1,9 +1,9 @@
-// A minimal io_uring: one submission and one completion ring, driven by one thread, through the raw
-// system calls (no liburing: the plugin carries what it needs). Bundle reads go through it where the
-// kernel allows (bundle_io.c): a pool of threads blocking in preadv costs two context switches and a
-// futex a request, which on a 2-core device took CPU from compute at ~30,000 small requests a second.
-// Where io_uring is missing (not Linux, an old kernel, a seccomp filter), pi2_ring_open fails and the
-// thread pool reads instead.
+// A minimal io_uring: one submission and one completion ring, through the raw system calls (no liburing:
+// the plugin carries what it needs). Bundle reads go through it where the kernel allows (bundle_io.c): a
+// pool of threads blocking in preadv costs two context switches and a futex a request. Where io_uring is
+// missing (not Linux, an old kernel, a seccomp filter), pi2_ring_open fails and the thread pool reads.
+// Not thread-safe: the caller serializes queueing and submitting; one thread may wait and take
+// completions (pi2_ring_enter with submit false, pi2_ring_complete) while another submits.
 #pragma once
 
 #include <stdbool.h>
