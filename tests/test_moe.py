@@ -324,7 +324,7 @@ def test_moe_sidecar_of_another_model_is_refused(moe_sidecar: tuple[Path, Path],
 
 @pytest.mark.parametrize("cache_max,ahead,guess,engine", [
     ("1MiB", "0", "off", None), ("1MiB", "16", "off", None), ("8MiB", "16", "off", None), ("1MiB", "16", "router", None),
-    ("8MiB", "16", "router", None), ("1MiB", "16", "router", "uring")])
+    ("8MiB", "16", "router", None), ("1MiB", "16", "router", "threads")])
 def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_max: str, ahead: str, guess: str,
                                         engine: str | None) -> None:
     """Under a memory budget the experts live in the sidecar on flash: each routed expert's active neurons are read
@@ -333,8 +333,8 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
     the next layer's experts guessed and read ahead (PI2_EXPERT_GUESS), in a cache with room to read ahead (8 MiB)
     or hardly any (1 MiB). (In RAM the pairs run one per thread, on flash in turn on both threads.) The prompt too runs
     token by token on both (PI2_SPARSE_BATCH 64): on flash a prompt batch otherwise runs expert by expert as a batch
-    (test_moe_flash_prompt_batches_read_each_expert_once). Bundles are read on I/O threads, an MoE sidecar's
-    default (PI2_IO_ENGINE), or through io_uring."""
+    (test_moe_flash_prompt_batches_read_each_expert_once). Bundles are read through io_uring (PI2_IO_ENGINE's default
+    where the kernel allows it) or on I/O threads."""
     model, sidecar = moe_sidecar
     same_engine = {"sparse_batch": 64, "down_sparse_max": 1.0}
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", n_ctx=256, n_threads=2, verbose=False,
@@ -356,7 +356,7 @@ def test_moe_flash_decode_equals_in_ram(moe_sidecar: tuple[Path, Path], cache_ma
     finally:
         flash.close()
     assert got == want and np.array_equal(got_logits, want_logits)
-    assert info is not None and info.io_ring == (engine == "uring" and io_uring_available())
+    assert info is not None and info.io_ring == (engine != "threads" and io_uring_available())
     assert int(c.misses.sum()) > 0 and int(c.bytes_read.sum()) > 0
     # every token (prompt too: on flash all batches run the engine) through n_expert_used = 2 experts in each layer;
     # llama prunes the last layer to the tokens whose logits it returns (the prompt's last, then each step's)

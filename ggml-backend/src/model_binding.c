@@ -146,12 +146,6 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     if (b->sc->output_rows >= 0 && !config->set[PI2_SET_OUTPUT_ROWS]) {
         atomic_store(&b->settings.v[PI2_SET_OUTPUT_ROWS], (double) b->sc->output_rows);
     }
-    // MoE decode reads small bundles in dependent steps (router, expert, predictor), where a thread blocked per
-    // read answers sooner than the ring: 10% faster on the SmallThinker-shaped model, whose prompts are faster
-    // through the ring; dense layers' large reads are faster through it (2026-11-26)
-    if (b->sc->n_expert > 0 && !config->set[PI2_SET_IO_ENGINE]) {
-        atomic_store(&b->settings.v[PI2_SET_IO_ENGINE], 0.0);
-    }
     b->layer = calloc(b->sc->n_layer, sizeof(*b->layer));
     if (b->layer == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
