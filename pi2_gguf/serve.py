@@ -9,6 +9,7 @@ else (settings, chat formats, locking of concurrent requests) is the server's ow
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -160,11 +161,7 @@ def build_app(cfg: ServeConfig) -> tuple[Any, Any]:
         # n_ctx x n_vocab floats, 100 MB for SmolLM2 at n_ctx 512, for the `logprobs` option, which then
         # is refused)
         ms.update(use_mmap=False, n_batch=BUDGET_N_BATCH, n_ubatch=BUDGET_N_BATCH, logits_all=False)
-
-    def factory(*args: Any, **kwargs: Any) -> Llama:
-        if cfg.memory_budget is not None and kwargs.get("n_batch") == BUDGET_N_BATCH:
-            del kwargs["n_batch"]  # Llama's own default, with its fallback where the budget is tight
-        return Llama(*args, sidecar=cfg.sidecar, mode=cfg.mode, memory_budget=cfg.memory_budget, **kwargs)
+    factory = functools.partial(Llama, sidecar=cfg.sidecar, mode=cfg.mode, memory_budget=cfg.memory_budget)
 
     with _llama_class_is(factory):
         app = server_app.create_app(server_settings=ServerSettings(host=cfg.host, port=cfg.port),

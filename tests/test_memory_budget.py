@@ -510,42 +510,6 @@ def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[
     llm.close()
 
 
-def test_budget_batch_is_128_or_32_where_only_that_fits(relu_model: tuple[Path, Path, list],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a budget n_batch defaults to 128 (a prompt reads each layer's bundles once per 128 tokens); a
-    budget that fits llama's compute buffers only for batches of 32 loads at 32 instead of failing, and a
-    budget too small for either states the minimum at 32. The test model's buffers differ by only ~2 MB
-    between 128 and 32, so the fallback is shown with a default of 1024 (tens of MB apart)."""
-    from pi2_gguf.runtime import memory_budget as budgets
-
-    model, sidecar, _ = relu_model
-    roomy = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget="1GB", n_ctx=256, n_threads=2, verbose=False)
-    assert roomy.n_batch == budgets.N_BATCH == 128
-    roomy.close()
-    monkeypatch.setattr(budgets, "N_BATCH", 1024)
-    below = _minimum(model, sidecar) + 1_000_000  # past the lower bound checked before loading, below the plugin's
-
-    def plugin_minimum(**kwargs: int) -> int:
-        with pytest.raises(MemoryBudgetError) as e:
-            pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=below, n_ctx=1024, n_threads=2, verbose=False,
-                           **kwargs)
-        m = re.search(r"needs at least (\d+) MB", str(e.value))
-        assert m, str(e.value)
-        return int(m.group(1)) * 1_000_000
-
-    at_1024 = plugin_minimum(n_batch=1024)
-    at_32 = plugin_minimum()  # the default tries 1024, then 32: the error is the second load's
-    assert abs(at_32 - plugin_minimum(n_batch=32)) <= 2_000_000  # the resident memory of a load varies by a MB
-    assert at_1024 - at_32 >= 10_000_000, (at_1024, at_32)
-    tight = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=(at_32 + at_1024) // 2, n_ctx=1024,
-                           n_threads=2, verbose=False)
-    assert tight.n_batch == 32
-    tight.close()
-    with pytest.raises(MemoryBudgetError):  # a batch the caller chose is not changed
-        pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=(at_32 + at_1024) // 2, n_ctx=1024, n_threads=2,
-                       verbose=False, n_batch=1024)
-
-
 def test_budget_too_small_states_the_minimum(relu_model: tuple[Path, Path, list]) -> None:
     model, sidecar, _ = relu_model
     with pytest.raises(MemoryBudgetError, match=r"memory budget 50 MB is too small .* needs (at least|more than) \d+ MB"):

@@ -66,6 +66,9 @@ struct pi2_bundle_file {
     int *                  free_slots, n_free;
     int *                  unsent;         // slots queued in the ring by one pump, until submitted
     int *                  sync, n_sync;   // slots the ring's thread finishes without the ring
+    int *                  sync_k;         // the ring's thread's copies: of sync, and of the completions
+    int *                  done_k;         // it takes (slot and result)
+    int32_t *              done_res;
     int                    busy;           // slots the kernel is reading
     size_t                 ring_in_flight; // bytes of the slots taken from the queue and not finished
 
@@ -317,14 +320,8 @@ static void pi2_ring_release(struct pi2_bundle_file * f, int k) {
 // reports errors as the threads do), and refills the ring from the queue.
 static void * pi2_ring_thread(void * arg) {
     struct pi2_bundle_file * f = arg;
-    int * done_k = malloc((size_t) f->depth * sizeof(int));
-    int32_t * done_res = malloc((size_t) f->depth * sizeof(int32_t));
-    int * sync_k = malloc((size_t) f->depth * sizeof(int));
-    if (done_k == NULL || done_res == NULL || sync_k == NULL) { // (the ring's memory was just allocated)
-        PI2_LOG_ERROR("pi2: sidecar %s: out of memory for the read ring's thread\n", f->path);
-        free(done_k), free(done_res), free(sync_k);
-        return NULL;
-    }
+    int * done_k = f->done_k, * sync_k = f->sync_k;
+    int32_t * done_res = f->done_res;
     for (;;) {
         pthread_mutex_lock(&f->lock);
         while (!f->stop && f->busy == 0 && f->n_sync == 0) {
@@ -383,7 +380,6 @@ static void * pi2_ring_thread(void * arg) {
         }
         pthread_mutex_unlock(&f->lock);
     }
-    free(done_k), free(done_res), free(sync_k);
     return NULL;
 }
 
@@ -399,7 +395,11 @@ static bool pi2_ring_start(struct pi2_bundle_file * f, int n_threads) {
     f->free_slots = calloc((size_t) n_threads, sizeof(int));
     f->unsent     = calloc((size_t) n_threads, sizeof(int));
     f->sync       = calloc((size_t) n_threads, sizeof(int));
-    if (f->slots == NULL || f->free_slots == NULL || f->unsent == NULL || f->sync == NULL) {
+    f->sync_k     = calloc((size_t) n_threads, sizeof(int));
+    f->done_k     = calloc((size_t) n_threads, sizeof(int));
+    f->done_res   = calloc((size_t) n_threads, sizeof(int32_t));
+    if (f->slots == NULL || f->free_slots == NULL || f->unsent == NULL || f->sync == NULL || f->sync_k == NULL ||
+        f->done_k == NULL || f->done_res == NULL) { // (freed when the file closes)
         PI2_LOG_INFO("pi2: no memory for the read ring; bundle reads use %d I/O threads\n", n_threads);
         pi2_ring_close(f->ring);
         f->ring = NULL;
@@ -493,6 +493,9 @@ void pi2_bundle_file_close(struct pi2_bundle_file * f) {
     free(f->free_slots);
     free(f->unsent);
     free(f->sync);
+    free(f->sync_k);
+    free(f->done_k);
+    free(f->done_res);
     if (f->fd >= 0 && f->fd != f->fd_plain) {
         close(f->fd);
     }

@@ -22,9 +22,10 @@ from .native import ModelSummary
 MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
 # n_batch (and n_ubatch) under a budget: llama sizes its compute buffers by it, and a prompt batch reads each
 # layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
-# Qwen2.5-1.5B's 6%, decode unchanged, 5-7 MB less neuron cache.
-N_BATCH = 128
-N_BATCH_SMALL = 32  # where the budget fits only the compute buffers of smaller batches
+# Qwen2.5-1.5B's 6%, decode unchanged, but 5-10 MB less neuron cache, which tight budgets do not have (the
+# dReLU 1.5B under 480 MB needs 487 MB at 128); loading again at 32 after a refusal kept 5-25 MB of the first
+# load resident. So 32, and 128 is the caller's choice.
+N_BATCH = 32
 
 
 def parse_size(value: str | int | float, what: str = "memory budget") -> int:
