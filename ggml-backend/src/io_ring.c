@@ -55,6 +55,16 @@ static int pi2_ring_setup(unsigned entries, struct io_uring_params * p) {
     return (int) syscall(__NR_io_uring_setup, entries, p);
 }
 
+// maps one of the ring's areas into *out (MAP_FAILED stays there on failure, with err naming `what`)
+static bool pi2_ring_map(int fd, size_t len, off_t off, const char * what, void ** out, char * err, size_t errlen) {
+    *out = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, off);
+    if (*out == MAP_FAILED) {
+        snprintf(err, errlen, "mapping the io_uring %s: %s", what, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
 int pi2_ring_open(struct pi2_ring ** out, unsigned entries, char * err, size_t errlen) {
     *out = NULL;
     struct pi2_ring * ring = calloc(1, sizeof(*ring));
@@ -78,30 +88,20 @@ int pi2_ring_open(struct pi2_ring ** out, unsigned entries, char * err, size_t e
     if (single && ring->cq_map_len > ring->sq_map_len) {
         ring->sq_map_len = ring->cq_map_len;
     }
-    ring->sq_map = mmap(NULL, ring->sq_map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring->fd,
-                        IORING_OFF_SQ_RING);
-    if (ring->sq_map == MAP_FAILED) {
-        snprintf(err, errlen, "mapping the io_uring submission ring: %s", strerror(errno));
+    ring->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
+    void * sqes = MAP_FAILED;
+    const bool mapped =
+        pi2_ring_map(ring->fd, ring->sq_map_len, IORING_OFF_SQ_RING, "submission ring", &ring->sq_map, err, errlen) &&
+        (single || pi2_ring_map(ring->fd, ring->cq_map_len, IORING_OFF_CQ_RING, "completion ring", &ring->cq_map, err,
+                                errlen)) &&
+        pi2_ring_map(ring->fd, ring->sqes_len, IORING_OFF_SQES, "submissions", &sqes, err, errlen);
+    ring->sqes = sqes;
+    if (!mapped) {
         pi2_ring_close(ring);
         return -1;
     }
     if (single) {
         ring->cq_map = ring->sq_map;
-    } else {
-        ring->cq_map = mmap(NULL, ring->cq_map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring->fd,
-                            IORING_OFF_CQ_RING);
-        if (ring->cq_map == MAP_FAILED) {
-            snprintf(err, errlen, "mapping the io_uring completion ring: %s", strerror(errno));
-            pi2_ring_close(ring);
-            return -1;
-        }
-    }
-    ring->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
-    ring->sqes = mmap(NULL, ring->sqes_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring->fd, IORING_OFF_SQES);
-    if (ring->sqes == MAP_FAILED) {
-        snprintf(err, errlen, "mapping the io_uring submissions: %s", strerror(errno));
-        pi2_ring_close(ring);
-        return -1;
     }
     char * sq = ring->sq_map;
     char * cq = ring->cq_map;
