@@ -41,7 +41,8 @@ cold page cache (pi2_gguf.bench.cgroup). Rows:
   - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
     pi2 keep")
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
-decode time, the neuron cache's hit rate (and for an MoE model the share of routed experts that read
+decode time, the disk's busy share of decode time (its io_ticks: near 100% the row is disk-bound, and only
+fewer bytes make it faster), the neuron cache's hit rate (and for an MoE model the share of routed experts that read
 nothing), and ratios.
 
     pi2-gguf bench MODEL.gguf --memory-limit 600MB [--read-bps 1GB] [--rounds 3] [--decode text] [--json]

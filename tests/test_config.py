@@ -36,6 +36,7 @@ MALFORMED = {
     "PI2_CACHE_MAX": ["600MBs", "lots"],
     "PI2_COLD_SHARE": ["abc", "0.95"],
     "PI2_OUTPUT_ROWS": ["abc", "4097", "-1", "1.5"],
+    "PI2_OUTPUT_COPY": ["q4_0", "Q2_K", "2"],
     "PI2_EXPERT_AHEAD": ["abc", "65", "-1", "2.5"],
     "PI2_EXPERT_GUESS": ["on", "ROUTER", "1x"],
     "PI2_MODE": ["fast"],

@@ -630,6 +630,7 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     rounds, pi2 reading bundles from flash within the limit, and the table's per-round ratio ranges."""
     from pi2_gguf.bench.memory_limit import Row, format_table
     from pi2_gguf.cli import main
+    from pi2_gguf.runtime.isolated import _disk_busy_ms
 
     model, sidecar, _ = relu_model
     limit = _minimum(model, sidecar) + 40_000_000
@@ -657,6 +658,11 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     # the cache's segments fit the limit (with the model's other weights) and the in-RAM run has none
     assert pi2["hot_mb"] > 0 and pi2["cold_mb"] > 0 and (pi2["hot_mb"] + pi2["cold_mb"]) * 1e6 < limit
     assert ram["hot_mb"] == ram["cold_mb"] == 0
+    # the disk's busy share over decode: the budgeted row reads its misses from the sidecar's device (cold cache)
+    if _disk_busy_ms(sidecar) is not None:
+        assert 0 <= pi2["disk_busy_share"] <= 1
+    else:  # not on a block device here: the column says so
+        assert pi2["disk_busy_share"] == -1
 
     def row(d: dict) -> Row:
         return Row(**{**d, "rounds": [Row(**x) for x in d["rounds"]]})

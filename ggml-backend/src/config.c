@@ -41,6 +41,7 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
     [PI2_SET_CACHE_MAX]         = { "PI2_CACHE_MAX", PI2_KIND_SIZE, 0, 0x1p50, 0, NULL, NULL },
     [PI2_SET_COLD_SHARE]        = { "PI2_COLD_SHARE", PI2_KIND_FRACTION, 0, 0.9, 0, "a fraction", NULL },
     [PI2_SET_OUTPUT_ROWS]       = { "PI2_OUTPUT_ROWS", PI2_KIND_COUNT, 0, 4096, 0, "a number of rows", NULL },
+    [PI2_SET_OUTPUT_COPY]       = { "PI2_OUTPUT_COPY", PI2_KIND_SWITCH, 0, 1, 0, "q2_k", "q3_k" },
     [PI2_SET_EXPERT_AHEAD]      = { "PI2_EXPERT_AHEAD", PI2_KIND_COUNT, 0, 64, 16, "a number of routed experts", NULL },
     [PI2_SET_EXPERT_GUESS]      = { "PI2_EXPERT_GUESS", PI2_KIND_SWITCH, 0, 1, 1, "router", "off" },
 };

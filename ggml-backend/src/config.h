@@ -30,6 +30,7 @@ enum pi2_setting {
     PI2_SET_CACHE_MAX,         // flash: neuron cache cap below what the budget allows (0: none)
     PI2_SET_COLD_SHARE,        // flash: share of the cache kept cold beyond one layer
     PI2_SET_OUTPUT_ROWS,       // flash: output matrix left in the model file, this many exact rows a token (0: in RAM)
+    PI2_SET_OUTPUT_COPY,       // flash, PI2_OUTPUT_ROWS > 0: the output matrix's in-RAM copy in 1: Q2_K (q2_k), 0: Q3_K (q3_k)
     PI2_SET_EXPERT_AHEAD,      // flash, MoE: routed (token, expert) pairs whose reads are issued before the first computes
     PI2_SET_EXPERT_GUESS,      // flash, MoE: 1: the next layer's experts guessed and read ahead (router), 0: not (off)
     PI2_N_SETTINGS,

@@ -89,8 +89,8 @@ static void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_t
     }
     if (bc->binding != NULL && pi2_output_matches(bc->binding->output, tensor)) {
         atomic_store(&bc->binding->uploading, true);
-        pi2_output_upload(bc->binding->output, (int64_t) pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS), data, offset,
-                          size);
+        pi2_output_upload(bc->binding->output, (int64_t) pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS),
+                          pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_COPY) > 0, data, offset, size);
         return;
     }
     if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse(tensor->name, &layer, &m)) {

@@ -167,7 +167,7 @@ static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * pat
     const struct ggml_tensor * ot = output >= 0 ? ggml_get_tensor(f->meta, PI2_OUTPUT_NAME) : NULL;
     if (ot != NULL && ggml_n_dims(ot) == 2) {
         out->output_bytes = gguf_get_tensor_size(f->gguf, output);
-        const enum ggml_type copy = pi2_output_copy_type(ot->type, ot->ne[0]);
+        const enum ggml_type copy = pi2_output_copy_type(ot->type, ot->ne[0], false); // the larger copy: a bound
         out->output_copy_bytes = copy != GGML_TYPE_COUNT ? ggml_row_size(copy, ot->ne[0]) * (uint64_t) ot->ne[1] : 0;
     }
     return 0;

@@ -22,7 +22,7 @@ int pi2_output_open(const char * model_path, struct pi2_output ** out, char * er
         return rc;
     }
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(t->type);
-    const enum ggml_type proxy = pi2_output_copy_type(t->type, t->n_embd);
+    const enum ggml_type proxy = pi2_output_copy_type(t->type, t->n_embd, false);
     if (proxy == GGML_TYPE_COUNT || tt->vec_dot == NULL ||
         (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL)) {
         pi2_embedding_free(t);
@@ -60,7 +60,7 @@ static void pi2_output_fail(struct pi2_output * o, const char * what) {
     atomic_store(&o->built, -1);
 }
 
-void pi2_output_upload(struct pi2_output * o, int64_t n_exact, const void * data, size_t offset, size_t size) {
+void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size) {
     const struct pi2_embedding * t = o->table;
     if (atomic_load(&o->built) < 0) {
         return;
@@ -78,6 +78,11 @@ void pi2_output_upload(struct pi2_output * o, int64_t n_exact, const void * data
         return;
     }
     if (o->proxy == NULL) {
+        const enum ggml_type proxy = pi2_output_copy_type(t->type, t->n_embd, small);
+        if (proxy != GGML_TYPE_COUNT) {
+            o->proxy_type     = proxy;
+            o->proxy_row_size = ggml_row_size(proxy, t->n_embd);
+        }
         o->proxy = malloc((size_t) t->n_rows * o->proxy_row_size);
         if (o->proxy == NULL) {
             pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");

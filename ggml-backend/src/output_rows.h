@@ -18,10 +18,12 @@
 #define PI2_OUTPUT_NAME "output.weight"
 
 // The type of the in-RAM copy of an output matrix of `type` with rows of n_embd: Q3_K (3.44 bits a weight,
-// 15% relative error on random rows) where a row holds whole 256-value blocks, else Q4_0 (4.5 bits);
-// GGML_TYPE_COUNT when that would not be smaller than the matrix (nothing to gain).
-static inline enum ggml_type pi2_output_copy_type(enum ggml_type type, int64_t n_embd) {
-    const enum ggml_type t = n_embd % 256 == 0 ? GGML_TYPE_Q3_K : n_embd % 32 == 0 ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
+// 15% relative error on random rows), or Q2_K (2.63 bits) where `small` (PI2_OUTPUT_COPY=q2_k), where a row
+// holds whole 256-value blocks, else Q4_0 (4.5 bits); GGML_TYPE_COUNT when that would not be smaller than the
+// matrix (nothing to gain).
+static inline enum ggml_type pi2_output_copy_type(enum ggml_type type, int64_t n_embd, bool small) {
+    const enum ggml_type k = small ? GGML_TYPE_Q2_K : GGML_TYPE_Q3_K;
+    const enum ggml_type t = n_embd % 256 == 0 ? k : n_embd % 32 == 0 ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
     return t != GGML_TYPE_COUNT && ggml_row_size(t, n_embd) < ggml_row_size(type, n_embd) ? t : GGML_TYPE_COUNT;
 }
 
@@ -44,8 +46,9 @@ void pi2_output_free(struct pi2_output * o);
 bool pi2_output_matches(const struct pi2_output * o, const struct ggml_tensor * t);
 
 // llama uploads whole rows of the matrix: compared with the file, then turned into the in-RAM copy and
-// dropped. n_exact: this model's PI2_OUTPUT_ROWS.
-void pi2_output_upload(struct pi2_output * o, int64_t n_exact, const void * data, size_t offset, size_t size);
+// dropped. n_exact: this model's PI2_OUTPUT_ROWS; small: its PI2_OUTPUT_COPY (the copy's type is fixed by the
+// first upload).
+void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size);
 
 // The whole matrix was uploaded, matched the file and has its copy; otherwise false with o->error set.
 bool pi2_output_ready(struct pi2_output * o);

@@ -25,6 +25,8 @@ class Row:
     disk_read_mb: float = 0.0        # the whole run, load included (blkio)
     read_per_token_mb: float = 0.0   # during decode (/proc/self/io of the process)
     io_wait_share: float = 0.0       # pi2: time decode threads waited for bundles / decode time
+    disk_busy_share: float = -1.0    # time the model's (pi2 under a budget: the sidecar's) disk had reads in flight
+                                     # during decode / decode time; -1: not a block device
     cache_hit_rate: float = 0.0      # pi2: bundles found in the hot or cold segment / bundles needed
     expert_hit_rate: float = 0.0     # pi2, MoE: routed (token, expert) pairs that read nothing / pairs routed
     expert_guess_rate: float = 0.0   # pi2, MoE: routed experts (distinct a batch) read ahead on the router's guess
@@ -76,6 +78,8 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         row.read_per_token_mb = g.io.get("process_read_bytes", 0) / steps / 1e6
         if g.decode_seconds > 0:
             row.io_wait_share = g.io.get("io_wait_s", 0.0) / g.decode_seconds
+            if "disk_busy_s" in g.io:
+                row.disk_busy_share = min(g.io["disk_busy_s"] / g.decode_seconds, 1.0)
         needed = g.io.get("hot_hits", 0) + g.io.get("cold_hits", 0) + g.io.get("misses", 0)
         if needed:
             row.cache_hit_rate = 1.0 - g.io["misses"] / needed
@@ -96,8 +100,8 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
     failed = rows[-1] if series.failure else None
     out = replace(failed or rows[0], rounds=list(rows) if len(rows) > 1 else [])
     if failed is None:
-        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "cache_hit_rate",
-                     "expert_hit_rate", "expert_guess_rate", "hot_mb", "cold_mb"):
+        for name in ("prompt_tps", "decode_tps", "disk_read_mb", "read_per_token_mb", "io_wait_share", "disk_busy_share",
+                     "cache_hit_rate", "expert_hit_rate", "expert_guess_rate", "hot_mb", "cold_mb"):
             setattr(out, name, series.median(name))
     out.peak_mb = max(r.peak_mb for r in rows)
     return out
@@ -137,17 +141,18 @@ def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row],
              + (f", {n_rounds} rounds in turn (medians; per-round ratio range)" if n_rounds > 1 else "")
              + (", decode evaluates held-out text (teacher forcing)" if decode == "text" else ""),
              "| configuration | status | prompt tok/s | decode tok/s | peak MB | disk read MB | read/token MB | I/O wait "
-             "| cache hot + cold MB | cache hits" + (" | expert hits | experts guessed" if moe else "") +
+             "| disk busy | cache hot + cold MB | cache hits" + (" | expert hits | experts guessed" if moe else "") +
              " | decode vs stock (repack off) | decode vs pi2 in RAM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moe else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moe else "")]
     for r in rows:
         ok = r.status == "ok"
         wait = f"{r.io_wait_share:.0%}" if ok and r.cache_hit_rate else "-"
         hits = f"{r.cache_hit_rate:.1%}" if ok and r.cache_hit_rate else "-"
+        busy = f"{r.disk_busy_share:.0%}" if ok and r.disk_busy_share >= 0 else "-"
         cache = f"{r.hot_mb:.0f} + {r.cold_mb:.0f}" if ok and (r.hot_mb or r.cold_mb) else "-"
         experts = ((f" | {r.expert_hit_rate:.1%} | {r.expert_guess_rate:.1%}" if ok and r.moe else " | - | -")
                    if moe else "")
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
-                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {cache} | {hits}{experts} | "
+                     f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {busy} | {cache} | {hits}{experts} | "
                      f"{_ratio(r, base)} | {_ratio(r, pi2_ram)} |")
     return "\n".join(lines)

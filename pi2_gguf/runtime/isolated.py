@@ -105,6 +105,18 @@ def _proc_read_bytes() -> int:
     return 0
 
 
+def _disk_busy_ms(path: str | Path) -> int | None:
+    """Milliseconds the block device holding path has had I/O in flight since boot (io_ticks, the 10th field of
+    /sys/dev/block/MAJ:MIN/stat); None where the file is not on a block device."""
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    try:
+        fields = stat.read_text().split()
+    except OSError:
+        return None
+    return int(fields[9]) if len(fields) > 9 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="greedy decoding in a fresh process, JSON out")
     ap.add_argument("--model", required=True)
@@ -154,16 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.pi2:
             reset_counters()
         read0 = [0]
+        busy0: list[int | None] = [None]
         at_decode: list = []
 
         def decode_starts() -> None:  # the I/O figures below are the decode's only
             read0[0] = _proc_read_bytes()
+            busy0[0] = _disk_busy_ms(args.memory_budget and args.sidecar or args.model)
             if args.pi2:
                 at_decode.append(read_counters())
 
         g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
                    prompt_limit=args.prompt_limit, after_prompt=decode_starts, forced=forced)
         g.io = {"process_read_bytes": _proc_read_bytes() - read0[0]}
+        busy = _disk_busy_ms(args.memory_budget and args.sidecar or args.model)
+        if busy is not None and busy0[0] is not None:
+            g.io["disk_busy_s"] = (busy - busy0[0]) / 1e3  # the device's, whoever read: other processes count too
         if args.pi2:
             c = read_counters()
             g.pi2_matmuls = int(c.matmul_calls.sum())
