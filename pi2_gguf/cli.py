@@ -333,7 +333,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
                   predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget,
                   bundle_type=args.bundle_type, down_type=args.down_type, bundle_type_layers=args.bundle_type_layers,
-                  output_rows=args.output_rows)
+                  output_rows=args.output_rows, output_copy=args.output_copy)
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -688,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "likely rows exactly (recorded in the sidecar as PI2_OUTPUT_ROWS, which overrides it; 0: "
                         f"none). Default {conv_mod.DEFAULT_OUTPUT_ROWS} where the model has an output matrix of its own "
                         "and the perplexity budget measures it")
+    p.add_argument("--output-copy", choices=fmt.OUTPUT_COPIES,
+                   help="the type of the output matrix's in-RAM copy under output rows (recorded as PI2_OUTPUT_COPY; "
+                        f"default: {conv_mod.SMALL_OUTPUT_COPY[0]} with {conv_mod.SMALL_OUTPUT_COPY[1]} exact rows where "
+                        "convert chose output rows and the perplexity budget holds it, else q3_k)")
     _add_profile_args(p)
     p.set_defaults(func=cmd_convert)
 

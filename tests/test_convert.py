@@ -486,6 +486,75 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
     assert again.ppl == pytest.approx(ppl, rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def mixed_silu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic SiLU model laid out as Q4_K_M lays out Qwen2.5: Q4_K gate and up rows, Q6_K down, and an output
+    matrix of its own (Q6_K, a copy of the token embedding)."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    from pi2_gguf.converter import synthetic
+    from settings import RELU_SHAPE
+
+    d = tmp_path_factory.mktemp("mixed")
+    f32 = d / "silu.gguf"
+    synthetic.make(f32, RELU_SHAPE, synthetic.Sparsity(density=0.5), "silu", QT.F32, calib_tokens=256,
+                   heldout_tokens=128, progress=False)
+    r = GGUFReader(f32)
+    out = d / "mixed.gguf"
+    w = GGUFWriter(out, str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
+    types = {"ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K}
+    for t in r.tensors:
+        data = np.array(t.data)
+        qt = next((q for suffix, q in types.items() if t.name.endswith(suffix)), None)
+        w.add_tensor(t.name, data if qt is None else bundles.quantize_rows(qt, data), raw_dtype=qt)
+        if t.name == "token_embd.weight":
+            w.add_tensor("output.weight", bundles.quantize_rows(QT.Q6_K, data.astype(np.float32)), raw_dtype=QT.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_budget_levers_are_measured_and_kept_within_the_budget(mixed_silu: Path, tmp_path: Path) -> None:
+    """With the default target and a budget that holds it, convert then measures the output matrix's copy in Q2_K
+    with 1,024 exact rows and the down columns at the rows' type (Q6_K downs at Q4_K), and keeps each within the
+    budget: the sidecar records both, and its recorded perplexity is the last one measured."""
+    from pi2_gguf.converter.convert import SMALL_OUTPUT_COPY, convert
+
+    res = convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                  perplexity_budget=100.0)  # +10,000%: a random model's perplexity moves a lot
+    kv = sidecar.read(res.path).kv
+    assert kv["pi2.budget.output_copy"] == SMALL_OUTPUT_COPY[0] and kv["pi2.budget.output_rows"] == SMALL_OUTPUT_COPY[1]
+    assert all(bundles.bits_per_weight(QT(t)) <= bundles.bits_per_weight(QT.Q4_K) for t in kv["pi2.bundle.down_type"])
+    n_layer = len(kv["pi2.n_ff"])
+    assert f"down columns at the gate/up rows' type in {n_layer} layers" in kv["pi2.quality.choice"]
+    assert "the rest from a Q2_K copy" in kv["pi2.quality.choice"]
+    assert sum("kept" in n for n in res.notes) == 2, res.notes
+
+
+def test_budget_levers_beyond_the_budget_are_dropped(mixed_silu: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same choice with the measurements scripted (dense 10.0; the target 10.1, the Q2_K copy 10.5, the
+    lowered down columns 10.2; budget +3%): the copy is beyond the budget and dropped (Q3_K with 64 rows stays
+    recorded as before), the down columns are kept, and the sidecar records 10.2."""
+    from pi2_gguf.converter import convert as convert_mod
+
+    measured = iter([10.0, 10.1, 10.5, 10.2])
+    monkeypatch.setattr(convert_mod, "_perplexity", lambda *a, **k: next(measured))
+    res = convert_mod.convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256,
+                              progress=False, perplexity_budget=0.03)
+    kv = sidecar.read(res.path).kv
+    assert "pi2.budget.output_copy" not in kv and kv["pi2.budget.output_rows"] == convert_mod.DEFAULT_OUTPUT_ROWS
+    assert all(bundles.bits_per_weight(QT(t)) <= bundles.bits_per_weight(QT.Q4_K) for t in kv["pi2.bundle.down_type"])
+    assert kv["pi2.quality.perplexity"] == pytest.approx(10.2)
+    assert any("Q2_K with 1024 exact rows: +5.0%, beyond the budget" in n for n in res.notes), res.notes
+    assert next(measured, None) is None  # dense, the target, and one candidate per lever
+
+
 def test_explicit_target_is_kept_and_measured(smol_sidecar: Path) -> None:
     """A target given (the suite's SmolLM2 sidecar: --sparsity 0.5) is kept; its perplexity is still recorded."""
     kv = sidecar.read(smol_sidecar).kv

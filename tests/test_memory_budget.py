@@ -78,6 +78,22 @@ def _minimum(model: Path, sidecar: Path, settings: dict[str, int] | None = None)
     return int(m.group(1)) * 1_000_000
 
 
+def _load_minimum(model: Path, sidecar: Path, settings: dict[str, int] | None = None) -> int:
+    """The plugin's own minimum for this model now, which counts what loading made resident: the budget it refuses
+    once loaded at the files' cheaper bound (_minimum); that bound where the load fits. The bound leaves the process's
+    growth out: after other tests have loaded and converted models in this process it fell 46 MB short."""
+    bound = _minimum(model, sidecar, settings) + 1_000_000  # it needs more than the bound
+    try:
+        llm = pi2_gguf.Llama(str(model), sidecar=sidecar, memory_budget=bound, n_ctx=256, n_threads=2, verbose=False,
+                             settings=settings)
+    except MemoryBudgetError as e:
+        m = re.search(r"needs at least (\d+) MB", str(e))
+        assert m, str(e)
+        return int(m.group(1)) * 1_000_000
+    llm.close()
+    return bound
+
+
 def _load_small_cache(model: Path, sidecar: Path, mode: str = "predicted",
                       settings: dict[str, str] | None = None) -> pi2_gguf.Llama:
     """A budget of 1 GB, its neuron cache capped at 6 MB (PI2_CACHE_MAX): the test model's 16 MB of bundles
@@ -426,10 +442,10 @@ def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: t
     model, sidecar, _ = relu_model
     untied = _untied_copy(model, tmp_path / "untied.gguf")
     # the minimum of the load that holds the output matrix in RAM: the larger of the two (by about the matrix,
-    # ~40 MB here), so both loads fit with room for a cache. Measured twice, the larger: the minimum follows the
-    # process's resident memory, and late in a test session a load leaves a few MB behind (glibc keeps freed
-    # small blocks), so the first measure fell 2 MB short of the load after it (make test, 2026-11-26)
-    budget = max(_minimum(untied, sidecar, {"output_rows": 0}) for _ in range(2)) + 40_000_000
+    # ~40 MB here), so both loads fit with room for a cache. The plugin's own minimum, measured twice, the larger:
+    # it follows the process's resident memory, and late in a test session a load leaves a few MB behind (glibc
+    # keeps freed small blocks), so one measure fell 2 MB short of the load after it (make test, 2026-11-26)
+    budget = max(_load_minimum(untied, sidecar, {"output_rows": 0}) for _ in range(2)) + 40_000_000
     sc = read_sidecar(sidecar)
     all_bundles = sum(sc.layout(il).size * sc.layout(il).n_bundles(int(sc.kv["pi2.n_ff"][il])) for il in range(sc.n_layer))
     out = next(t for t in GGUFReader(untied).tensors if t.name == "output.weight")
@@ -450,28 +466,42 @@ def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: t
 
 @pytest.fixture(scope="module")
 def relu_rows16(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The synthetic ReLU model's sidecar recording 16 output rows (convert --output-rows 16)."""
+    """The synthetic ReLU model's sidecar recording 16 output rows and a Q2_K copy (convert --output-rows 16
+    --output-copy q2_k)."""
     return convert(relu_model[0], tmp_path_factory.mktemp("rows16") / "rows16.pi2.gguf", train_tokens=2048,
-                   heldout_tokens=512, progress=False, perplexity_budget=None, output_rows=OUTPUT_ROWS).path
+                   heldout_tokens=512, progress=False, perplexity_budget=None, output_rows=OUTPUT_ROWS,
+                   output_copy="q2_k").path
 
 
 def test_output_rows_the_sidecar_records_apply_under_a_budget(relu_model: tuple[Path, Path, list], relu_rows16: Path,
                                                               tmp_path: Path) -> None:
-    """convert --output-rows 16 records pi2.budget.output_rows; under a budget the plugin then reads 16 exact rows
-    a token without being told, and the model's own setting (or PI2_OUTPUT_ROWS) overrides it. In RAM it does
-    nothing. Without --output-rows and without a perplexity check nothing is recorded."""
+    """convert --output-rows 16 --output-copy q2_k records pi2.budget.output_rows and pi2.budget.output_copy; under
+    a budget the plugin then reads 16 exact rows a token and computes the rest from a Q2_K copy without being told,
+    and the model's own settings (or PI2_OUTPUT_ROWS, PI2_OUTPUT_COPY) override them. In RAM they do nothing.
+    Without --output-rows and without a perplexity check nothing is recorded."""
     model, sidecar, _ = relu_model
-    assert read_sidecar(relu_rows16).kv["pi2.budget.output_rows"] == OUTPUT_ROWS
+    kv = read_sidecar(relu_rows16).kv
+    assert kv["pi2.budget.output_rows"] == OUTPUT_ROWS and kv["pi2.budget.output_copy"] == "q2_k"
     assert "pi2.budget.output_rows" not in read_sidecar(sidecar).kv
+    assert "pi2.budget.output_copy" not in read_sidecar(sidecar).kv
     untied = _untied_copy(model, tmp_path / "untied.gguf")
-    counted = []
-    for settings in (None, {"output_rows": 0}):
-        flash = _load_small_cache(untied, relu_rows16, settings=settings)
+    ram = pi2_gguf.Llama(str(untied), sidecar=relu_rows16, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
+    want = _steps(ram, 4)
+    ram.close()
+    counted, errors = [], []
+    for settings in (None, {"output_copy": "q3_k"}, {"output_rows": 0}):
+        flash = _load_small_cache(untied, relu_rows16, settings={**FLASH_SAME_ENGINE, **(settings or {})})
         pi2_gguf.reset_counters()
         got = _steps(flash, 4)
         counted.append(pi2_gguf.read_counters().output_rows)
         flash.close()
-    assert counted == [OUTPUT_ROWS * (len(got) + 1), 0]
+        inexact = [np.abs(g - w) > 1e-5 * np.abs(w).max() for g, w in zip(got, want)]
+        errors.append(max(float(np.linalg.norm(g[m] - w[m]) / np.linalg.norm(w[m])) if m.any() else 0.0
+                          for g, w, m in zip(got, want, inexact)))
+    assert counted == [OUTPUT_ROWS * (len(got) + 1)] * 2 + [0]
+    # the logits outside the exact rows: the recorded Q2_K copy's are coarser than Q3_K's; with the matrix in RAM
+    # every logit is exact
+    assert errors[0] > errors[1] > 0.0 and errors[2] == 0.0, errors
     ram = pi2_gguf.Llama(str(untied), sidecar=relu_rows16, n_ctx=256, n_threads=2, verbose=False)
     pi2_gguf.reset_counters()
     _steps(ram, 2)
@@ -481,7 +511,7 @@ def test_output_rows_the_sidecar_records_apply_under_a_budget(relu_model: tuple[
 
 def test_malformed_recorded_output_rows_are_refused(relu_rows16: Path, tmp_path: Path) -> None:
     """pi2.budget.output_rows is PI2_OUTPUT_ROWS's value: out of its range, or not a u32, both readers refuse the
-    sidecar naming the key."""
+    sidecar naming the key; pi2.budget.output_copy likewise where PI2_OUTPUT_COPY would not take its value."""
     from pi2_gguf.runtime import native
 
     data = relu_rows16.read_bytes()
@@ -496,6 +526,16 @@ def test_malformed_recorded_output_rows_are_refused(relu_rows16: Path, tmp_path:
             read_sidecar(bad)
         with pytest.raises(SidecarError, match=f"pi2.budget.output_rows.*{why}"):
             native.validate_sidecar_c(bad)
+    # pi2.budget.output_copy is PI2_OUTPUT_COPY's value: a type it does not take is refused by both
+    key = b"pi2.budget.output_copy"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert data[at:at + 4 + 8 + 4] == struct.pack("<IQ", 8, 4) + b"q2_k"  # GGUF type STRING, its length, the value
+    bad = tmp_path / "copy.pi2.gguf"
+    bad.write_bytes(data[:at + 12] + b"q4_0" + data[at + 16:])
+    with pytest.raises(SidecarError, match="pi2.budget.output_copy.*q4_0"):
+        read_sidecar(bad)
+    with pytest.raises(SidecarError, match="pi2.budget.output_copy.*q4_0"):
+        native.validate_sidecar_c(bad)
 
 
 def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],

@@ -146,6 +146,9 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     if (b->sc->output_rows >= 0 && !config->set[PI2_SET_OUTPUT_ROWS]) {
         atomic_store(&b->settings.v[PI2_SET_OUTPUT_ROWS], (double) b->sc->output_rows);
     }
+    if (b->sc->output_copy >= 0 && !config->set[PI2_SET_OUTPUT_COPY]) {
+        atomic_store(&b->settings.v[PI2_SET_OUTPUT_COPY], (double) b->sc->output_copy);
+    }
     b->layer = calloc(b->sc->n_layer, sizeof(*b->layer));
     if (b->layer == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);

@@ -367,6 +367,21 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         }
         sc->output_rows = (int32_t) v;
     }
+    static const struct pi2_key_spec output_copy = { PI2_KEY_BUDGET_OUTPUT_COPY, GGUF_TYPE_STRING, PI2_LEN_SCALAR, "string", NULL };
+    sc->output_copy = -1;
+    const int64_t ocopy = pi2_find(rd, PI2_KEY_BUDGET_OUTPUT_COPY);
+    if (ocopy >= 0) {
+        if (pi2_check_key(rd, &output_copy, sc->n_layer) != 0) {
+            return -1;
+        }
+        char why[192];
+        enum pi2_setting which;
+        double x;
+        if (pi2_setting_parse("PI2_OUTPUT_COPY", gguf_get_val_str(rd->file.gguf, ocopy), &which, &x, why, sizeof(why)) != 0) {
+            return pi2_fail(rd, "key %s: %s", PI2_KEY_BUDGET_OUTPUT_COPY, why);
+        }
+        sc->output_copy = (int32_t) x;
+    }
     static const struct pi2_key_spec expert_count = { PI2_KEY_MOE_EXPERT_COUNT, GGUF_TYPE_UINT32, PI2_LEN_SCALAR, "u32", NULL };
     sc->n_expert = 0;
     const int64_t nexp = pi2_find(rd, PI2_KEY_MOE_EXPERT_COUNT);

@@ -76,6 +76,7 @@ struct pi2_sidecar {
     char *   source_arch;
     char *   source_name;
     int32_t  output_rows; // pi2.budget.output_rows, -1 where the sidecar records none
+    int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
     uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert), layer * n_expert + expert; 0: dense
 
     struct pi2_ffn_act       activation;

@@ -50,6 +50,7 @@
 // optional: the PI2_OUTPUT_ROWS convert measured the sidecar's quality with (applied under a memory budget
 // unless the environment or the model's own settings say otherwise)
 #define PI2_KEY_BUDGET_OUTPUT_ROWS         "pi2.budget.output_rows"         // u32
+#define PI2_KEY_BUDGET_OUTPUT_COPY         "pi2.budget.output_copy"         // string
 #define PI2_KEY_MOE_EXPERT_COUNT           "pi2.moe.expert_count"           // u32
 
 // values of the string keys pi2.activation and pi2.sparsity.method

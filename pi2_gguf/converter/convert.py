@@ -44,6 +44,13 @@ HIGHER_DOWN_TYPE = QT.Q8_0
 # (PI2_OUTPUT_ROWS, recorded in the sidecar): on Qwen2.5-1.5B under 600 MB, 11-17% more tok/s (the ~160 MB
 # the matrix frees go to the neuron cache) for +0.3-0.4% held-out perplexity (docs/MEASUREMENTS.md, 2026-11-25)
 DEFAULT_OUTPUT_ROWS = 64
+# Fewer bytes a token under a memory budget, each tried after the sparsity choice and kept where the held-out
+# perplexity stays within the budget (docs/CONVERT.md, "What convert chooses"). On Qwen2.5-Coder-1.5B (2026-11-26):
+# - the output matrix's in-RAM copy in Q2_K with 1,024 exact rows instead of Q3_K with 64: 23 MB more for the
+#   neuron cache under 600 MB, 10.278 against 10.285 (Q2_K with 64 rows: 10.550, with 256: 10.371);
+# - down columns at the gate/up rows' type where the model stores down more precisely (Q4_K_M's Q6_K downs, 14 of
+#   28 layers): 54 MB fewer bundle bytes, +1.7% against +1.3% over dense.
+SMALL_OUTPUT_COPY = ("q2_k", 1024)
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,24 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
     return _Planned(layers, downs, types, sources)
 
 
+def _downs_at_row_type(model: ModelFfn, planned: _Planned) -> _Planned | None:
+    """planned with the down columns of every layer whose down type has more bits than its gate/up rows'
+    re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down. The
+    predictors stay as fitted (their read costs counted the model's down type)."""
+    bits = bundles_mod.bits_per_weight
+    lower = [il for il, (g, u, d) in enumerate(planned.types) if g == u and bits(QT(d)) > bits(QT(g))]
+    if not lower:
+        return None
+    layers, downs, types = list(planned.layers), list(planned.downs), list(planned.types)
+    for il in lower:
+        g, u, _ = types[il]
+        down = bundles_mod.down_columns(model.layers[il]["down"], QT(g))
+        downs[il], types[il] = down, (g, u, int(down.qtype))
+        layers[il] = dataclasses.replace(layers[il], down_type=int(down.qtype), down_tolerance=down.tolerance,
+                                         down_error=down.max_error)
+    return _Planned(layers, downs, types, planned.sources)
+
+
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
           bundle_align: int, bundle_neurons: int | None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
@@ -257,7 +282,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             checkpoint: str | Path | None = None,
             perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None,
             down_type: str | None = None, bundle_type_layers: str | None = None,
-            output_rows: int | None = None) -> ConvertResult:
+            output_rows: int | None = None, output_copy: str | None = None) -> ConvertResult:
     """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
     (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
     bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
@@ -274,8 +299,12 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     output_rows: the exact output rows a token reads under a memory budget, recorded in the sidecar
     (pi2.budget.output_rows; 0: none recorded); None: DEFAULT_OUTPUT_ROWS where the model has an output matrix of
     its own and the quality is measured.
+    output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
+    sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
+    budget, else none recorded (the plugin's q3_k).
     Without a precision asked for (bundle_type, down_type), where no target holds the budget the default target
-    also measures the down columns against Q8_0 and keeps the better."""
+    also measures the down columns against Q8_0 and keeps the better; where one does, the levers above
+    (SMALL_OUTPUT_COPY, down columns at the rows' type) are measured in turn and kept within the budget."""
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -302,6 +331,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         bundle_layers = parse_layers(bundle_type_layers, model.n_layer, "--bundle-type-layers")
     if output_rows is not None and not 0 <= output_rows <= fmt.MAX_OUTPUT_ROWS:
         raise Pi2Error(f"--output-rows {output_rows}: a number of rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
+    if output_copy is not None and output_copy not in fmt.OUTPUT_COPIES:
+        raise Pi2Error(f"--output-copy {output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
+    if output_copy is not None and output_rows == 0:
+        raise Pi2Error("--output-copy needs output rows (--output-rows 0 keeps the output matrix in RAM)")
     if predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
     if not 0.5 <= recall < 1.0:
@@ -352,6 +385,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     rows = output_rows if output_rows is not None else \
         DEFAULT_OUTPUT_ROWS if model.has_output and perplexity_budget is not None else None
     rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
+    copy = output_copy if rows is not None else None
     down_cache: dict[int, bundles_mod.DownColumns] = {}
     choice: list[str] = []
 
@@ -371,7 +405,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons),
-                                   output_rows=rows, routed_share=routed_share, reuse=reuse)
+                                   output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
 
     if perplexity_budget is None:
         meta = meta_of(plan_k, planned)
@@ -446,8 +480,36 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                               f"{rel(best[3])})")
                 best = (plan_k, planned, meta, ppl)
 
+    if best is not None and precision_free and within(best[3]):
+        # fewer bytes a token under a budget, each kept only within the budget
+        if rows is not None and output_rows is None and output_copy is None:
+            rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
+            meta, ppl = measure(best[0], best[1])
+            if ppl is not None and within(ppl):
+                notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: {rel(ppl)} "
+                             f"(Q3_K with {DEFAULT_OUTPUT_ROWS}: {rel(best[3])}), kept")
+                best = (best[0], best[1], meta, ppl)
+            else:
+                notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: "
+                             f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; Q3_K kept")
+                rows, copy = DEFAULT_OUTPUT_ROWS, None
+        lowered = _downs_at_row_type(model, best[1])
+        if lowered is not None:
+            meta, ppl = measure(best[0], lowered)
+            n = sum(a != b for a, b in zip(lowered.types, best[1].types))
+            if ppl is not None and within(ppl):
+                notes.append(f"down columns at the rows' type in {n} layers: {rel(ppl)} (the model's types: "
+                             f"{rel(best[3])}), kept")
+                choice.append(f"down columns at the gate/up rows' type in {n} layers ({rel(ppl)}; the model's types "
+                              f"{rel(best[3])})")
+                best = (best[0], lowered, meta, ppl)
+            else:
+                notes.append(f"down columns at the rows' type in {n} layers: "
+                             f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; the model's kept")
+
     if rows is not None:
-        choice.append(f"output matrix left in the model file under a memory budget, {rows} exact rows a token")
+        choice.append(f"output matrix left in the model file under a memory budget, {rows} exact rows a token"
+                      + (f", the rest from a {copy.upper()} copy" if copy is not None else ""))
 
     if best is None:  # not measured: the last candidate written stands, without quality keys
         meta = meta_of(plan_k, planned)

@@ -84,12 +84,15 @@ OPTIONAL_KEYS: dict[str, KT] = {
     "pi2.quality.budget": KT.F32,
     "pi2.quality.choice": KT.STR,
     "pi2.budget.output_rows": KT.U32,
+    "pi2.budget.output_copy": KT.STR,
     "pi2.moe.expert_count": KT.U32,
     "pi2.moe.routed_share": KT.F32_ARR,
     "pi2.moe.reuse": KT.F32_ARR,
 }
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
 MAX_OUTPUT_ROWS = 4096
+# pi2.budget.output_copy's values: PI2_OUTPUT_COPY's (ggml-backend/src/config.c)
+OUTPUT_COPIES = ("q3_k", "q2_k")
 
 # per-layer tensors: suffix -> (ggml type name, shape in ggml order with symbolic dims)
 TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {

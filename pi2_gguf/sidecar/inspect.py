@@ -58,8 +58,9 @@ def summary(sc: Sidecar) -> str:
         f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
         _quality_line(kv),
         *(["choice         " + kv["pi2.quality.choice"]] if "pi2.quality.choice" in kv else []),
-        *([f"memory budget  output matrix left in the model file, {kv['pi2.budget.output_rows']} exact rows a token "
-           f"(PI2_OUTPUT_ROWS; the environment or a model setting overrides it)"]
+        *([f"memory budget  output matrix left in the model file, {kv['pi2.budget.output_rows']} exact rows a token, "
+           f"the rest from a {kv.get('pi2.budget.output_copy', 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
+           f"PI2_OUTPUT_COPY; the environment or a model setting overrides them)"]
           if kv.get("pi2.budget.output_rows") else []),
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")

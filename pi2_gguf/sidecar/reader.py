@@ -116,6 +116,10 @@ def read(path: str | Path) -> Sidecar:
         if rows > fmt.MAX_OUTPUT_ROWS:
             raise SidecarError(f"sidecar {p}: key pi2.budget.output_rows: PI2_OUTPUT_ROWS={rows} is not a number of "
                                f"rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
+    f = reader.get_field("pi2.budget.output_copy")
+    if f is not None and kv.get("pi2.budget.output_copy") not in fmt.OUTPUT_COPIES:
+        raise SidecarError(f"sidecar {p}: key pi2.budget.output_copy is {kv.get('pi2.budget.output_copy')!r}, not one of "
+                           f"PI2_OUTPUT_COPY's values {', '.join(fmt.OUTPUT_COPIES)}")
     n_layer = int(kv["pi2.n_layer"])
     for key, kt in keys.items():
         if kt.value.endswith("[]"):

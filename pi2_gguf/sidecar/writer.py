@@ -80,6 +80,7 @@ class SidecarMeta:
     bundle_align: int = fmt.BUNDLE_ALIGN
     quality: Quality | None = None  # the optional pi2.quality.* keys
     output_rows: int | None = None  # pi2.budget.output_rows: PI2_OUTPUT_ROWS under a memory budget (None: not recorded)
+    output_copy: str | None = None  # pi2.budget.output_copy: PI2_OUTPUT_COPY under a memory budget (None: not recorded)
     n_expert: int = 0  # pi2.moe.expert_count: an MoE model's experts a layer (its layers are (layer, expert)); 0: dense
     routed_share: list[float] | None = None  # pi2.moe.routed_share: per (layer, expert), its share of the layer's tokens
     reuse: list[float] | None = None  # pi2.moe.reuse: per (layer, expert), of its tokens the share whose next is too
@@ -162,6 +163,10 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
         kv["pi2.budget.output_rows"] = m.output_rows
+    if m.output_copy is not None:
+        if m.output_copy not in fmt.OUTPUT_COPIES:
+            raise ValueError(f"output copy {m.output_copy!r} is not one of {', '.join(fmt.OUTPUT_COPIES)}")
+        kv["pi2.budget.output_copy"] = m.output_copy
     return kv
 
 
