@@ -195,11 +195,14 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
 
 
 def _downs_at_row_type(model: ModelFfn, planned: _Planned) -> _Planned | None:
-    """planned with the down columns of every layer whose down type has more bits than its gate/up rows'
+    """planned with the down columns of every layer whose model down type has more bits than its gate/up rows'
     re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down. The
     predictors stay as fitted (their read costs counted the model's down type)."""
     bits = bundles_mod.bits_per_weight
-    lower = [il for il, (g, u, d) in enumerate(planned.types) if g == u and bits(QT(d)) > bits(QT(g))]
+    # the model's own down type, not the columns': columns convert raised to Q8_0 (no target held with the
+    # model's types) stay raised
+    lower = [il for il, (g, u, d) in enumerate(planned.types)
+             if g == u and bits(model.layers[il]["down"].qtype) > bits(QT(g)) and bits(QT(d)) > bits(QT(g))]
     if not lower:
         return None
     layers, downs, types = list(planned.layers), list(planned.downs), list(planned.types)
