@@ -493,7 +493,7 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
 def mixed_silu(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A synthetic SiLU model laid out as Q4_K_M lays out Qwen2.5: Q4_K gate and up rows, Q6_K down, and an output
     matrix of its own (Q6_K, a copy of the token embedding)."""
-    from gguf import GGUFValueType, GGUFWriter
+    from gguf_copy import copy_gguf
 
     from pi2_gguf.converter import synthetic
     from settings import RELU_SHAPE
@@ -502,23 +502,10 @@ def mixed_silu(tmp_path_factory: pytest.TempPathFactory) -> Path:
     f32 = d / "silu.gguf"
     synthetic.make(f32, RELU_SHAPE, synthetic.Sparsity(density=0.5), "silu", QT.F32, calib_tokens=256,
                    heldout_tokens=128, progress=False)
-    r = GGUFReader(f32)
-    out = d / "mixed.gguf"
-    w = GGUFWriter(out, str(r.fields["general.architecture"].contents()))
-    for name, f in r.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
-    types = {"ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K}
-    for t in r.tensors:
-        data = np.array(t.data)
-        qt = next((q for suffix, q in types.items() if t.name.endswith(suffix)), None)
-        w.add_tensor(t.name, data if qt is None else bundles.quantize_rows(qt, data), raw_dtype=qt)
-        if t.name == "token_embd.weight":
-            w.add_tensor("output.weight", bundles.quantize_rows(QT.Q6_K, data.astype(np.float32)), raw_dtype=QT.Q6_K)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    types = {"ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q6_K}
+    out = copy_gguf(f32, d / "mixed.gguf",
+                    extra=lambda name, data: [("output.weight", data)] if name == "token_embd.weight" else [],
+                    quantize=lambda name: next((q for suffix, q in types.items() if name.endswith(suffix)), None))
     return out
 
 

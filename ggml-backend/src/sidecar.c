@@ -306,6 +306,33 @@ static int pi2_parse_enum(const char * s, const char * const * names, int n) {
 }
 
 // reads and checks the model-wide keys into sc; all keys have passed pi2_check_key
+// An optional key recording a per-model setting (a u32 or a string): its type checked as every key's, its value
+// by the setting's own parser; *out the parsed value, -1 where the key is absent.
+static int pi2_recorded_setting(struct pi2_reader * rd, const char * key, enum gguf_type type, const char * setting,
+                                int32_t * out) {
+    *out = -1;
+    const int64_t id = pi2_find(rd, key);
+    if (id < 0) {
+        return 0;
+    }
+    const bool u32 = type == GGUF_TYPE_UINT32;
+    const struct pi2_key_spec spec = { key, type, PI2_LEN_SCALAR, u32 ? "u32" : "string", NULL };
+    if (pi2_check_key(rd, &spec, 0) != 0) {
+        return -1;
+    }
+    char number[16], why[192];
+    if (u32) {
+        snprintf(number, sizeof(number), "%" PRIu32, gguf_get_val_u32(rd->file.gguf, id));
+    }
+    enum pi2_setting which;
+    double x;
+    if (pi2_setting_parse(setting, u32 ? number : gguf_get_val_str(rd->file.gguf, id), &which, &x, why, sizeof(why)) != 0) {
+        return pi2_fail(rd, "key %s: %s", key, why);
+    }
+    *out = (int32_t) x;
+    return 0;
+}
+
 static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     static const char * const method_names[] = {
         [PI2_SPARSITY_METHOD_CATS] = PI2_SPARSITY_CATS, [PI2_SPARSITY_METHOD_RELU] = PI2_SPARSITY_RELU,
@@ -349,38 +376,10 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         return pi2_fail(rd, "is inconsistent: %s is 0x%016" PRIx64 " but its %s hash to 0x%016" PRIx64,
                         PI2_KEY_SOURCE_FINGERPRINT, sc->fingerprint, PI2_KEY_SOURCE_TENSOR_FINGERPRINTS, fp);
     }
-    // optional: its type checked as every key's, its value as the setting it is, by the setting's own parser
-    static const struct pi2_key_spec output_rows = { PI2_KEY_BUDGET_OUTPUT_ROWS, GGUF_TYPE_UINT32, PI2_LEN_SCALAR, "u32", NULL };
-    sc->output_rows = -1;
-    const int64_t orows = pi2_find(rd, PI2_KEY_BUDGET_OUTPUT_ROWS);
-    if (orows >= 0) {
-        if (pi2_check_key(rd, &output_rows, sc->n_layer) != 0) {
-            return -1;
-        }
-        const uint32_t v = gguf_get_val_u32(rd->file.gguf, orows);
-        char value[16], why[192];
-        enum pi2_setting which;
-        double x;
-        snprintf(value, sizeof(value), "%" PRIu32, v);
-        if (pi2_setting_parse("PI2_OUTPUT_ROWS", value, &which, &x, why, sizeof(why)) != 0) {
-            return pi2_fail(rd, "key %s: %s", PI2_KEY_BUDGET_OUTPUT_ROWS, why);
-        }
-        sc->output_rows = (int32_t) v;
-    }
-    static const struct pi2_key_spec output_copy = { PI2_KEY_BUDGET_OUTPUT_COPY, GGUF_TYPE_STRING, PI2_LEN_SCALAR, "string", NULL };
-    sc->output_copy = -1;
-    const int64_t ocopy = pi2_find(rd, PI2_KEY_BUDGET_OUTPUT_COPY);
-    if (ocopy >= 0) {
-        if (pi2_check_key(rd, &output_copy, sc->n_layer) != 0) {
-            return -1;
-        }
-        char why[192];
-        enum pi2_setting which;
-        double x;
-        if (pi2_setting_parse("PI2_OUTPUT_COPY", gguf_get_val_str(rd->file.gguf, ocopy), &which, &x, why, sizeof(why)) != 0) {
-            return pi2_fail(rd, "key %s: %s", PI2_KEY_BUDGET_OUTPUT_COPY, why);
-        }
-        sc->output_copy = (int32_t) x;
+    // optional settings convert measured: -1 where the sidecar records none
+    if (pi2_recorded_setting(rd, PI2_KEY_BUDGET_OUTPUT_ROWS, GGUF_TYPE_UINT32, "PI2_OUTPUT_ROWS", &sc->output_rows) != 0 ||
+        pi2_recorded_setting(rd, PI2_KEY_BUDGET_OUTPUT_COPY, GGUF_TYPE_STRING, "PI2_OUTPUT_COPY", &sc->output_copy) != 0) {
+        return -1;
     }
     static const struct pi2_key_spec expert_count = { PI2_KEY_MOE_EXPERT_COUNT, GGUF_TYPE_UINT32, PI2_LEN_SCALAR, "u32", NULL };
     sc->n_expert = 0;

@@ -166,19 +166,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.pi2:
             reset_counters()
         read0 = [0]
+        disk = args.sidecar if args.memory_budget and args.sidecar else args.model  # what decode reads from
         busy0: list[int | None] = [None]
         at_decode: list = []
 
         def decode_starts() -> None:  # the I/O figures below are the decode's only
             read0[0] = _proc_read_bytes()
-            busy0[0] = _disk_busy_ms(args.memory_budget and args.sidecar or args.model)
+            busy0[0] = _disk_busy_ms(disk)
             if args.pi2:
                 at_decode.append(read_counters())
 
         g = greedy(llm, p, args.n, stop_at_eog=not args.no_eog_stop, keep_logits=args.logits, prefix=prefix,
                    prompt_limit=args.prompt_limit, after_prompt=decode_starts, forced=forced)
         g.io = {"process_read_bytes": _proc_read_bytes() - read0[0]}
-        busy = _disk_busy_ms(args.memory_budget and args.sidecar or args.model)
+        busy = _disk_busy_ms(disk)
         if busy is not None and busy0[0] is not None:
             g.io["disk_busy_s"] = (busy - busy0[0]) / 1e3  # the device's, whoever read: other processes count too
         if args.pi2:
