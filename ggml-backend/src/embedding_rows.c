@@ -16,8 +16,7 @@
 #include "pi2_log.h"
 #include "gguf.h"
 
-int pi2_table_open(const char * model_path, const char * name, bool untied_only, struct pi2_embedding ** out, char * err,
-                   size_t errlen) {
+int pi2_table_open(const char * model_path, const char * name, struct pi2_embedding ** out, char * err, size_t errlen) {
     *out = NULL;
     struct ggml_context * meta = NULL;
     struct gguf_init_params params = { /* .no_alloc = */ true, /* .ctx = */ &meta };
@@ -27,10 +26,9 @@ int pi2_table_open(const char * model_path, const char * name, bool untied_only,
         return -1;
     }
     const int64_t id = gguf_find_tensor(g, name);
-    const bool untied = gguf_find_tensor(g, "output.weight") >= 0;
     const struct ggml_tensor * t = id >= 0 ? ggml_get_tensor(meta, name) : NULL;
     int rc = 0;
-    if (t != NULL && (untied || !untied_only) && ggml_n_dims(t) == 2 &&
+    if (t != NULL && ggml_n_dims(t) == 2 &&
         (t->type == GGML_TYPE_F32 || ggml_get_type_traits(t->type)->to_float != NULL)) {
         struct pi2_embedding * e = calloc(1, sizeof(*e));
         if (e == NULL) {
@@ -70,7 +68,7 @@ int pi2_table_open(const char * model_path, const char * name, bool untied_only,
 }
 
 int pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen) {
-    return pi2_table_open(model_path, PI2_EMBD_NAME, true, out, err, errlen);
+    return pi2_table_open(model_path, PI2_EMBD_NAME, out, err, errlen);
 }
 
 void pi2_embedding_free(struct pi2_embedding * e) {

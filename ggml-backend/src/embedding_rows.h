@@ -1,8 +1,8 @@
 // A weight table of a model under a memory budget left in the model file, read row by row with pread: the
 // token embedding, whose decode step needs only the rows of its tokens (GET_ROWS), so the table (131 MB on
-// Qwen2.5-1.5B) need not be resident (only for models whose output matrix is a separate tensor: a tied
-// embedding is the output matmul's weight too, read whole every token, and stays in RAM), and the output
-// matrix's exact rows (output_rows.h).
+// Qwen2.5-1.5B) need not be resident, and the output matrix's exact rows (output_rows.h). A tied embedding
+// too: llama places the output matmul's weight apart from it (ggml-cpu's repacked buffer type), as a second
+// copy of the same tensor, so leaving the GET_ROWS copy in the file frees its whole size.
 #pragma once
 
 #include <stdatomic.h>
@@ -29,11 +29,10 @@ struct pi2_embedding {
     char           error[512];
 };
 
-// Opens model_path's 2-D tensor `name`. 1 with *out set; 0 when the model has no such tensor (or, untied_only,
-// no separate output matrix), -1 with err set when the file cannot be read as a GGUF model or is truncated.
-int  pi2_table_open(const char * model_path, const char * name, bool untied_only, struct pi2_embedding ** out, char * err,
-                    size_t errlen);
-// pi2_table_open of the token embedding, untied only.
+// Opens model_path's 2-D tensor `name`. 1 with *out set; 0 when the model has no such tensor, -1 with err set
+// when the file cannot be read as a GGUF model or is truncated.
+int  pi2_table_open(const char * model_path, const char * name, struct pi2_embedding ** out, char * err, size_t errlen);
+// pi2_table_open of the token embedding, tied or not.
 int  pi2_embedding_open(const char * model_path, struct pi2_embedding ** out, char * err, size_t errlen);
 void pi2_embedding_free(struct pi2_embedding * e);
 

@@ -17,7 +17,7 @@
 int pi2_output_open(const char * model_path, struct pi2_output ** out, char * err, size_t errlen) {
     *out = NULL;
     struct pi2_embedding * t = NULL;
-    const int rc = pi2_table_open(model_path, PI2_OUTPUT_NAME, false, &t, err, errlen);
+    const int rc = pi2_table_open(model_path, PI2_OUTPUT_NAME, &t, err, errlen);
     if (rc <= 0) {
         return rc;
     }
