@@ -27,8 +27,17 @@ from .model_ffn import ModelFfn
 from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_WINDOW, Profile, run_profile
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
-# engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99), so its bundles hold several neurons
+# engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99)
 DENSE_PREDICTION = 0.9
+# The plugin's default PI2_IO_GAP (docs/SETTINGS.md; tests/test_convert.py checks they agree): under a
+# memory budget a miss within this many bytes of the previous one is read together with the bundles between.
+READ_GAP = 32 << 10
+# A layer whose one-neuron bundles a token would read at least this share of anyway, wanted or bridged, packs
+# several neurons to a bundle (bridged bundles are read into scratch and dropped; packed ones are cached, pad
+# less and take fewer requests): the SmallThinker-shaped model (predicted 0.39, 1,728 bytes a neuron in
+# 2,048-byte bundles, 99.9% read) decoded 11.9x stock under half its file with 8 neurons to a bundle against
+# 6.6x with one (MEASUREMENTS 2026-11-26, "Packed bundles for layers a token reads whole").
+PACK_READ_SHARE = 0.9
 # the perplexity the default sparsity may add over dense on held-out text, and the targets tried for it, from
 # the default (sparsity.DEFAULT_SPARSITY) down: SmolLM2-135M at 0.5 (product) measured +3.6%, Qwen2.5-1.5B +2.2%
 DEFAULT_PERPLEXITY_BUDGET = 0.03
@@ -215,16 +224,29 @@ def _downs_at_row_type(model: ModelFfn, planned: _Planned) -> _Planned | None:
     return _Planned(layers, downs, types, planned.sources)
 
 
+def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> float:
+    """The share of a layer's one-neuron bundles (bundle_bytes each, back to back) a token reads under a budget
+    when each is wanted with probability p on its own: a run of unwanted bundles between two wanted ones is read
+    with them when it spans at most gap bytes, so a neuron is left only inside a longer run, of more than
+    k = gap // bundle_bytes. Runs of r unwanted neurons hold a share r p^2 q^r of them (q = 1 - p), and the sum over
+    r > k is q^(k+1) ((k+1) p + q)."""
+    q = 1.0 - min(max(p, 0.0), 1.0)
+    k = gap // bundle_bytes
+    return 1.0 - q ** (k + 1) * ((k + 1) * (1.0 - q) + q)
+
+
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
           bundle_align: int, bundle_neurons: int | None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
-    a token reads (nearly) every bundle anyway (less padding); a sparse layer reads one neuron per bundle."""
+    a token reads (nearly) every bundle anyway, wanted or bridged (bridged_read_share >= PACK_READ_SHARE); a
+    layer whose reads leave most bundles out keeps one neuron per bundle."""
     layers, types = planned.layers, planned.types
     if bundle_neurons is not None:
         layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align, bundle_neurons) for t in types]
     else:
         layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align) for t in types]
-        packed = [il for il, ld in enumerate(layers) if ld.predicted_density >= DENSE_PREDICTION]
+        packed = [il for il, ld in enumerate(layers)
+                  if bridged_read_share(ld.predicted_density, layouts[il].size) >= PACK_READ_SHARE]
         if packed:
             for il, lay in zip(packed, fmt.packed_bundle_layouts([types[il] for il in packed], model.n_embd, bundle_align)):
                 layouts[il] = lay
