@@ -49,8 +49,9 @@ def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path, output
     process holds now, the model's resident non-FFN weights, one layer of bundles and the margin (the
     plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
     the load). The token embedding stays in the model file (the plugin reads its rows per token), so an
-    untied one does not count and a tied one counts once, as the output matmul's copy; with output_rows > 0 (PI2_OUTPUT_ROWS) the output matrix
-    counts as its smaller in-RAM copy (None: the value the sidecar records, pi2.budget.output_rows, else 0)."""
+    untied one does not count and a tied one counts once, as the output matmul's copy; with output_rows > 0
+    (PI2_OUTPUT_ROWS) the output matrix counts as its smaller in-RAM copy (None: the value the sidecar
+    records, pi2.budget.output_rows, else 0)."""
     from ..sidecar import reader as sidecar_mod
 
     gc.collect()  # unmaps what GGUF readers the caller dropped still map: mapped pages count as resident
