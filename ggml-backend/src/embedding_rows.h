@@ -1,8 +1,8 @@
 // A weight table of a model under a memory budget left in the model file, read row by row with pread: the
 // token embedding, whose decode step needs only the rows of its tokens (GET_ROWS), so the table (131 MB on
 // Qwen2.5-1.5B) need not be resident, and the output matrix's exact rows (output_rows.h). A tied embedding
-// too: llama places the output matmul's weight apart from it (ggml-cpu's repacked buffer type), as a second
-// copy of the same tensor, so leaving the GET_ROWS copy in the file frees its whole size.
+// too: PI2 does not claim the output matmul of a tied table, so llama places that weight in one of ggml-cpu's
+// buffer types, a second copy of the same tensor, and leaving the GET_ROWS copy in the file frees its whole size.
 #pragma once
 
 #include <stdatomic.h>
