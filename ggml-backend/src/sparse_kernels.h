@@ -19,10 +19,12 @@ struct pi2_token_rows {
 struct pi2_token_rows pi2_token_rows(struct pi2_sparse_plan * p, int ith, int64_t t);
 
 // The n bytes at p fetched into L2 (locality 2: prefetcht1), where scattered bundle rows are read from: L1's few miss
-// buffers stay free (sparse_kernels.c says what it measured).
+// buffers stay free (sparse_kernels.c says what it measured). Every cache line [p, p + n) touches is fetched: rows need
+// not start on a line (a Q4_K row of 1,536 is 864 bytes), and one line left out is a full memory miss per row.
 static inline void pi2_prefetch_bytes(const void * p, size_t n) {
-    for (size_t off = 0; off < n; off += 64) {
-        __builtin_prefetch((const char *) p + off, 0, 2);
+    const char * end = (const char *) p + n;
+    for (const char * a = (const char *) ((uintptr_t) p & ~(uintptr_t) 63); a < end; a += 64) {
+        __builtin_prefetch(a, 0, 2);
     }
 }
 
