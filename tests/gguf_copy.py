@@ -13,16 +13,18 @@ from pi2_gguf.converter.bundles import quantize_rows
 
 def copy_gguf(src: Path, dst: Path, extra: Callable[[str, np.ndarray], Iterable[tuple[str, np.ndarray]]] | None = None,
               set_kv: dict[str, str | np.float32] | None = None,
-              quantize: Callable[[str], GGMLQuantizationType | None] | None = None) -> Path:
+              quantize: Callable[[str], GGMLQuantizationType | None] | None = None,
+              drop_kv: Iterable[str] = ()) -> Path:
     """src's fields and tensors into dst, each tensor followed by the (name, array) tensors extra(name, data)
     gives, and the keys of set_kv set (str: a string, np.float32: a float32). Numpy dtypes carry the tensor
-    types: for models with F32/F16 tensors, as the synthetic test models. quantize(name), where given and not None,
+    types: for models with F32/F16 tensors, as the synthetic test models. Keys in drop_kv are left out. quantize(name), where given and not None,
     is the ggml type a tensor (or an extra one) is written in instead, its F32/F16 rows quantized by ggml."""
     r = GGUFReader(src)
     w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
     set_kv = set_kv or {}
+    drop_kv = set(drop_kv)
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in set_kv:
+        if name.startswith("GGUF.") or name == "general.architecture" or name in set_kv or name in drop_kv:
             continue
         sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
         w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)

@@ -79,6 +79,35 @@ static inline float pi2_act_up(const struct pi2_ffn_act * a, float u) {
     return a->kind == PI2_ACT_DRELU ? (u > 0.0f ? u : 0.0f) : u;
 }
 
+// Architectures whose llama.cpp graph builds the FFN activation itself, whatever the model file states
+// (src/models/<arch>.cpp; patches/ makes only llama and qwen2 read <arch>.ffn_activation): such a model means
+// that activation, stated or not, and a sidecar must have been made for it. pi2_gguf/converter/model_ffn.py's
+// ARCH_ACTIVATION is the same table (tests/test_architectures.py checks that they agree).
+struct pi2_arch_act {
+    const char *        arch;
+    enum pi2_activation kind;
+    bool                experts_native; // the graph's MoE computes it for the routed experts itself
+};
+static const struct pi2_arch_act pi2_arch_activations[] = {
+    { "smallthinker", PI2_ACT_RELU, true  }, // build_moe_ffn(..., LLM_FFN_RELU, ...): ReGLU experts
+    { "gemma",        PI2_ACT_GELU, false }, // build_ffn(..., LLM_FFN_GELU, LLM_FFN_PAR): GEGLU
+    { "gemma2",       PI2_ACT_GELU, false },
+    { "gemma3",       PI2_ACT_GELU, false },
+    { "gemma3n",      PI2_ACT_GELU, false },
+    { "gemma4",       PI2_ACT_GELU, false },
+    { "gemma-embedding", PI2_ACT_GELU, false },
+};
+
+// the activation architecture arch's graph builds, or NULL when the graph's GLU (or a statement) decides
+static inline const struct pi2_arch_act * pi2_arch_activation(const char * arch) {
+    for (size_t k = 0; arch != NULL && k < sizeof(pi2_arch_activations) / sizeof(pi2_arch_activations[0]); ++k) {
+        if (strcmp(arch, pi2_arch_activations[k].arch) == 0) {
+            return &pi2_arch_activations[k];
+        }
+    }
+    return NULL;
+}
+
 // the activation a graph's GLU op computes; false for ops PI2 does not compute
 static inline bool pi2_act_from_glu(enum ggml_glu_op op, struct pi2_ffn_act * out) {
     switch (op) {
@@ -88,6 +117,22 @@ static inline bool pi2_act_from_glu(enum ggml_glu_op op, struct pi2_ffn_act * ou
         case GGML_GLU_OP_GEGLU_ERF: *out = (struct pi2_ffn_act) { PI2_ACT_GELU_ERF, 0.0f }; return true;
         default:                    return false;
     }
+}
+
+// The one rule for what PI2 computes at a GLU node op of a model that states sa: a ReLU-family statement (which an
+// unmodified llama.cpp's graph cannot spell, so it holds a SwiGLU there) is the model's activation; otherwise
+// exactly the GLU the graph holds, never a sidecar's or a statement's other name for it. False where PI2 does not
+// compute that op (SwiGLU-OAI, swiglu with limits): the region is left to ggml-cpu, which computes it right.
+static inline bool pi2_act_overrides_glu(const struct pi2_stated_act * sa) {
+    return sa->stated && pi2_act_relu_family(sa->act.kind);
+}
+
+static inline bool pi2_act_for_glu(const struct pi2_stated_act * sa, enum ggml_glu_op op, struct pi2_ffn_act * out) {
+    if (pi2_act_overrides_glu(sa)) {
+        *out = sa->act;
+        return true;
+    }
+    return pi2_act_from_glu(op, out);
 }
 
 // the GLU op of ggml that computes a (ggml's own numerics), GGML_GLU_OP_COUNT for dReLU and FATReLU

@@ -14,40 +14,51 @@
 #include "pi2_context.h"
 #include "pi2_log.h"
 
-// The activation a load computes: what the model file states (model_path may be NULL), checked against what
-// the sidecar (may be NULL) was made for. A sidecar states its activation, so without a model file its
-// statement stands (PI2_SIDECAR's loads, where the plugin is not told the model). 0, or -1 with err set.
+// The activation a load computes: what llama.cpp computes for the model (model_file.c: its architecture's
+// graph, else its statement; model_path may be NULL), never the sidecar's (may be NULL): a sidecar states the
+// activation it was made for and is refused if the model means another. Without a model file (PI2_SIDECAR's
+// loads, where the plugin is not told the model) the sidecar's source architecture stands for the model's: a
+// ReLU-family record can only come from a model that states it (convert), any other is checked against the
+// graph's GLU when a layer runs (sparse_ffn.c, expert_ffn.c). 0, or -1 with err set.
 static int pi2_load_activation(const char * model_path, const struct pi2_sidecar * sc, struct pi2_stated_act * out,
                                char * err, size_t errlen) {
-    *out = (struct pi2_stated_act) { .stated = sc != NULL, .act = sc != NULL ? sc->activation : (struct pi2_ffn_act) { 0 } };
-    if (model_path == NULL) {
-        return 0;
-    }
-    struct pi2_model_summary m;
-    if (pi2_model_summary(model_path, &m, err, errlen) != 0) {
-        return -1;
-    }
-    const struct pi2_stated_act model = {
-        .stated = m.activation >= 0,
-        .act    = { m.activation >= 0 ? (enum pi2_activation) m.activation : PI2_ACT_SILU, m.activation_threshold },
-        .experts_native = m.experts_native != 0,
-    };
-    if (sc != NULL && model.stated && !pi2_act_equal(&model.act, &sc->activation)) {
-        snprintf(err, errlen, "sidecar %s was made for FFN activation %s (threshold %g) but model %s states %s (threshold %g); "
-                 "convert the model again", sc->path, pi2_activation_names[sc->activation.kind], (double) sc->activation.threshold,
-                 model_path, pi2_activation_names[model.act.kind], (double) model.act.threshold);
-        return -1;
-    }
-    if (sc != NULL && !model.stated && pi2_act_relu_family(sc->activation.kind)) {
-        snprintf(err, errlen, "sidecar %s was made for FFN activation %s but model %s does not state one (llama.cpp "
-                 "would run it as its architecture's default); convert the model again", sc->path,
-                 pi2_activation_names[sc->activation.kind], model_path);
-        return -1;
+    *out = (struct pi2_stated_act) { 0 };
+    const char * model_name = model_path;
+    if (model_path != NULL) {
+        struct pi2_model_summary m;
+        if (pi2_model_summary(model_path, &m, err, errlen) != 0) {
+            return -1;
+        }
+        *out = (struct pi2_stated_act) {
+            .stated         = m.activation >= 0,
+            .act            = { m.activation >= 0 ? (enum pi2_activation) m.activation : PI2_ACT_SILU, m.activation_threshold },
+            .experts_native = m.experts_native != 0,
+        };
+    } else if (sc != NULL) {
+        model_name = "(not named to the plugin)";
+        const struct pi2_arch_act * built = pi2_arch_activation(sc->source_arch);
+        if (built != NULL) {
+            *out = (struct pi2_stated_act) { .stated = true, .act = { built->kind, 0.0f }, .experts_native = built->experts_native };
+        } else if (pi2_act_relu_family(sc->activation.kind)) {
+            *out = (struct pi2_stated_act) { .stated = true, .act = sc->activation };
+        }
     }
     if (sc == NULL) {
-        *out = model;
+        return 0;
     }
-    out->experts_native = model.experts_native;
+    if (out->stated && !pi2_act_equal(&out->act, &sc->activation)) {
+        snprintf(err, errlen, "sidecar %s was made for FFN activation %s (threshold %g) but llama.cpp computes model %s (%s) "
+                 "with %s (threshold %g); convert the model again", sc->path, pi2_activation_names[sc->activation.kind],
+                 (double) sc->activation.threshold, model_name, sc->source_arch != NULL ? sc->source_arch : "?",
+                 pi2_activation_names[out->act.kind], (double) out->act.threshold);
+        return -1;
+    }
+    if (!out->stated && pi2_act_relu_family(sc->activation.kind)) {
+        snprintf(err, errlen, "sidecar %s was made for FFN activation %s but model %s does not state one (llama.cpp "
+                 "would run it as its architecture's default); convert the model again", sc->path,
+                 pi2_activation_names[sc->activation.kind], model_name);
+        return -1;
+    }
     return 0;
 }
 

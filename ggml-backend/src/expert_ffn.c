@@ -248,8 +248,8 @@ bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stat
         !ggml_is_contiguous(glu) || !ggml_is_contiguous(gate) || !ggml_is_contiguous(up)) {
         return false;
     }
-    struct pi2_ffn_act act = stated->act;
-    if (!stated->stated && !pi2_act_from_glu(ggml_get_glu_op(glu), &act)) {
+    struct pi2_ffn_act act;
+    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &act)) {
         return false;
     }
     struct ggml_tensor * down = i + 3 < n ? ggml_graph_node(g, i + 3) : NULL;

@@ -95,15 +95,13 @@ bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_
         return false;
     }
     r->n_nodes = j - i;
-    const bool relu_family = stated->stated && pi2_act_relu_family(stated->act.kind);
+    const bool relu_family = pi2_act_overrides_glu(stated);
     if (n_glu == 1 && n_other == 0 && glu == r->out) {
         if (glu->src[0] != r->gate || glu->src[1] != r->up || ((const int32_t *) glu->op_params)[1] != 0) {
             *why = "its GLU does not take gate and up in that order";
             return false;
         }
-        if (stated->stated) {
-            r->act = stated->act;
-        } else if (!pi2_act_from_glu(ggml_get_glu_op(glu), &r->act)) {
+        if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &r->act)) {
             *why = "its GLU is not ReGLU, SwiGLU or GeGLU";
             return false;
         }

@@ -450,8 +450,8 @@ static enum ggml_status pi2_backend_graph_compute(ggml_backend_t backend, struct
             case GGML_OP_GLU: {
                 // alone (its products ran on the CPU, a prompt batch): the model's activation if it states one
                 const struct pi2_stated_act sa = pi2_weight_act(node->src[0]->src[0]);
-                struct pi2_ffn_act act = sa.act;
-                if (!sa.stated && !pi2_act_from_glu(ggml_get_glu_op(node), &act)) {
+                struct pi2_ffn_act act;
+                if (!pi2_act_for_glu(&sa, ggml_get_glu_op(node), &act)) {
                     PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(node)));
                     return GGML_STATUS_FAILED;
                 }
@@ -756,7 +756,8 @@ static bool pi2_supports_expert_glu(ggml_backend_dev_t dev, const struct ggml_te
     if (wa == NULL || pi2_expert_product_weight(dev, b) == NULL) {
         return false;
     }
-    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !pi2_weight_act(wa).stated) {
+    const struct pi2_stated_act sa = pi2_weight_act(wa);
+    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !pi2_act_overrides_glu(&sa)) {
         return false;
     }
     return a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 && ggml_are_same_shape(a, b) &&
@@ -776,11 +777,11 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
         return false;
     }
     const struct pi2_stated_act sa = pi2_weight_act(wa);
-    const bool relu_family = sa.stated && pi2_act_relu_family(sa.act.kind);
+    const bool relu_family = pi2_act_overrides_glu(&sa);
     if ((a->op != GGML_OP_MUL_MAT || b->op != GGML_OP_MUL_MAT) && !relu_family) {
         return false;
     }
-    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !sa.stated) {
+    if (!pi2_glu_supported(ggml_get_glu_op(op)) && !relu_family) {
         return false;
     }
     return a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&

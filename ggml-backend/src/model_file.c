@@ -17,6 +17,7 @@
 #include "ggml-pi2.h"
 #include "gguf_file.h"
 #include "output_rows.h"
+#include "pi2_log.h"
 #include "sidecar_format.h"
 
 #define PI2_MODEL "model file"
@@ -173,9 +174,11 @@ static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * pat
     return 0;
 }
 
-// the FFN activation the model states in "<arch>.ffn_activation" (and, for FATReLU, its threshold in
-// "<arch>.ffn_activation_threshold"); -1 for none. An unknown or malformed statement is an error: llama
-// would run the model with some other activation, silently wrong.
+// The FFN activation llama.cpp computes for the model: the one its architecture's graph builds whatever the file
+// says (pi2_arch_activation: smallthinker's ReGLU experts, gemma's GEGLU), else the one it states in
+// "<arch>.ffn_activation" (and, for FATReLU, its threshold in "<arch>.ffn_activation_threshold"); -1 when
+// neither: the graph's GLU decides. An unknown or malformed statement is an error: llama would run the model
+// with some other activation, silently wrong.
 static int pi2_stated_activation(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out,
                                  char * err, size_t errlen) {
     out->activation = -1;
@@ -183,41 +186,54 @@ static int pi2_stated_activation(const struct pi2_gguf_file * f, const char * pa
     if (ia < 0 || gguf_get_kv_type(f->gguf, ia) != GGUF_TYPE_STRING) {
         return 0;
     }
+    const char * arch = gguf_get_val_str(f->gguf, ia);
     char key[256], tkey[sizeof(key) + 16];
-    snprintf(key, sizeof(key), "%s.ffn_activation", gguf_get_val_str(f->gguf, ia));
+    snprintf(key, sizeof(key), "%s.ffn_activation", arch);
     snprintf(tkey, sizeof(tkey), "%s_threshold", key);
     const int64_t k = gguf_find_key(f->gguf, key);
     const int64_t kt = gguf_find_key(f->gguf, tkey);
-    if (k < 0) {
-        if (kt >= 0) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", tkey, key);
-        }
-        return 0;
-    }
-    if (gguf_get_kv_type(f->gguf, k) != GGUF_TYPE_STRING) {
-        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a string", key);
-    }
-    const char * name = gguf_get_val_str(f->gguf, k);
-    const enum pi2_activation a = pi2_activation_parse(name);
-    if (a == PI2_ACT_COUNT) {
-        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "states FFN activation %s = '%s'; pi2 computes silu, gelu, "
-                             "gelu_erf, relu (reglu), drelu and fatrelu", key, name);
-    }
+    enum pi2_activation a = PI2_ACT_COUNT;
     float t = 0.0f;
-    if (kt >= 0) {
-        if (gguf_get_kv_type(f->gguf, kt) != GGUF_TYPE_FLOAT32) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a float32", tkey);
-        }
-        t = gguf_get_val_f32(f->gguf, kt);
+    if (k < 0 && kt >= 0) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", tkey, key);
     }
-    if (a == PI2_ACT_FATRELU ? !(isfinite(t) && t >= 0.0f) : t != 0.0f) {
-        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is %g: fatrelu needs a finite threshold >= 0, and %s "
-                             "has none", tkey, (double) t, name);
+    if (k >= 0) {
+        if (gguf_get_kv_type(f->gguf, k) != GGUF_TYPE_STRING) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a string", key);
+        }
+        const char * name = gguf_get_val_str(f->gguf, k);
+        a = pi2_activation_parse(name);
+        if (a == PI2_ACT_COUNT) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "states FFN activation %s = '%s'; pi2 computes silu, gelu, "
+                                 "gelu_erf, relu (reglu), drelu and fatrelu", key, name);
+        }
+        if (kt >= 0) {
+            if (gguf_get_kv_type(f->gguf, kt) != GGUF_TYPE_FLOAT32) {
+                return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not a float32", tkey);
+            }
+            t = gguf_get_val_f32(f->gguf, kt);
+        }
+        if (a == PI2_ACT_FATRELU ? !(isfinite(t) && t >= 0.0f) : t != 0.0f) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is %g: fatrelu needs a finite threshold >= 0, and %s "
+                                 "has none", tkey, (double) t, name);
+        }
+    }
+    const struct pi2_arch_act * built = pi2_arch_activation(arch);
+    if (built != NULL) {
+        if (a != PI2_ACT_COUNT && (a != built->kind || t != 0.0f)) {
+            PI2_LOG_WARN("pi2: %s states %s = %s, but llama.cpp's %s graph computes %s whatever it states; PI2 computes %s\n",
+                         path, key, pi2_activation_names[a], arch, pi2_activation_names[built->kind],
+                         pi2_activation_names[built->kind]);
+        }
+        a = built->kind;
+        t = 0.0f;
+    }
+    if (a == PI2_ACT_COUNT) {
+        return 0;
     }
     out->activation           = (int32_t) a;
     out->activation_threshold = t;
-    // llama.cpp builds smallthinker's experts with LLM_FFN_RELU (a ReGLU), every other MoE layout's as SwiGLU
-    out->experts_native       = a == PI2_ACT_RELU && strcmp(gguf_get_val_str(f->gguf, ia), "smallthinker") == 0;
+    out->experts_native       = built != NULL && built->experts_native;
     return 0;
 }
 

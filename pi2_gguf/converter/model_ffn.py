@@ -3,6 +3,7 @@ dequantized matrices, the activation the model uses, and the fingerprint of docs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +17,14 @@ from ..sidecar import format as fmt
 
 MATRICES = ("gate", "up", "down")
 
-# FFN activation of architectures whose graph hardcodes it (llama.cpp src/models/*.cpp). A model may
-# state it instead in "<arch>.ffn_activation" (and FATReLU's threshold in "<arch>.ffn_activation_threshold"),
-# which the PI2 plugin computes on any llama.cpp and the patch in patches/ makes llama.cpp itself compute.
-_ARCH_ACTIVATION = {"gemma": "gelu", "gemma2": "gelu", "gemma3": "gelu", "gemma3n": "gelu"}
+# FFN activation of architectures whose llama.cpp graph builds it whatever the file states (src/models/*.cpp:
+# smallthinker's experts are ReGLU, gemma's FFN GEGLU); the plugin's table is the same (activation.h,
+# pi2_arch_activations; tests/test_architectures.py checks they agree). Any other model may state its activation in
+# "<arch>.ffn_activation" (and FATReLU's threshold in "<arch>.ffn_activation_threshold"), which the PI2 plugin
+# computes on any llama.cpp and the patch in patches/ makes llama.cpp itself compute; one that states none
+# runs SwiGLU.
+ARCH_ACTIVATION = {"smallthinker": "relu", "gemma": "gelu", "gemma2": "gelu", "gemma3": "gelu", "gemma3n": "gelu",
+                   "gemma4": "gelu", "gemma-embedding": "gelu"}
 ACTIVATION_KEY = "{arch}.ffn_activation"
 ACTIVATION_THRESHOLD_KEY = "{arch}.ffn_activation_threshold"
 # names a model may state, as the plugin reads them ("reglu" is relu)
@@ -141,10 +146,17 @@ class ModelFfn:
         stated = _string(self.reader, key, self.path)
         f = self.reader.get_field(tkey)
         threshold = 0.0 if f is None else float(f.contents())
+        if stated is None and f is not None:
+            raise ModelFileError(f"{self.path} has {tkey} but no {key}")
+        built = ARCH_ACTIVATION.get(self.architecture)
+        if built is not None:
+            # llama.cpp computes what the graph builds: a sidecar is made for that, never for the statement
+            if stated is not None and (STATED_ACTIVATIONS.get(stated) != built or threshold != 0.0):
+                warnings.warn(f"{self.path} states {key} = '{stated}', but llama.cpp's {self.architecture} graph "
+                              f"computes {built} whatever it states; the sidecar is made for {built}", stacklevel=2)
+            return built, 0.0
         if stated is None:
-            if f is not None:
-                raise ModelFileError(f"{self.path} has {tkey} but no {key}")
-            return _ARCH_ACTIVATION.get(self.architecture, "silu"), 0.0
+            return "silu", 0.0
         if stated not in STATED_ACTIVATIONS:
             raise ModelFileError(f"{self.path} states FFN activation {key} = '{stated}'; pi2 computes "
                                  f"{', '.join(STATED_ACTIVATIONS)}")
