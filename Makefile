@@ -10,6 +10,7 @@ run: setup
 
 test:
 	$(PY) tools/bootstrap.py --with-import --with-tools
+	.venv/bin/mypy
 	.venv/bin/pytest
 
 # llama.cpp's own tools (llama-server, llama-cli, llama-completion, llama-bench) in .venv/bin, on the wheel's ggml

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from .converter import sparsity as sp
 from . import interrupts
 from .errors import Interrupted, Pi2Error, SidecarVersionError
 from .sidecar import format as fmt
+
+if TYPE_CHECKING:
+    from .runtime.llama import Llama
 
 MODES = ("dense", "oracle", "predicted")
 
@@ -85,6 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise Pi2Error("--memory-budget needs the PI2 plugin (drop --no-plugin)")
     args.ctx = check_context(path, args.ctx, "-c/--ctx", RUN_CTX)
     _check_fits(args.n_predict, args.ctx)
+    pi2_llm: Llama | None = None  # the run with the plugin
     if args.no_plugin:
         from .runtime.llama import llama_load_errors
 
@@ -94,9 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         from .runtime.llama import Llama
 
-        llm = Llama(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                    seed=args.seed, verbose=args.verbose, sidecar=args.sidecar, mode=args.mode,
-                    memory_budget=args.memory_budget)  # validates the file itself
+        llm = pi2_llm = Llama(str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                              seed=args.seed, verbose=args.verbose, sidecar=args.sidecar, mode=args.mode,
+                              memory_budget=args.memory_budget)  # validates the file itself
         from .runtime.counters import reset_counters
 
         reset_counters()
@@ -105,16 +109,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(args.prompt + llm.detokenize(g.tokens).decode(errors="replace"))
     print()
     print(f"model           {path.name}")
-    backend = "stock llama.cpp" if args.no_plugin else f"pi2 (FFN in PI2 plugin), mode {llm.pi2_mode}"
+    backend = "stock llama.cpp" if pi2_llm is None else f"pi2 (FFN in PI2 plugin), mode {pi2_llm.pi2_mode}"
     print(f"backend         {backend}, {args.threads} threads")
-    if not args.no_plugin and llm.pi2_sidecar is not None:
-        print(f"sidecar         {llm.pi2_sidecar}")
+    if pi2_llm is not None and pi2_llm.pi2_sidecar is not None:
+        print(f"sidecar         {pi2_llm.pi2_sidecar}")
     print(f"prompt          {g.prompt_tokens} tokens, {g.prompt_tps:.1f} tok/s")
     if g.tokens:
         print(f"decode          {len(g.tokens)} tokens, {g.decode_tps:.1f} tok/s")
     print(f"peak RSS        {_peak_rss_mb():.0f} MB")
-    if not args.no_plugin:
-        _print_pi2_run(llm)
+    if pi2_llm is not None:
+        _print_pi2_run(pi2_llm)
     return 0
 
 
@@ -174,7 +178,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise Pi2Error(last.split(": ", 1)[1] if last.startswith("pi2_gguf.errors.") else last) from None
     from .sidecar.reader import read as read_sidecar
 
-    n_ff = int(np.mean(read_sidecar(sidecar).kv["pi2.n_ff"]))
+    n_ff = int(np.mean(read_sidecar(sidecar).kv[fmt.Key.N_FF]))
     print(f"\nmodel    {model} ({model.stat().st_size / 1e6:.0f} MB)\nsidecar  {made}")
     print(f"prompt   {args.prompt!r}, {args.threads} threads\n")
     rows = [("stock llama.cpp, all in RAM (mmap)", stock, "-", "every neuron"),
@@ -224,13 +228,13 @@ def _prompt_tokens(model: Path, text: str) -> int:
         lc.llama_model_free(m)
 
 
-def _print_pi2_run(llm: object) -> None:
+def _print_pi2_run(llm: Llama) -> None:
     """The neuron cache (with a memory budget) and what the PI2 device executed."""
     from .runtime.counters import read_counters
 
-    info = llm.cache_info()  # type: ignore[attr-defined]
-    if info is not None:
-        print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "  # type: ignore[attr-defined]
+    info = llm.cache_info()
+    if info is not None and llm.pi2_memory_budget is not None:  # a binding has a neuron cache under a budget only
+        print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
         if info.embedding_bytes:

@@ -42,11 +42,11 @@ def _llama_class_is(factory: Any) -> Iterator[None]:
     import llama_cpp
 
     saved = llama_cpp.Llama
-    llama_cpp.Llama = factory
+    setattr(llama_cpp, "Llama", factory)  # setattr: mypy refuses assigning to a class name
     try:
         yield
     finally:
-        llama_cpp.Llama = saved
+        setattr(llama_cpp, "Llama", saved)
 
 
 class JsonBodyGuard:
@@ -57,9 +57,10 @@ class JsonBodyGuard:
 
     def __init__(self, app: Any) -> None:
         from llama_cpp.server import types
+        from pydantic import BaseModel
 
         self.app = app
-        self.schemas = {"/v1/completions": types.CreateCompletionRequest,
+        self.schemas: dict[str, type[BaseModel]] = {"/v1/completions": types.CreateCompletionRequest,
                         "/v1/chat/completions": types.CreateChatCompletionRequest,
                         "/v1/embeddings": types.CreateEmbeddingRequest}
 
@@ -166,7 +167,9 @@ def build_app(cfg: ServeConfig) -> tuple[Any, Any]:
     with _llama_class_is(factory):
         app = server_app.create_app(server_settings=ServerSettings(host=cfg.host, port=cfg.port),
                                     model_settings=[ModelSettings(**ms)])
-    llm = server_app._llama_proxy()  # the default model, loaded by create_app
+    proxy = server_app._llama_proxy
+    assert proxy is not None  # create_app sets it
+    llm = proxy()  # the default model, loaded by create_app
     return JsonBodyGuard(app), llm
 
 

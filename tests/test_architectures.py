@@ -33,7 +33,7 @@ SMALLTHINKER_SHAPE = synthetic_moe.MoeShape(n_embd=256, n_ff=512, n_layer=3, n_h
 def test_architecture_activation_tables_agree() -> None:
     """The plugin (activation.h) and convert (model_ffn.ARCH_ACTIVATION) name the same architectures whose graph
     builds the FFN activation itself, with the same activation."""
-    text = (ROOT / "ggml-backend" / "src" / "activation.h").read_text()
+    text = (ROOT / "ggml-backend" / "src" / "graph" / "activation.h").read_text()
     body = text[text.index("pi2_arch_activations[] = {"):]
     body = body[:body.index("};")]
     names = {"PI2_ACT_SILU": "silu", "PI2_ACT_GELU": "gelu", "PI2_ACT_GELU_ERF": "gelu_erf", "PI2_ACT_RELU": "relu",

@@ -299,7 +299,7 @@ def test_read_gap_is_the_plugins_default() -> None:
     """convert packs by the plugin's default PI2_IO_GAP: the plugin's table (config.c) and docs/SETTINGS.md."""
     row = next(line for line in (ROOT / "docs" / "SETTINGS.md").read_text().splitlines() if line.startswith("| `PI2_IO_GAP`"))
     assert int(row.split("|")[4].strip()) == READ_GAP
-    decl = next(line for line in (ROOT / "ggml-backend" / "src" / "config.c").read_text().splitlines()
+    decl = next(line for line in (ROOT / "ggml-backend" / "src" / "core" / "config.c").read_text().splitlines()
                 if '"PI2_IO_GAP"' in line)
     assert int(decl.split(",")[4].strip()) == READ_GAP
 

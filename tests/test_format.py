@@ -1,5 +1,5 @@
 """docs/FORMAT.md is the one specification of the sidecar: the Python declarations
-(pi2_gguf/sidecar/format.py) and the C ones (ggml-backend/src/sidecar_format.h) must name exactly its
+(pi2_gguf/sidecar/format.py) and the C ones (ggml-backend/src/model/sidecar_format.h) must name exactly its
 keys and tensors, with its types and shapes, and the same version, alignment and fingerprint constants."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pi2_gguf.sidecar import format as sf
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT_MD = ROOT / "docs" / "FORMAT.md"
-HEADER = ROOT / "ggml-backend" / "src" / "sidecar_format.h"
+HEADER = ROOT / "ggml-backend" / "src" / "model" / "sidecar_format.h"
 
 
 def _section(text: str, heading: str) -> str:
@@ -191,3 +191,13 @@ def test_method_only_keys_match_doc(spec_text: str, doc_keys: dict[str, str]) ->
     assert only == sf.METHOD_KEYS == {"pi2.sparsity.product_thresholds": "product"}
     assert set(only) <= set(doc_keys)
     assert set(sf.keys_of("cats")) == set(sf.KEYS) - set(only) and set(sf.keys_of("product")) == set(sf.KEYS)
+
+
+def test_key_constants_are_the_keys() -> None:
+    """sidecar.format.Key names every key of KEYS and OPTIONAL_KEYS once, each as the C header's PI2_KEY_* macro
+    without its prefix."""
+    consts = {name: value for name, value in vars(sf.Key).items() if not name.startswith("_")}
+    assert sorted(consts.values()) == sorted({**sf.KEYS, **sf.OPTIONAL_KEYS})
+    assert set(sf.METHOD_KEYS) <= set(consts.values())
+    for name, value in consts.items():
+        assert name == value.removeprefix("pi2.").replace(".", "_").upper()

@@ -45,7 +45,7 @@ def test_fuzz_sh_lists_the_targets() -> None:
 
 
 def test_dictionary_holds_every_sidecar_key_and_tensor() -> None:
-    fmt = (ROOT / "ggml-backend" / "src" / "sidecar_format.h").read_text()
+    fmt = (ROOT / "ggml-backend" / "src" / "model" / "sidecar_format.h").read_text()
     names = re.findall(r'#define PI2_(?:KEY|TENSOR)_\w+\s+"([^"]+)"', fmt)
     assert len(names) > 40
     entries = set(re.findall(r'^\w+="([^"]*)"$', (ROOT / "ggml-backend" / "fuzz" / "gguf.dict").read_text(), re.M))

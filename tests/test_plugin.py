@@ -5,28 +5,19 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import llama_cpp
+import llama_cpp  # noqa: F401  loads the libggml-base.so.0 the plugin links to by soname
 
 import pi2_gguf
+from pi2_gguf.runtime import ggml_base
 from pi2_gguf.runtime.capi import plugin_path
 from pi2_gguf.runtime.plugin import DEVICE_NAME
 
 GGML_BACKEND_DEVICE_TYPE_ACCEL = 3  # enum ggml_backend_dev_type in ggml-backend.h
 
 
-def _libggml() -> ctypes.CDLL:
-    g = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so.0"))
-    g.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-    g.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-    g.ggml_backend_dev_type.restype = ctypes.c_int
-    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_reg_count.restype = ctypes.c_size_t
-    return g
-
-
 def test_register_is_idempotent() -> None:
     first = pi2_gguf.register()
-    g = _libggml()
+    g = ggml_base.registry()
     n = g.ggml_backend_reg_count()
     assert pi2_gguf.register() == first
     assert g.ggml_backend_reg_count() == n  # a second call registers nothing new
@@ -35,7 +26,7 @@ def test_register_is_idempotent() -> None:
 
 def test_device_is_accel_in_the_registry_llama_uses() -> None:
     pi2_gguf.register()
-    g = _libggml()
+    g = ggml_base.registry()
     dev = g.ggml_backend_dev_by_name(DEVICE_NAME.encode())
     assert dev, "PI2 is not in libggml.so.0's registry"
     assert g.ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_ACCEL

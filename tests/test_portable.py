@@ -14,7 +14,7 @@ import pytest
 from pi2_gguf import llama_build
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "ggml-backend" / "src").glob("*.c"))
+SOURCES = sorted((ROOT / "ggml-backend" / "src").rglob("*.c"))
 DEFINES = ["-DGGML_BACKEND_DL", "-DGGML_BACKEND_BUILD", "-DGGML_BACKEND_SHARED", "-DGGML_SHARED", "-DGGML_BUILD",
            "-D_POSIX_C_SOURCE=200809L"]
 
@@ -24,7 +24,7 @@ def _compile_all(cc: str, extra: list[str], out: Path) -> list[str]:
     problems = []
     for src in SOURCES:
         cmd = [cc, "-std=c11", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror", *extra, *DEFINES,
-               f"-I{ROOT / 'ggml-backend' / 'include'}", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
+               f"-I{ROOT / 'ggml-backend' / 'include'}", f"-I{ROOT / 'ggml-backend' / 'src'}", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
                "-c", str(src), "-o", str(out / (src.name + ".o"))]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or r.stderr.strip():

@@ -1,4 +1,4 @@
-"""The C sidecar reader (ggml-backend/src/sidecar.c) against sidecars written with gguf.GGUFWriter as
+"""The C sidecar reader (ggml-backend/src/model/sidecar.c) against sidecars written with gguf.GGUFWriter as
 docs/FORMAT.md says: a valid one is accepted by it and by gguf.GGUFReader, and each error FORMAT.md
 lists is refused with a message naming the sidecar and the problem. The C fingerprint is checked
 against the Python one and against a direct transcription of FORMAT.md."""

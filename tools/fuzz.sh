@@ -26,10 +26,10 @@ TARGETS=(sidecar model_summary embedding_rows config)
 # the plugin's files each target links (compiled with the sanitizers), and its -max_len
 sources() {
     case "$1" in
-        sidecar)        echo "sidecar.c gguf_file.c fingerprint.c bundle_io.c io_ring.c config.c" ;;
-        model_summary)  echo "model_file.c gguf_file.c fingerprint.c ffn_names.c bundle_io.c io_ring.c" ;;
-        embedding_rows) echo "embedding_rows.c bundle_io.c io_ring.c" ;;
-        config)         echo "config.c ffn_names.c" ;;
+        sidecar)        echo "model/sidecar.c model/gguf_file.c model/fingerprint.c flash/bundle_io.c flash/io_ring.c core/config.c" ;;
+        model_summary)  echo "model/model_file.c model/gguf_file.c model/fingerprint.c graph/ffn_names.c flash/bundle_io.c flash/io_ring.c" ;;
+        embedding_rows) echo "flash/embedding_rows.c flash/bundle_io.c flash/io_ring.c" ;;
+        config)         echo "core/config.c graph/ffn_names.c" ;;
         *) echo "fuzz.sh: unknown target '$1' (tools/fuzz.sh --list)" >&2; return 1 ;;
     esac
 }
@@ -74,7 +74,7 @@ build() {
     local files=("$FUZZ_SRC/fuzz_$target.c" "$FUZZ_SRC/fuzz_common.h")
     for f in $srcs; do files+=("ggml-backend/src/$f"); done
     local key
-    key="$( { "$CC" --version | head -1; echo "${cflags[*]} $lib"; cat "${files[@]}" ggml-backend/src/*.h ggml-backend/include/*.h; } | sha256sum | cut -c1-16)"
+    key="$( { "$CC" --version | head -1; echo "${cflags[*]} $lib"; cat "${files[@]}" ggml-backend/src/*/*.h ggml-backend/include/*.h; } | sha256sum | cut -c1-16)"
     local bin="$OUT/bin/fuzz_$target"
     if [ -x "$bin" ] && [ "$(cat "$bin.key" 2>/dev/null)" = "$key" ]; then
         echo "$bin"
@@ -83,8 +83,8 @@ build() {
     mkdir -p "$OUT/bin" "$OUT/obj/$target"
     local objs=()
     for f in $srcs; do
-        "$CC" "${cflags[@]}" -fsanitize=fuzzer-no-link -c "ggml-backend/src/$f" -o "$OUT/obj/$target/$f.o" >&2
-        objs+=("$OUT/obj/$target/$f.o")
+        "$CC" "${cflags[@]}" -fsanitize=fuzzer-no-link -c "ggml-backend/src/$f" -o "$OUT/obj/$target/${f//\//_}.o" >&2
+        objs+=("$OUT/obj/$target/${f//\//_}.o")
     done
     # the harness alone needs _GNU_SOURCE (memfd_create)
     "$CC" "${cflags[@]}" -D_GNU_SOURCE -fsanitize=fuzzer "$FUZZ_SRC/fuzz_$target.c" "${objs[@]}" -o "$bin.tmp" \
@@ -132,8 +132,8 @@ coverage() {
     rm -rf "$dir"
     mkdir -p "$dir"
     for f in $srcs; do
-        "$CC" "${cflags[@]}" -fsanitize=fuzzer-no-link -c "ggml-backend/src/$f" -o "$dir/$f.o"
-        objs+=("$dir/$f.o")
+        "$CC" "${cflags[@]}" -fsanitize=fuzzer-no-link -c "ggml-backend/src/$f" -o "$dir/${f//\//_}.o"
+        objs+=("$dir/${f//\//_}.o")
         paths+=("$ROOT/ggml-backend/src/$f")
     done
     "$CC" "${cflags[@]}" -D_GNU_SOURCE -fsanitize=fuzzer "$FUZZ_SRC/fuzz_$target.c" "${objs[@]}" -o "$dir/cov_$target" \

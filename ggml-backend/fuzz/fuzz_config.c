@@ -8,8 +8,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "config.h"
-#include "ffn_names.h"
+#include "core/config.h"
+#include "graph/ffn_names.h"
 #include "fuzz_common.h"
 #include "ggml-pi2.h"
 

@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "embedding_rows.h"
+#include "flash/embedding_rows.h"
 #include "fuzz_common.h"
 
 #define FUZZ_DST_MAX (64u << 20) // bytes of output rows at most

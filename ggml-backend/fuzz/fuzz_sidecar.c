@@ -8,8 +8,8 @@
 #include <stdint.h>
 
 #include "fuzz_common.h"
-#include "sidecar.h"
-#include "sidecar_format.h"
+#include "model/sidecar.h"
+#include "model/sidecar_format.h"
 
 #define FUZZ_CHECK_MAX (1u << 20) // bytes of weight data handed to pi2_sidecar_check_tensor at most
 

@@ -150,7 +150,23 @@ GGML_BACKEND_API int pi2_config_names(char * buf, size_t size);
 GGML_BACKEND_API int pi2_parse_size(const char * s, uint64_t * out);
 // Resident memory of this process in bytes (/proc/self/statm, after returning freed heap); 0 if unreadable.
 GGML_BACKEND_API uint64_t pi2_resident_bytes(void);
-// sizeof a public struct by name: "pi2_counters", "pi2_cache_info", "pi2_model_summary"; 0 for other names
+// The least memory a budget must give model_path with sidecar_path, judged before llama loads anything: this
+// process now, the model's weights llama keeps in RAM under a budget (not the FFN; not the token embedding, which
+// stays in the model file; a tied one counts once, as the output matmul's copy; with output rows the output matrix
+// as its smaller copy), the smallest neuron cache (one layer's bundles) and the margin. The exact minimum, with
+// the predictors, KV cache and compute buffers, comes from pi2_binding_set_budget once the model is loaded.
+struct pi2_budget_floor {
+    uint64_t need;      // the sum of the four below
+    uint64_t resident;  // this process now
+    uint64_t non_ffn;   // the model's resident weights other than the FFN
+    uint64_t one_layer; // one layer's bundles: the smallest neuron cache
+    uint64_t margin;    // kept free of the cache for what no accounting sees (allocator slack, stacks)
+};
+// output_rows: PI2_OUTPUT_ROWS as the load will have it, or -1 for the value the sidecar records (else 0)
+GGML_BACKEND_API int pi2_budget_floor(const char * model_path, const char * sidecar_path, int64_t output_rows,
+                                      struct pi2_budget_floor * out, char * err, size_t errlen);
+// sizeof a public struct by name: "pi2_counters", "pi2_cache_info", "pi2_model_summary", "pi2_budget_floor"; 0 for
+// other names
 GGML_BACKEND_API size_t pi2_struct_size(const char * name);
 
 // Testing the down-column kernels: y[0..n) += sum of a[c] * column c, columns in a ggml type (blocks

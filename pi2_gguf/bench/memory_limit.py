@@ -40,21 +40,21 @@ class Row:
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
              skip_unlimited: bool, variants: list[dict[str, str]] | None = None,
              forced_text: str | None = None) -> list[tuple[Row, list[str], int | None]]:
-    common = dict(prompts=[PROMPT], n=n, threads=threads, ctx=ctx, logits=False, forced_text=forced_text)
-    rows = [
-        (Row("stock llama.cpp, defaults (mmap, repack)", True), greedy_command(model, pi2=False, **common), limit),
-        (Row("stock llama.cpp, mmap, repack off", True), greedy_command(model, pi2=False, repack=False, **common), limit),
+    command = partial(greedy_command, model, [PROMPT], n, threads=threads, ctx=ctx, logits=False,
+                      forced_text=forced_text)
+    rows: list[tuple[Row, list[str], int | None]] = [
+        (Row("stock llama.cpp, defaults (mmap, repack)", True), command(pi2=False), limit),
+        (Row("stock llama.cpp, mmap, repack off", True), command(pi2=False, repack=False), limit),
     ]
     for sc in sidecars:
         name = f" ({sc.name})" if len(sidecars) > 1 else ""
         for settings in [{}, *(variants or [])]:
             with_ = "".join(f", {k}={v}" for k, v in settings.items())
             rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB{with_}", True),
-                         greedy_command(model, pi2=True, sidecar=sc, mode=mode, memory_budget=limit, settings=settings,
-                                        **common), limit))
+                         command(pi2=True, sidecar=sc, mode=mode, memory_budget=limit, settings=settings), limit))
     if not skip_unlimited:
         rows.append((Row("pi2, all in RAM (no limit)", False),
-                     greedy_command(model, pi2=True, sidecar=sidecars[0], mode=mode, **common), None))
+                     command(pi2=True, sidecar=sidecars[0], mode=mode), None))
     return rows
 
 

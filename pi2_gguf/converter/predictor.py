@@ -234,8 +234,11 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     basis = rrr_basis(x_fit, gate_w)
     for r in ranks:
         r = max(2, min(r, 2 * basis.shape[0]))
-        init = rrr_init(x_fit, gate_w, r, basis)
-        weigh((train(x_fit, g_fit, y_fit, init, epochs=epochs) if kind == "trained" else init).as_stored(), kind)
+        pred = rrr_init(x_fit, gate_w, r, basis)
+        if kind == "trained":
+            assert y_fit is not None  # only an "svd" caller labels the validation rows alone
+            pred = train(x_fit, g_fit, y_fit, pred, epochs=epochs)
+        weigh(pred.as_stored(), kind)
     if shipped is not None:
         weigh(shipped.as_stored(), "checkpoint")
     assert best is not None

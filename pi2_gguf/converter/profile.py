@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -91,7 +92,8 @@ class Profile:
         """Writes an .npz atomically."""
         p = Path(path)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        arrays = {f"train_{i}": a for i, a in enumerate(self.train)}
+        # Any: numpy's stub would match **arrays against savez's allow_pickle: bool too
+        arrays: dict[str, Any] = {f"train_{i}": a for i, a in enumerate(self.train)}
         arrays.update({f"heldout_{i}": a for i, a in enumerate(self.heldout)})
         arrays.update({f"train_routes_{i}": a for i, a in enumerate(self.train_routes)})
         arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(self.heldout_routes)})
@@ -247,10 +249,10 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
                 for w in runner.windows(docs, budget):
                     runner.decode(w)
                     bar.update(len(w))
-            got = current[-1].result()
-            if got[0].shape[0] < min(budget, 16):
-                raise Pi2Error(f"the corpus {corpus.name} gave only {got[0].shape[0]} {phase} tokens")
-            parts[phase] = got
+            recorded = current[-1].result()
+            if recorded[0].shape[0] < min(budget, 16):
+                raise Pi2Error(f"the corpus {corpus.name} gave only {recorded[0].shape[0]} {phase} tokens")
+            parts[phase] = recorded
             routes[phase] = current[-1].routes_result()
     finally:
         runner.close()

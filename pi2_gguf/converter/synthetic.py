@@ -35,6 +35,8 @@ GATE_MODES = ("lowrank", "context")
 GATE_SPECTRUM_ALPHA = 0.45
 FATRELU_THRESHOLD = 0.01  # ProSparse's FATReLU threshold
 TOKENIZER_KEYS_SKIP = ("tokenizer.chat_template",)
+# the model file's own note of how it was made (a key of the synthetic model, not of a sidecar)
+NOTE_KEY = "pi2.synthetic.note"
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,10 @@ def _tokenizer_fields(reader: GGUFReader) -> list[tuple[str, GGUFValueType, Any]
             if name.startswith("tokenizer.") and name not in TOKENIZER_KEYS_SKIP]
 
 
-def _n_vocab(fields: list) -> int:
+def _n_vocab(fields: list[tuple[str, GGUFValueType, Any]]) -> int:
     for name, _, val in fields:
         if name == "tokenizer.ggml.tokens":
-            return len(val)  # type: ignore[arg-type]
+            return len(val)
     raise Pi2Error("the tokenizer source has no tokenizer.ggml.tokens")
 
 
@@ -169,10 +171,10 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
         gw.add_string(f"{arch}.ffn_activation", activation)
         if activation == "fatrelu":
             gw.add_float32(f"{arch}.ffn_activation_threshold", threshold)
-        gw.add_string("pi2.synthetic.note", note)
+        gw.add_string(NOTE_KEY, note)
         for key, vtype, val in tok_fields:
             if vtype == GGUFValueType.ARRAY:
-                gw.add_array(key, val)  # type: ignore[arg-type]
+                gw.add_array(key, val)
             else:
                 gw.add_key_value(key, val, vtype)
         # tensors: small ones F32 (as llama.cpp's converters keep norms), matrices in qtype

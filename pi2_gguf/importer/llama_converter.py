@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     family = stated.family
     base = getattr(importlib.import_module(f"conversion.{family.module}"), family.base_class)
 
-    class Imported(base):  # type: ignore[misc, valid-type]
+    class Imported(base):  # type: ignore[misc, valid-type]  # a base class llama.cpp's converter names at run time
         """llama.cpp's converter for the family, stating the activation the checkpoint computes."""
 
         model_arch = base.model_arch

@@ -100,14 +100,25 @@ class Pi2ModelSummary(ctypes.Structure):
     ]
 
 
+class Pi2BudgetFloor(ctypes.Structure):
+    _fields_ = [
+        ("need", c_uint64),
+        ("resident", c_uint64),
+        ("non_ffn", c_uint64),
+        ("one_layer", c_uint64),
+        ("margin", c_uint64),
+    ]
+
+
 # C name -> the mirror above, checked with pi2_struct_size when the library opens
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pi2_counters": Pi2Counters,
     "pi2_cache_info": Pi2CacheInfo,
     "pi2_model_summary": Pi2ModelSummary,
+    "pi2_budget_floor": Pi2BudgetFloor,
 }
 
-_ERR = [c_char_p, c_size_t]  # char * err, size_t errlen
+_ERR: list[object] = [c_char_p, c_size_t]  # char * err, size_t errlen
 
 # name -> (restype, argtypes), in the order of ggml-pi2.h
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
@@ -130,6 +141,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_config_names": (c_int, [c_char_p, c_size_t]),
     "pi2_parse_size": (c_int, [c_char_p, POINTER(c_uint64)]),
     "pi2_resident_bytes": (c_uint64, []),
+    "pi2_budget_floor": (c_int, [c_char_p, c_char_p, c_int64, POINTER(Pi2BudgetFloor), *_ERR]),
     "pi2_struct_size": (c_size_t, [c_char_p]),
     "pi2_columns_add": (c_int, [c_int, c_int64, c_void_p, c_int64, c_void_p, c_void_p]),
     "pi2_sidecar_validate": (c_int, [c_char_p, *_ERR]),

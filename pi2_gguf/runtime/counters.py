@@ -84,7 +84,7 @@ def read_counters() -> Counters:
     n = int(raw.n_layers)
     layers = raw.layer[:n]
     fields: dict[str, np.ndarray] = {}
-    for name, _ in capi.Pi2LayerCounters._fields_:
+    for name, *_ in capi.Pi2LayerCounters._fields_:
         if name in _PER_MATRIX:
             fields[name] = np.array([list(getattr(lc, name)) for lc in layers], dtype=np.uint64).reshape(n, capi.N_MATRIX)
         else:

@@ -14,11 +14,15 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
 from .generate import Greedy, greedy
 from .llama_params import model_params_override
+
+if TYPE_CHECKING:
+    from .llama import Llama
 
 
 def greedy_in_subprocess(model: str | Path, prompts: list[str], n: int, pi2: bool, threads: int = 2,
@@ -146,13 +150,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.pi2:
         register()
+    llm: llama_cpp.Llama
+    pi2_llm: Llama | None = None  # llm with --pi2
     with model_params_override(use_extra_bufts=not args.no_repack):
         if args.pi2:
             from .llama import Llama
 
-            llm = Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                        verbose=False, sidecar=args.sidecar or False, mode=args.mode, memory_budget=args.memory_budget,
-                        settings=dict(kv.split("=", 1) for kv in args.setting))
+            llm = pi2_llm = Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                                  verbose=False, sidecar=args.sidecar or False, mode=args.mode,
+                                  memory_budget=args.memory_budget,
+                                  settings=dict(kv.split("=", 1) for kv in args.setting))
         else:
             llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                                   verbose=False)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = _disk_busy_ms(disk)
         if busy is not None and busy0[0] is not None:
             g.io["disk_busy_s"] = (busy - busy0[0]) / 1e3  # the device's, whoever read: other processes count too
-        if args.pi2:
+        if pi2_llm is not None:
             c = read_counters()
             g.pi2_matmuls = int(c.matmul_calls.sum())
             # MoE: the layers whose routed experts PI2 computed (with a sidecar the engine's counters are per
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         experts_loaded=int(c.experts_loaded.sum() - c0.experts_loaded.sum()),
                         experts_guessed_routed=int(c.experts_guessed_routed.sum() - c0.experts_guessed_routed.sum()),
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
-            info = llm.cache_info()  # the neuron cache's segments, with a memory budget
+            info = pi2_llm.cache_info()  # the neuron cache's segments, with a memory budget
             if info is not None:
                 g.io.update(hot_bytes=info.hot_bytes, cold_bytes=info.cold_bytes)
         g.io["peak_rss"] = peak_rss()

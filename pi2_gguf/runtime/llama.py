@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,9 +92,6 @@ def prepare_sidecar(model: Path, sidecar: SidecarArg, mode: str | None,
     return path, chosen
 
 
-# Models load one at a time: the plugin ties the weight buffers llama allocates between load_begin and load_end
-# to that load's binding (it refuses a second load_begin meanwhile); models constructed in several threads
-# wait for each other here, and then run side by side.
 def _output_rows(settings: Settings | None) -> int | None:
     """This model's PI2_OUTPUT_ROWS as the budget precheck counts it (0 where it is malformed: the plugin then
     refuses the load with its own message); None where neither the settings nor the environment give one (the
@@ -108,8 +104,6 @@ def _output_rows(settings: Settings | None) -> int | None:
     except (TypeError, ValueError):
         return 0
 
-
-_LOADING = threading.Lock()
 
 
 class Llama(llama_cpp.Llama):
@@ -145,7 +139,7 @@ class Llama(llama_cpp.Llama):
                 raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
             kwargs["use_mmap"] = False
             kwargs.setdefault("n_batch", budgets.N_BATCH)
-            budgets.precheck(self.pi2_memory_budget, summary, path, self.pi2_sidecar, _output_rows(settings))
+            budgets.precheck(self.pi2_memory_budget, path, self.pi2_sidecar, _output_rows(settings))
         self._pi2_load(path, args, kwargs, settings)
         if check_recall:
             self.set_check_recall(True)
@@ -153,20 +147,11 @@ class Llama(llama_cpp.Llama):
     def _pi2_load(self, path: Path, args: tuple[Any, ...], kwargs: dict[str, Any], settings: Settings | None) -> None:
         """llama's load with this model's binding, and under a budget the neuron cache sized from what the
         load left; MemoryBudgetError (the model closed) if the budget is too small."""
-        with _LOADING:  # the weights llama allocates until load_end belong to this binding
-            self.pi2_binding = plugin.load_begin(self.pi2_sidecar, self.pi2_mode,
-                                                 flash=self.pi2_memory_budget is not None, model=path)
-            try:
-                for name, value in (settings or {}).items():
-                    plugin.configure(name, value, self.pi2_binding)
-                with budgets.compute_buffer_log() as compute, llama_load_errors(path, kwargs.get("n_ctx", 512)):
-                    super().__init__(str(path), *args, **kwargs)
-            except BaseException:
-                if self.pi2_binding:
-                    plugin.release_binding(self.pi2_binding)
-                raise
-            finally:
-                plugin.load_end()
+        self.pi2_binding = 0
+        with plugin.model_load(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None, model=path,
+                               settings=settings) as self.pi2_binding:
+            with budgets.compute_buffer_log() as compute, llama_load_errors(path, kwargs.get("n_ctx", 512)):
+                super().__init__(str(path), *args, **kwargs)
         self._pi2_constructed = True
         if self.pi2_memory_budget is not None:
             # what the plugin refused while llama loaded and reserved its graphs (a weight that is not the

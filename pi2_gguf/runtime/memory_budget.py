@@ -17,9 +17,7 @@ from pathlib import Path
 
 from ..errors import MemoryBudgetError
 from . import native
-from .native import ModelSummary
 
-MARGIN = 32 << 20  # PI2_BUDGET_MARGIN in model_binding.h
 # n_batch (and n_ubatch) under a budget: llama sizes its compute buffers by it, and a prompt batch reads each
 # layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
 # Qwen2.5-1.5B's 6%, decode unchanged, but 5-10 MB less neuron cache, which tight budgets do not have (the
@@ -44,33 +42,20 @@ def parse_size(value: str | int | float, what: str = "memory budget") -> int:
     return size
 
 
-def precheck(budget: int, model: ModelSummary, path: Path, sidecar: Path, output_rows: int | None = None) -> None:
-    """Refuses, before anything loads, a budget below what the model needs at the very least: what this
-    process holds now, the model's resident non-FFN weights, one layer of bundles and the margin (the
-    plugin states the exact minimum, with the predictors it keeps, KV cache and compute buffers, after
-    the load). The token embedding stays in the model file (the plugin reads its rows per token), so an
-    untied one does not count and a tied one counts once, as the output matmul's copy; with output_rows > 0
-    (PI2_OUTPUT_ROWS) the output matrix counts as its smaller in-RAM copy (None: the value the sidecar
-    records, pi2.budget.output_rows, else 0)."""
-    from ..sidecar import reader as sidecar_mod
-
+def precheck(budget: int, path: Path, sidecar: Path, output_rows: int | None = None) -> None:
+    """Refuses, before anything loads, a budget below what the model needs at the very least, as the plugin counts
+    it (native.budget_floor: this process now, the model's resident non-FFN weights, one layer of bundles and the
+    margin; the token embedding stays in the model file, a tied one counts once, and with output_rows > 0
+    (PI2_OUTPUT_ROWS; None: the sidecar's recorded value) the output matrix as its smaller copy). The plugin states
+    the exact minimum, with the predictors it keeps, KV cache and compute buffers, after the load."""
     gc.collect()  # unmaps what GGUF readers the caller dropped still map: mapped pages count as resident
-    held = native.resident_bytes()  # before the reader below maps (and counts) file pages
-    kv = sidecar_mod.read(sidecar).kv
-    if output_rows is None:
-        output_rows = int(kv.get("pi2.budget.output_rows", 0))
-    non_ffn = model.file_size - model.ffn_bytes - model.embedding_bytes
-    if output_rows > 0 and model.output_copy_bytes > 0:
-        non_ffn -= model.output_bytes - model.output_copy_bytes
-    one_layer = max(-(-int(f) // int(g)) * int(b)
-                    for f, g, b in zip(kv["pi2.n_ff"], kv["pi2.bundle.neurons"], kv["pi2.bundle.size"]))
-    need = held + non_ffn + one_layer + MARGIN
-    if budget < need:
+    f = native.budget_floor(path, sidecar, output_rows)
+    if budget < f.need:
         raise MemoryBudgetError(
-            f"memory budget {budget / 1e6:.0f} MB is too small for {path.name}: it needs more than {need / 1e6:.0f} MB "
-            f"(this process {held / 1e6:.0f} MB, resident non-FFN weights {non_ffn / 1e6:.0f} MB, neuron cache at "
-            f"least {one_layer / 1e6:.0f} MB, margin {MARGIN / 1e6:.0f} MB; plus predictors, KV cache and compute "
-            "buffers)")
+            f"memory budget {budget / 1e6:.0f} MB is too small for {path.name}: it needs more than {f.need / 1e6:.0f} MB "
+            f"(this process {f.resident / 1e6:.0f} MB, resident non-FFN weights {f.non_ffn / 1e6:.0f} MB, neuron cache "
+            f"at least {f.one_layer / 1e6:.0f} MB, margin {f.margin / 1e6:.0f} MB; plus predictors, KV cache and "
+            "compute buffers)")
 
 
 _COMPUTE = re.compile(r"compute buffer size\s*=\s*([0-9.]+)\s*MiB")

@@ -40,7 +40,19 @@ def model_summary_c(path: Pathish) -> ModelSummary:
     err = capi.err_buffer()
     if capi.lib().pi2_model_summary(os.fsencode(path), ctypes.byref(out), err, capi.ERR_LEN) != 0:
         raise ModelFileError(capi.err_text(err))
-    return ModelSummary(*(getattr(out, name) for name, _ in capi.Pi2ModelSummary._fields_))
+    return ModelSummary(*(getattr(out, name) for name, *_ in capi.Pi2ModelSummary._fields_))
+
+
+def budget_floor(model: Pathish, sidecar: Pathish, output_rows: int | None) -> capi.Pi2BudgetFloor:
+    """The least a memory budget must give this model and sidecar, as the plugin judges it before llama loads
+    (ggml-pi2.h, pi2_budget_floor): this process now, the model's resident non-FFN weights, one layer's bundles and
+    the margin. output_rows: PI2_OUTPUT_ROWS as the load will have it (None: the sidecar's recorded value)."""
+    out = capi.Pi2BudgetFloor()
+    err = capi.err_buffer()
+    if capi.lib().pi2_budget_floor(os.fsencode(model), os.fsencode(sidecar), -1 if output_rows is None else output_rows,
+                                   ctypes.byref(out), err, capi.ERR_LEN) != 0:
+        raise SidecarError(capi.err_text(err))
+    return out
 
 
 def validate_sidecar_c(path: Pathish) -> None:

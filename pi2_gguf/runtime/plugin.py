@@ -8,14 +8,16 @@ unversioned one holds a second backend registry that llama never consults.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from ..errors import ConfigError, MemoryBudgetError, PluginError, SidecarError, VersionMismatchError
 from ..llama_build import LLAMA_CPP_PYTHON_VERSION
-from . import capi
+from . import capi, ggml_base
 
 DEVICE_NAME = "PI2"
 MODES = {"dense": 0, "oracle": 1, "predicted": 2}  # enum pi2_mode
@@ -37,20 +39,6 @@ def check_llama_cpp_version() -> str:
     return found
 
 
-def _libggml() -> ctypes.CDLL:
-    import llama_cpp
-
-    lib = Path(llama_cpp.__file__).resolve().parent / "lib" / "libggml.so.0"
-    if not lib.is_file():
-        raise PluginError(f"{lib} not found: this llama-cpp-python install has no shared ggml")
-    g = ctypes.CDLL(str(lib))
-    g.ggml_backend_load.restype = ctypes.c_void_p
-    g.ggml_backend_load.argtypes = [ctypes.c_char_p]
-    g.ggml_backend_reg_by_name.restype = ctypes.c_void_p
-    g.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
-    return g
-
-
 def register() -> Path:
     """Loads the PI2 plugin into llama-cpp-python's ggml (once; later calls do nothing).
 
@@ -61,7 +49,7 @@ def register() -> Path:
             return _registered
         path = capi.plugin_path()
         check_llama_cpp_version()
-        g = _libggml()
+        g = ggml_base.registry()
         lib = capi.lib()  # the same loaded library ggml_backend_load gets below
         info = lib.pi2_build_info().decode()
         if f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}" not in info:
@@ -140,6 +128,32 @@ def load_begin(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = 
 
 def load_end() -> None:
     _require().pi2_load_end()
+
+
+# Models load one at a time: the plugin ties the weight buffers llama allocates between load_begin and load_end to
+# that load's binding (it refuses a second load_begin meanwhile); loads in several threads wait for each other here.
+_LOADING = threading.Lock()
+
+
+@contextlib.contextmanager
+def model_load(sidecar: str | os.PathLike[str] | None, mode: str, flash: bool = False,
+               model: str | os.PathLike[str] | None = None,
+               settings: Mapping[str, str | int | float | bool] | None = None) -> Iterator[int]:
+    """The one lifecycle of a model load with PI2 (pi2_gguf.Llama, LlamaRunner, and so serve): the binding opened
+    (load_begin's arguments), its settings applied, then the caller loads the model inside the block; load_end
+    always follows, and the binding (the id yielded, 0 without a sidecar) is released if the block raises."""
+    with _LOADING:
+        binding = load_begin(sidecar, mode, flash=flash, model=model)
+        try:
+            for name, value in (settings or {}).items():
+                configure(name, value, binding)
+            yield binding
+        except BaseException:
+            if binding:
+                release_binding(binding)
+            raise
+        finally:
+            load_end()
 
 
 def set_mode(binding: int, mode: str) -> None:

@@ -66,16 +66,9 @@ class LlamaRunner:
             raise Pi2Error(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`")
         # with PI2 in the process it is told the model, whose stated FFN activation it then computes
         if sidecar is not None or mode != "dense" or settings or plugin.is_registered():
-            self._binding = plugin.load_begin(sidecar, mode, flash=memory_budget is not None, model=path)
-            try:
-                for name, value in (settings or {}).items():
-                    plugin.configure(name, value, self._binding)
+            with plugin.model_load(sidecar, mode, flash=memory_budget is not None, model=path,
+                                   settings=settings) as self._binding:
                 self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
-            except BaseException:
-                self._release_binding()
-                raise
-            finally:
-                plugin.load_end()
         else:
             self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:

@@ -37,57 +37,110 @@ class KT(Enum):
     F32_ARR = "f32[]"
 
 
+class Key:
+    """The sidecar's key names, each written once: the C header's PI2_KEY_* macros without the prefix
+    (ggml-backend/src/sidecar_format.h). KEYS, OPTIONAL_KEYS and METHOD_KEYS below give their types."""
+
+    FORMAT_VERSION = "pi2.format_version"
+    SOURCE_ARCHITECTURE = "pi2.source.architecture"
+    SOURCE_NAME = "pi2.source.name"
+    SOURCE_FILE_SIZE = "pi2.source.file_size"
+    SOURCE_FINGERPRINT = "pi2.source.fingerprint"
+    SOURCE_TENSOR_FINGERPRINTS = "pi2.source.tensor_fingerprints"
+    N_LAYER = "pi2.n_layer"
+    N_EMBD = "pi2.n_embd"
+    N_FF = "pi2.n_ff"
+    ACTIVATION = "pi2.activation"
+    ACTIVATION_THRESHOLD = "pi2.activation_threshold"
+    SPARSITY_METHOD = "pi2.sparsity.method"
+    SPARSITY_TARGET = "pi2.sparsity.target"
+    SPARSITY_THRESHOLDS = "pi2.sparsity.thresholds"
+    SPARSITY_PRODUCT_THRESHOLDS = "pi2.sparsity.product_thresholds"
+    SPARSITY_DENSITY = "pi2.sparsity.density"
+    PREDICTOR_RANK = "pi2.predictor.rank"
+    PREDICTOR_CUTOFF = "pi2.predictor.cutoff"
+    PREDICTOR_RECALL_TARGET = "pi2.predictor.recall_target"
+    PREDICTOR_RECALL = "pi2.predictor.recall"
+    PREDICTOR_PRECISION = "pi2.predictor.precision"
+    PREDICTOR_DENSITY = "pi2.predictor.density"
+    HOT_COUNT = "pi2.hot_count"
+    CALIB_CORPUS = "pi2.calib.corpus"
+    CALIB_CORPUS_SHA256 = "pi2.calib.corpus_sha256"
+    CALIB_TOKENS = "pi2.calib.tokens"
+    CALIB_HELDOUT_TOKENS = "pi2.calib.heldout_tokens"
+    CALIB_DATE = "pi2.calib.date"
+    BUNDLE_ALIGN = "pi2.bundle.align"
+    BUNDLE_SIZE = "pi2.bundle.size"
+    BUNDLE_NEURONS = "pi2.bundle.neurons"
+    BUNDLE_GATE_TYPE = "pi2.bundle.gate_type"
+    BUNDLE_UP_TYPE = "pi2.bundle.up_type"
+    BUNDLE_DOWN_TYPE = "pi2.bundle.down_type"
+    BUNDLE_DOWN_TOLERANCE = "pi2.bundle.down_tolerance"
+    BUNDLE_DOWN_ERROR = "pi2.bundle.down_error"
+    # optional (FORMAT.md, "Optional keys")
+    QUALITY_TEXT = "pi2.quality.text"
+    QUALITY_PERPLEXITY_DENSE = "pi2.quality.perplexity_dense"
+    QUALITY_PERPLEXITY = "pi2.quality.perplexity"
+    QUALITY_BUDGET = "pi2.quality.budget"
+    QUALITY_CHOICE = "pi2.quality.choice"
+    BUDGET_OUTPUT_ROWS = "pi2.budget.output_rows"
+    BUDGET_OUTPUT_COPY = "pi2.budget.output_copy"
+    MOE_EXPERT_COUNT = "pi2.moe.expert_count"
+    MOE_ROUTED_SHARE = "pi2.moe.routed_share"
+    MOE_REUSE = "pi2.moe.reuse"
+
+
 KEYS: dict[str, KT] = {
-    "pi2.format_version": KT.U32,
-    "pi2.source.architecture": KT.STR,
-    "pi2.source.name": KT.STR,
-    "pi2.source.file_size": KT.U64,
-    "pi2.source.fingerprint": KT.U64,
-    "pi2.source.tensor_fingerprints": KT.U64_ARR,
-    "pi2.n_layer": KT.U32,
-    "pi2.n_embd": KT.U32,
-    "pi2.n_ff": KT.U32_ARR,
-    "pi2.activation": KT.STR,
-    "pi2.activation_threshold": KT.F32,
-    "pi2.sparsity.method": KT.STR,
-    "pi2.sparsity.target": KT.F32,
-    "pi2.sparsity.thresholds": KT.F32_ARR,
-    "pi2.sparsity.product_thresholds": KT.F32_ARR,
-    "pi2.sparsity.density": KT.F32_ARR,
-    "pi2.predictor.rank": KT.U32_ARR,
-    "pi2.predictor.cutoff": KT.F32_ARR,
-    "pi2.predictor.recall_target": KT.F32,
-    "pi2.predictor.recall": KT.F32_ARR,
-    "pi2.predictor.precision": KT.F32_ARR,
-    "pi2.predictor.density": KT.F32_ARR,
-    "pi2.hot_count": KT.U32_ARR,
-    "pi2.calib.corpus": KT.STR,
-    "pi2.calib.corpus_sha256": KT.STR,
-    "pi2.calib.tokens": KT.U64,
-    "pi2.calib.heldout_tokens": KT.U64,
-    "pi2.calib.date": KT.STR,
-    "pi2.bundle.align": KT.U32,
-    "pi2.bundle.size": KT.U32_ARR,
-    "pi2.bundle.neurons": KT.U32_ARR,
-    "pi2.bundle.gate_type": KT.U32_ARR,
-    "pi2.bundle.up_type": KT.U32_ARR,
-    "pi2.bundle.down_type": KT.U32_ARR,
-    "pi2.bundle.down_tolerance": KT.F32_ARR,
-    "pi2.bundle.down_error": KT.F32_ARR,
+    Key.FORMAT_VERSION: KT.U32,
+    Key.SOURCE_ARCHITECTURE: KT.STR,
+    Key.SOURCE_NAME: KT.STR,
+    Key.SOURCE_FILE_SIZE: KT.U64,
+    Key.SOURCE_FINGERPRINT: KT.U64,
+    Key.SOURCE_TENSOR_FINGERPRINTS: KT.U64_ARR,
+    Key.N_LAYER: KT.U32,
+    Key.N_EMBD: KT.U32,
+    Key.N_FF: KT.U32_ARR,
+    Key.ACTIVATION: KT.STR,
+    Key.ACTIVATION_THRESHOLD: KT.F32,
+    Key.SPARSITY_METHOD: KT.STR,
+    Key.SPARSITY_TARGET: KT.F32,
+    Key.SPARSITY_THRESHOLDS: KT.F32_ARR,
+    Key.SPARSITY_PRODUCT_THRESHOLDS: KT.F32_ARR,
+    Key.SPARSITY_DENSITY: KT.F32_ARR,
+    Key.PREDICTOR_RANK: KT.U32_ARR,
+    Key.PREDICTOR_CUTOFF: KT.F32_ARR,
+    Key.PREDICTOR_RECALL_TARGET: KT.F32,
+    Key.PREDICTOR_RECALL: KT.F32_ARR,
+    Key.PREDICTOR_PRECISION: KT.F32_ARR,
+    Key.PREDICTOR_DENSITY: KT.F32_ARR,
+    Key.HOT_COUNT: KT.U32_ARR,
+    Key.CALIB_CORPUS: KT.STR,
+    Key.CALIB_CORPUS_SHA256: KT.STR,
+    Key.CALIB_TOKENS: KT.U64,
+    Key.CALIB_HELDOUT_TOKENS: KT.U64,
+    Key.CALIB_DATE: KT.STR,
+    Key.BUNDLE_ALIGN: KT.U32,
+    Key.BUNDLE_SIZE: KT.U32_ARR,
+    Key.BUNDLE_NEURONS: KT.U32_ARR,
+    Key.BUNDLE_GATE_TYPE: KT.U32_ARR,
+    Key.BUNDLE_UP_TYPE: KT.U32_ARR,
+    Key.BUNDLE_DOWN_TYPE: KT.U32_ARR,
+    Key.BUNDLE_DOWN_TOLERANCE: KT.F32_ARR,
+    Key.BUNDLE_DOWN_ERROR: KT.F32_ARR,
 }
 
 # keys a sidecar may hold (FORMAT.md, "Optional keys"); readers of the required ones ignore them
 OPTIONAL_KEYS: dict[str, KT] = {
-    "pi2.quality.text": KT.STR,
-    "pi2.quality.perplexity_dense": KT.F32,
-    "pi2.quality.perplexity": KT.F32,
-    "pi2.quality.budget": KT.F32,
-    "pi2.quality.choice": KT.STR,
-    "pi2.budget.output_rows": KT.U32,
-    "pi2.budget.output_copy": KT.STR,
-    "pi2.moe.expert_count": KT.U32,
-    "pi2.moe.routed_share": KT.F32_ARR,
-    "pi2.moe.reuse": KT.F32_ARR,
+    Key.QUALITY_TEXT: KT.STR,
+    Key.QUALITY_PERPLEXITY_DENSE: KT.F32,
+    Key.QUALITY_PERPLEXITY: KT.F32,
+    Key.QUALITY_BUDGET: KT.F32,
+    Key.QUALITY_CHOICE: KT.STR,
+    Key.BUDGET_OUTPUT_ROWS: KT.U32,
+    Key.BUDGET_OUTPUT_COPY: KT.STR,
+    Key.MOE_EXPERT_COUNT: KT.U32,
+    Key.MOE_ROUTED_SHARE: KT.F32_ARR,
+    Key.MOE_REUSE: KT.F32_ARR,
 }
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
 MAX_OUTPUT_ROWS = 4096
@@ -109,7 +162,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu", "fatrelu")
 RELU_FAMILY = ("relu", "drelu", "fatrelu")
 SPARSITY_METHODS = ("cats", "product", "relu")
 # keys only a sidecar of one method holds
-METHOD_KEYS: dict[str, str] = {"pi2.sparsity.product_thresholds": "product"}
+METHOD_KEYS: dict[str, str] = {Key.SPARSITY_PRODUCT_THRESHOLDS: "product"}
 
 
 def keys_of(method: str) -> dict[str, KT]:
@@ -141,13 +194,13 @@ def row_size(qtype: int | GGMLQuantizationType, n: int) -> int:
 def check_bundle_align(align: int) -> None:
     """ValueError unless align may be a sidecar's pi2.bundle.align."""
     if align not in BUNDLE_ALIGNS:
-        raise ValueError(f"pi2.bundle.align is {align}, not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
+        raise ValueError(f"{Key.BUNDLE_ALIGN} is {align}, not one of {', '.join(map(str, BUNDLE_ALIGNS))}")
 
 
 def check_bundle_neurons(neurons: int) -> None:
     """ValueError unless a bundle may hold this many neurons."""
     if not 1 <= neurons <= MAX_BUNDLE_NEURONS:
-        raise ValueError(f"pi2.bundle.neurons is {neurons}, not 1..{MAX_BUNDLE_NEURONS}")
+        raise ValueError(f"{Key.BUNDLE_NEURONS} is {neurons}, not 1..{MAX_BUNDLE_NEURONS}")
 
 
 @dataclass(frozen=True)
@@ -184,7 +237,7 @@ def bundle_layout(gate_type: int, up_type: int, down_type: int, n_embd: int, ali
         size = tight
     elif size % align or size < neurons * stride:
         raise ValueError(f"bundle size {size} does not hold its {neurons} x {stride} bytes of data or is not a "
-                         f"multiple of pi2.bundle.align = {align}")
+                         f"multiple of {Key.BUNDLE_ALIGN} = {align}")
     return BundleLayout(up_off, down_off, end, stride, neurons, size)
 
 

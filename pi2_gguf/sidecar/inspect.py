@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from ..errors import MissingExtraError, OutputWriteError
 from ..paths import check_output
 from ..runtime import native
-from .format import RELU_FAMILY
+from .format import RELU_FAMILY, Key
 from .reader import Sidecar
 
 HOTNESS_BINS = 1024
@@ -19,11 +19,11 @@ HOTNESS_BINS = 1024
 
 def _expert_hotness(kv: dict) -> list[str]:
     """MoE: per layer, each expert's share of the layer's tokens on the training text (the router's choices)."""
-    share = kv.get("pi2.moe.routed_share")
-    n = kv.get("pi2.moe.expert_count")
+    share = kv.get(Key.MOE_ROUTED_SHARE)
+    n = kv.get(Key.MOE_EXPERT_COUNT)
     if share is None or not n:
         return []
-    reuse = kv.get("pi2.moe.reuse")
+    reuse = kv.get(Key.MOE_REUSE)
     rows = [f"experts        share of each layer's tokens routed to each expert (training text), experts 0-{n - 1}"
             + ("; reuse: of a token's routed experts, the share the next token routes to again" if reuse else "") + ":"]
     for il in range(len(share) // n):
@@ -38,30 +38,30 @@ def _expert_hotness(kv: dict) -> list[str]:
 
 def summary(sc: Sidecar) -> str:
     kv = sc.kv
-    target = kv["pi2.sparsity.target"]
-    product = kv["pi2.sparsity.method"] == "product"
+    target = kv[Key.SPARSITY_TARGET]
+    product = kv[Key.SPARSITY_METHOD] == "product"
     lines = [
-        f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv['pi2.format_version']}",
-        f"model          {kv['pi2.source.name'] or '(unnamed)'} ({kv['pi2.source.architecture']}, "
-        f"{kv['pi2.source.file_size'] / 1e6:.1f} MB), fingerprint {kv['pi2.source.fingerprint']:016x}",
-        f"FFN            {sc.n_layer} layers, n_embd {kv['pi2.n_embd']}, activation {kv['pi2.activation']}"
-        + (f"; MoE: {sc.n_layer // kv['pi2.moe.expert_count']} layers of {kv['pi2.moe.expert_count']} routed experts, "
-           f"sidecar layer = layer * {kv['pi2.moe.expert_count']} + expert" if "pi2.moe.expert_count" in kv else ""),
+        f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv[Key.FORMAT_VERSION]}",
+        f"model          {kv[Key.SOURCE_NAME] or '(unnamed)'} ({kv[Key.SOURCE_ARCHITECTURE]}, "
+        f"{kv[Key.SOURCE_FILE_SIZE] / 1e6:.1f} MB), fingerprint {kv[Key.SOURCE_FINGERPRINT]:016x}",
+        f"FFN            {sc.n_layer} layers, n_embd {kv[Key.N_EMBD]}, activation {kv[Key.ACTIVATION]}"
+        + (f"; MoE: {sc.n_layer // kv[Key.MOE_EXPERT_COUNT]} layers of {kv[Key.MOE_EXPERT_COUNT]} routed experts, "
+           f"sidecar layer = layer * {kv[Key.MOE_EXPERT_COUNT]} + expert" if Key.MOE_EXPERT_COUNT in kv else ""),
         *_expert_hotness(kv),
-        f"sparsity       {kv['pi2.sparsity.method']}"
+        f"sparsity       {kv[Key.SPARSITY_METHOD]}"
         + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")
-        + f", held-out density {np.mean(kv['pi2.sparsity.density']):.3f} (mean of layers)",
-        f"predictors     recall target {kv['pi2.predictor.recall_target']:.3f}; held-out recall "
-        f"{min(kv['pi2.predictor.recall']):.4f} (worst layer), predicted density "
-        f"{np.mean(kv['pi2.predictor.density']):.3f} (mean)",
-        f"calibration    {kv['pi2.calib.corpus']}, {kv['pi2.calib.tokens']} tokens + "
-        f"{kv['pi2.calib.heldout_tokens']} held out, {kv['pi2.calib.date']}",
+        + f", held-out density {np.mean(kv[Key.SPARSITY_DENSITY]):.3f} (mean of layers)",
+        f"predictors     recall target {kv[Key.PREDICTOR_RECALL_TARGET]:.3f}; held-out recall "
+        f"{min(kv[Key.PREDICTOR_RECALL]):.4f} (worst layer), predicted density "
+        f"{np.mean(kv[Key.PREDICTOR_DENSITY]):.3f} (mean)",
+        f"calibration    {kv[Key.CALIB_CORPUS]}, {kv[Key.CALIB_TOKENS]} tokens + "
+        f"{kv[Key.CALIB_HELDOUT_TOKENS]} held out, {kv[Key.CALIB_DATE]}",
         _quality_line(kv),
-        *(["choice         " + kv["pi2.quality.choice"]] if "pi2.quality.choice" in kv else []),
-        *([f"memory budget  output matrix left in the model file, {kv['pi2.budget.output_rows']} exact rows a token, "
-           f"the rest from a {kv.get('pi2.budget.output_copy', 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
+        *(["choice         " + kv[Key.QUALITY_CHOICE]] if Key.QUALITY_CHOICE in kv else []),
+        *([f"memory budget  output matrix left in the model file, {kv[Key.BUDGET_OUTPUT_ROWS]} exact rows a token, "
+           f"the rest from a {kv.get(Key.BUDGET_OUTPUT_COPY, 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
            f"PI2_OUTPUT_COPY; the environment or a model setting overrides them)"]
-          if kv.get("pi2.budget.output_rows") else []),
+          if kv.get(Key.BUDGET_OUTPUT_ROWS) else []),
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")
         + "  density  rank  recall  precis  pred.dens   hot  bundle (neurons)  rows  down type (err/tol)  in RAM (cost)",
@@ -69,7 +69,7 @@ def summary(sc: Sidecar) -> str:
     # the plugin's placement rule (docs/BACKEND.md, "Which layers PI2 holds"): in predicted mode a layer is
     # held where sparse decode is estimated faster than ggml-cpu (cost < 1), and always for the ReLU family
     cost = native.sparse_cost_c(sc.path)
-    relu_family = kv["pi2.activation"] in RELU_FAMILY
+    relu_family = kv[Key.ACTIVATION] in RELU_FAMILY
     held = sum(relu_family or c < 1.0 for c in cost)
     lines.insert(-2, f"in RAM         predicted mode holds {held} of {sc.n_layer} FFN layers in PI2; "
                      f"the others run in ggml-cpu's kernels (PI2_LAYERS=auto)")
@@ -77,21 +77,22 @@ def summary(sc: Sidecar) -> str:
         g = lambda k: kv[k][il]  # noqa: E731
         place = "PI2" if relu_family or cost[il] < 1.0 else "cpu"
         lines.append(
-            f"{il:5d} {g('pi2.n_ff'):5d} {g('pi2.sparsity.thresholds'):7.4f} "
-            + (f"{g('pi2.sparsity.product_thresholds'):8.4f} " if product else "") + f"{g('pi2.sparsity.density'):8.3f} "
-            f"{g('pi2.predictor.rank'):5d} {g('pi2.predictor.recall'):7.4f} {g('pi2.predictor.precision'):7.3f} "
-            f"{g('pi2.predictor.density'):10.3f} {g('pi2.hot_count'):5d} {g('pi2.bundle.size'):7d} ({g('pi2.bundle.neurons'):2d})  "
-            f"{GGMLQuantizationType(g('pi2.bundle.gate_type')).name:>4}  {GGMLQuantizationType(g('pi2.bundle.down_type')).name} "
-            f"({g('pi2.bundle.down_error'):.4f}/{g('pi2.bundle.down_tolerance'):.4f})  {place} ({cost[il]:.2f})")
+            f"{il:5d} {g(Key.N_FF):5d} {g(Key.SPARSITY_THRESHOLDS):7.4f} "
+            + (f"{g(Key.SPARSITY_PRODUCT_THRESHOLDS):8.4f} " if product else "") + f"{g(Key.SPARSITY_DENSITY):8.3f} "
+            f"{g(Key.PREDICTOR_RANK):5d} {g(Key.PREDICTOR_RECALL):7.4f} {g(Key.PREDICTOR_PRECISION):7.3f} "
+            f"{g(Key.PREDICTOR_DENSITY):10.3f} {g(Key.HOT_COUNT):5d} {g(Key.BUNDLE_SIZE):7d} "
+            f"({g(Key.BUNDLE_NEURONS):2d})  {GGMLQuantizationType(g(Key.BUNDLE_GATE_TYPE)).name:>4}  "
+            f"{GGMLQuantizationType(g(Key.BUNDLE_DOWN_TYPE)).name} "
+            f"({g(Key.BUNDLE_DOWN_ERROR):.4f}/{g(Key.BUNDLE_DOWN_TOLERANCE):.4f})  {place} ({cost[il]:.2f})")
     return "\n".join(lines)
 
 
 def _quality_line(kv: dict) -> str:
-    if "pi2.quality.perplexity" not in kv:
+    if Key.QUALITY_PERPLEXITY not in kv:
         return "perplexity     not measured (convert --perplexity-budget records it)"
-    dense, ppl = float(kv["pi2.quality.perplexity_dense"]), float(kv["pi2.quality.perplexity"])
+    dense, ppl = float(kv[Key.QUALITY_PERPLEXITY_DENSE]), float(kv[Key.QUALITY_PERPLEXITY])
     return (f"perplexity     {ppl:.3f} predicted, every layer sparse, against {dense:.3f} dense "
-            f"({ppl / dense - 1:+.1%}; budget +{float(kv['pi2.quality.budget']):.1%}) on {kv['pi2.quality.text']}")
+            f"({ppl / dense - 1:+.1%}; budget +{float(kv[Key.QUALITY_BUDGET]):.1%}) on {kv[Key.QUALITY_TEXT]}")
 
 
 def hotness(sc: Sidecar, bins: int = HOTNESS_BINS) -> np.ndarray:

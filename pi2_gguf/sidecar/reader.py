@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from ..errors import SidecarError, SidecarVersionError
 from ..gguf_file import open_gguf
 from . import format as fmt
+from .format import Key
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Sidecar:
 
     @property
     def n_layer(self) -> int:
-        return int(self.kv["pi2.n_layer"])
+        return int(self.kv[Key.N_LAYER])
 
     def layer_tensor(self, il: int, suffix: str) -> np.ndarray:
         return np.asarray(self.tensors[fmt.tensor_name(il, suffix)].data)
@@ -34,14 +35,14 @@ class Sidecar:
 
     def layout(self, il: int) -> fmt.BundleLayout:
         kv = self.kv
-        return fmt.bundle_layout(int(kv["pi2.bundle.gate_type"][il]), int(kv["pi2.bundle.up_type"][il]),
-                                 int(kv["pi2.bundle.down_type"][il]), int(kv["pi2.n_embd"]),
-                                 int(kv["pi2.bundle.align"]), int(kv["pi2.bundle.neurons"][il]),
-                                 int(kv["pi2.bundle.size"][il]))
+        return fmt.bundle_layout(int(kv[Key.BUNDLE_GATE_TYPE][il]), int(kv[Key.BUNDLE_UP_TYPE][il]),
+                                 int(kv[Key.BUNDLE_DOWN_TYPE][il]), int(kv[Key.N_EMBD]),
+                                 int(kv[Key.BUNDLE_ALIGN]), int(kv[Key.BUNDLE_NEURONS][il]),
+                                 int(kv[Key.BUNDLE_SIZE][il]))
 
     def slots(self, il: int) -> np.ndarray:
         """[n_ff, end of a neuron's parts] uint8 (a copy): row j = the parts of bundle slot j."""
-        lay, n_ff = self.layout(il), int(self.kv["pi2.n_ff"][il])
+        lay, n_ff = self.layout(il), int(self.kv[Key.N_FF][il])
         flat = self.bundles(il).reshape(-1)
         return np.stack([flat[lay.offset(j):lay.offset(j) + lay.end] for j in range(n_ff)])
 
@@ -68,17 +69,18 @@ _EXPECT_TYPE = {fmt.KT.U32: GGUFValueType.UINT32, fmt.KT.U64: GGUFValueType.UINT
 def read(path: str | Path) -> Sidecar:
     """Opens and validates a sidecar (every rule of docs/FORMAT.md except the model fingerprint)."""
     p, reader = open_gguf(path, "sidecar", SidecarError)
-    version = _field_value(reader, "pi2.format_version", p)
+    version = _field_value(reader, Key.FORMAT_VERSION, p)
     if version is None:
-        raise SidecarError(f"{p} is not a pi2 sidecar (no pi2.format_version)")
+        raise SidecarError(f"{p} is not a pi2 sidecar (no {Key.FORMAT_VERSION})")
     if version != fmt.FORMAT_VERSION:
         raise SidecarVersionError(f"sidecar {p} has format version {version}; this pi2-gguf reads version "
                            f"{fmt.FORMAT_VERSION} (convert the model again)")
-    method = _field_value(reader, "pi2.sparsity.method", p)
+    method = _field_value(reader, Key.SPARSITY_METHOD, p)
     if method is None:
-        raise SidecarError(f"sidecar {p} lacks key pi2.sparsity.method")
+        raise SidecarError(f"sidecar {p} lacks key {Key.SPARSITY_METHOD}")
     if method not in fmt.SPARSITY_METHODS:
-        raise SidecarError(f"sidecar {p}: pi2.sparsity.method is {method!r}, not one of {', '.join(fmt.SPARSITY_METHODS)}")
+        raise SidecarError(f"sidecar {p}: {Key.SPARSITY_METHOD} is {method!r}, not one of "
+                           f"{', '.join(fmt.SPARSITY_METHODS)}")
     keys = fmt.keys_of(method)
     kv: dict[str, Any] = {}
     for key, kt in keys.items():
@@ -96,64 +98,68 @@ def read(path: str | Path) -> Sidecar:
         if f is not None and f.types and (f.types[0] == GGUFValueType.ARRAY) == is_arr and f.types[-1] == _EXPECT_TYPE[kt]:
             kv[key] = _field_value(reader, key, p)
     # ... except the one the plugin applies: a malformed setting is refused, as the plugin refuses it
-    f = reader.get_field("pi2.moe.expert_count")
+    f = reader.get_field(Key.MOE_EXPERT_COUNT)
     if f is not None:
-        n_expert = kv.get("pi2.moe.expert_count")
+        n_expert = kv.get(Key.MOE_EXPERT_COUNT)
         if not isinstance(n_expert, int):
-            raise SidecarError(f"sidecar {p}: key pi2.moe.expert_count has type {[t.name for t in f.types]}, expected u32")
-        n_layer = len(kv["pi2.n_ff"])
+            raise SidecarError(f"sidecar {p}: key {Key.MOE_EXPERT_COUNT} has type {[t.name for t in f.types]}, "
+                               "expected u32")
+        n_layer = len(kv[Key.N_FF])
         if n_expert == 0 or n_layer % n_expert:
-            raise SidecarError(f"sidecar {p}: key pi2.moe.expert_count is {n_expert}, which does not divide its {n_layer} layers")
-        for key in ("pi2.moe.routed_share", "pi2.moe.reuse"):
+            raise SidecarError(f"sidecar {p}: key {Key.MOE_EXPERT_COUNT} is {n_expert}, which does not divide its "
+                               f"{n_layer} layers")
+        for key in (Key.MOE_ROUTED_SHARE, Key.MOE_REUSE):
             values = kv.get(key)
             if values is not None and len(values) != n_layer:
                 raise SidecarError(f"sidecar {p}: key {key} has {len(values)} values for {n_layer} layers")
-    f = reader.get_field("pi2.budget.output_rows")
+    f = reader.get_field(Key.BUDGET_OUTPUT_ROWS)
     if f is not None:
-        rows = kv.get("pi2.budget.output_rows")
+        rows = kv.get(Key.BUDGET_OUTPUT_ROWS)
         if rows is None:
-            raise SidecarError(f"sidecar {p}: key pi2.budget.output_rows has type {[t.name for t in f.types]}, expected u32")
+            raise SidecarError(f"sidecar {p}: key {Key.BUDGET_OUTPUT_ROWS} has type {[t.name for t in f.types]}, "
+                               "expected u32")
         if rows > fmt.MAX_OUTPUT_ROWS:
-            raise SidecarError(f"sidecar {p}: key pi2.budget.output_rows: PI2_OUTPUT_ROWS={rows} is not a number of "
+            raise SidecarError(f"sidecar {p}: key {Key.BUDGET_OUTPUT_ROWS}: PI2_OUTPUT_ROWS={rows} is not a number of "
                                f"rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
-    f = reader.get_field("pi2.budget.output_copy")
-    if f is not None and kv.get("pi2.budget.output_copy") not in fmt.OUTPUT_COPIES:
-        raise SidecarError(f"sidecar {p}: key pi2.budget.output_copy is {kv.get('pi2.budget.output_copy')!r}, not one of "
+    f = reader.get_field(Key.BUDGET_OUTPUT_COPY)
+    if f is not None and kv.get(Key.BUDGET_OUTPUT_COPY) not in fmt.OUTPUT_COPIES:
+        raise SidecarError(f"sidecar {p}: key {Key.BUDGET_OUTPUT_COPY} is {kv.get(Key.BUDGET_OUTPUT_COPY)!r}, "
+                           "not one of "
                            f"PI2_OUTPUT_COPY's values {', '.join(fmt.OUTPUT_COPIES)}")
-    n_layer = int(kv["pi2.n_layer"])
+    n_layer = int(kv[Key.N_LAYER])
     for key, kt in keys.items():
         if kt.value.endswith("[]"):
-            want = 3 * n_layer if key == "pi2.source.tensor_fingerprints" else n_layer
+            want = 3 * n_layer if key == Key.SOURCE_TENSOR_FINGERPRINTS else n_layer
             if len(kv[key]) != want:
                 raise SidecarError(f"sidecar {p}: {key} has {len(kv[key])} elements, expected {want}")
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if int(t.data_offset) % fmt.BUNDLE_ALIGN:
             raise SidecarError(f"sidecar {p}: tensor {t.name} is not {fmt.BUNDLE_ALIGN}-byte aligned")
-    align = int(kv["pi2.bundle.align"])
+    align = int(kv[Key.BUNDLE_ALIGN])
     try:
         fmt.check_bundle_align(align)
     except ValueError as e:
         raise SidecarError(f"sidecar {p}: {e}") from e
     sc = Sidecar(p, kv, tensors, reader)
-    n_embd = int(kv["pi2.n_embd"])
+    n_embd = int(kv[Key.N_EMBD])
     for il in range(n_layer):
-        n_ff, bsize = int(kv["pi2.n_ff"][il]), int(kv["pi2.bundle.size"][il])
+        n_ff, bsize = int(kv[Key.N_FF][il]), int(kv[Key.BUNDLE_SIZE][il])
         try:  # also refuses a bundle size that does not hold the layer's neurons
             lay = sc.layout(il)
         except ValueError as e:
             raise SidecarError(f"sidecar {p}: layer {il}: {e}") from e
-        dims = {"n_embd": n_embd, "n_ff": n_ff, "r": int(kv["pi2.predictor.rank"][il]),
+        dims = {"n_embd": n_embd, "n_ff": n_ff, "r": int(kv[Key.PREDICTOR_RANK][il]),
                 "bundle size": bsize, "n_bundles": lay.n_bundles(n_ff)}
         for suffix, (tname, shape) in fmt.TENSORS.items():
             name = fmt.tensor_name(il, suffix)
-            t = tensors.get(name)
-            if t is None:
+            tensor = tensors.get(name)
+            if tensor is None:
                 raise SidecarError(f"sidecar {p} lacks tensor {name}")
-            want = [dims[d] for d in shape]
-            if t.tensor_type != GGMLQuantizationType[tname] or [int(x) for x in t.shape] != want:
-                raise SidecarError(f"sidecar {p}: tensor {name} is {t.tensor_type.name} {list(t.shape)}, "
-                                   f"expected {tname} {want}")
+            want_shape = [dims[d] for d in shape]
+            if tensor.tensor_type != GGMLQuantizationType[tname] or [int(x) for x in tensor.shape] != want_shape:
+                raise SidecarError(f"sidecar {p}: tensor {name} is {tensor.tensor_type.name} {list(tensor.shape)}, "
+                                   f"expected {tname} {want_shape}")
         order = sc.layer_tensor(il, "pi2_order")
         if not np.array_equal(np.sort(order), np.arange(dims["n_ff"])):
             raise SidecarError(f"sidecar {p}: blk.{il}.pi2_order is not a permutation of the layer's neurons")

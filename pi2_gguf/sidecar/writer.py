@@ -13,6 +13,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from ..errors import OutputWriteError
 from . import format as fmt
+from .format import Key
 
 
 @dataclass
@@ -106,67 +107,67 @@ _ADD: dict[fmt.KT, Callable[[GGUFWriter, str, Any], None]] = {
 
 # per-layer keys and the LayerData field each comes from
 _PER_LAYER = {
-    "pi2.n_ff": "n_ff", "pi2.sparsity.thresholds": "threshold", "pi2.sparsity.density": "density",
-    "pi2.predictor.rank": "rank", "pi2.predictor.cutoff": "cutoff", "pi2.predictor.recall": "recall",
-    "pi2.predictor.precision": "precision", "pi2.predictor.density": "predicted_density",
-    "pi2.hot_count": "hot_count", "pi2.bundle.size": "bundle_size", "pi2.bundle.neurons": "bundle_neurons",
-    "pi2.bundle.gate_type": "gate_type",
-    "pi2.bundle.up_type": "up_type", "pi2.bundle.down_type": "down_type",
-    "pi2.bundle.down_tolerance": "down_tolerance", "pi2.bundle.down_error": "down_error",
-    "pi2.sparsity.product_thresholds": "product_threshold",
+    Key.N_FF: "n_ff", Key.SPARSITY_THRESHOLDS: "threshold", Key.SPARSITY_DENSITY: "density",
+    Key.PREDICTOR_RANK: "rank", Key.PREDICTOR_CUTOFF: "cutoff", Key.PREDICTOR_RECALL: "recall",
+    Key.PREDICTOR_PRECISION: "precision", Key.PREDICTOR_DENSITY: "predicted_density",
+    Key.HOT_COUNT: "hot_count", Key.BUNDLE_SIZE: "bundle_size", Key.BUNDLE_NEURONS: "bundle_neurons",
+    Key.BUNDLE_GATE_TYPE: "gate_type",
+    Key.BUNDLE_UP_TYPE: "up_type", Key.BUNDLE_DOWN_TYPE: "down_type",
+    Key.BUNDLE_DOWN_TOLERANCE: "down_tolerance", Key.BUNDLE_DOWN_ERROR: "down_error",
+    Key.SPARSITY_PRODUCT_THRESHOLDS: "product_threshold",
 }
 
 
 def _key_values(m: SidecarMeta) -> dict[str, Any]:
     kv: dict[str, Any] = {
-        "pi2.format_version": fmt.FORMAT_VERSION,
-        "pi2.source.architecture": m.source_architecture,
-        "pi2.source.name": m.source_name,
-        "pi2.source.file_size": m.source_file_size,
-        "pi2.source.fingerprint": fmt.model_fingerprint(m.tensor_fingerprints),
-        "pi2.source.tensor_fingerprints": m.tensor_fingerprints,
-        "pi2.n_layer": len(m.layers),
-        "pi2.n_embd": m.n_embd,
-        "pi2.activation": m.activation,
-        "pi2.activation_threshold": m.activation_threshold,
-        "pi2.sparsity.method": m.method,
-        "pi2.sparsity.target": m.target,
-        "pi2.predictor.recall_target": m.recall_target,
-        "pi2.calib.corpus": m.corpus,
-        "pi2.calib.corpus_sha256": m.corpus_sha256,
-        "pi2.calib.tokens": m.tokens,
-        "pi2.calib.heldout_tokens": m.heldout_tokens,
-        "pi2.calib.date": m.date,
-        "pi2.bundle.align": m.bundle_align,
+        Key.FORMAT_VERSION: fmt.FORMAT_VERSION,
+        Key.SOURCE_ARCHITECTURE: m.source_architecture,
+        Key.SOURCE_NAME: m.source_name,
+        Key.SOURCE_FILE_SIZE: m.source_file_size,
+        Key.SOURCE_FINGERPRINT: fmt.model_fingerprint(m.tensor_fingerprints),
+        Key.SOURCE_TENSOR_FINGERPRINTS: m.tensor_fingerprints,
+        Key.N_LAYER: len(m.layers),
+        Key.N_EMBD: m.n_embd,
+        Key.ACTIVATION: m.activation,
+        Key.ACTIVATION_THRESHOLD: m.activation_threshold,
+        Key.SPARSITY_METHOD: m.method,
+        Key.SPARSITY_TARGET: m.target,
+        Key.PREDICTOR_RECALL_TARGET: m.recall_target,
+        Key.CALIB_CORPUS: m.corpus,
+        Key.CALIB_CORPUS_SHA256: m.corpus_sha256,
+        Key.CALIB_TOKENS: m.tokens,
+        Key.CALIB_HELDOUT_TOKENS: m.heldout_tokens,
+        Key.CALIB_DATE: m.date,
+        Key.BUNDLE_ALIGN: m.bundle_align,
     }
     for key, attr in _PER_LAYER.items():
         if key in fmt.keys_of(m.method):
             kv[key] = [getattr(ld, attr) for ld in m.layers]
     if m.quality is not None:
-        kv.update({"pi2.quality.text": m.quality.text, "pi2.quality.perplexity_dense": m.quality.perplexity_dense,
-                   "pi2.quality.perplexity": m.quality.perplexity, "pi2.quality.budget": m.quality.budget})
+        kv.update({Key.QUALITY_TEXT: m.quality.text, Key.QUALITY_PERPLEXITY_DENSE: m.quality.perplexity_dense,
+                   Key.QUALITY_PERPLEXITY: m.quality.perplexity, Key.QUALITY_BUDGET: m.quality.budget})
         if m.quality.choice:
-            kv["pi2.quality.choice"] = m.quality.choice
+            kv[Key.QUALITY_CHOICE] = m.quality.choice
     if m.n_expert:
         if len(m.layers) % m.n_expert:
             raise ValueError(f"{len(m.layers)} layers are not whole MoE layers of {m.n_expert} experts")
-        kv["pi2.moe.expert_count"] = m.n_expert
+        kv[Key.MOE_EXPERT_COUNT] = m.n_expert
         if m.routed_share is not None:
             if len(m.routed_share) != len(m.layers):
                 raise ValueError(f"{len(m.routed_share)} routed shares for {len(m.layers)} layers")
-            kv["pi2.moe.routed_share"] = m.routed_share
+            kv[Key.MOE_ROUTED_SHARE] = m.routed_share
         if m.reuse is not None:
             if len(m.reuse) != len(m.layers):
                 raise ValueError(f"{len(m.reuse)} reuse shares for {len(m.layers)} layers")
-            kv["pi2.moe.reuse"] = m.reuse
+            kv[Key.MOE_REUSE] = m.reuse
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
-        kv["pi2.budget.output_rows"] = m.output_rows
+        kv[Key.BUDGET_OUTPUT_ROWS] = m.output_rows
     if m.output_copy is not None:
         if m.output_copy not in fmt.OUTPUT_COPIES:
             raise ValueError(f"output copy {m.output_copy!r} is not one of {', '.join(fmt.OUTPUT_COPIES)}")
-        kv["pi2.budget.output_copy"] = m.output_copy
+        kv[Key.BUDGET_OUTPUT_COPY] = m.output_copy
     return kv
 
 
@@ -223,8 +224,8 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for il, name, arr in order:
-            if arr is None:
+        for il, name, data in order:
+            if data is None:
                 b = bundles(il)
                 ld = meta.layers[il]
                 if b.shape != (ld.n_bundles, ld.bundle_size) or b.dtype != np.uint8:
@@ -233,7 +234,7 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
                 if progress:
                     progress(il)
             else:
-                w.write_tensor_data(arr)
+                w.write_tensor_data(data)
         w.close()
         tmp.replace(out)
     except OSError as e:  # ENOSPC, EIO, EDQUOT...: the temp file goes (finally), the old output stays

@@ -1,0 +1,71 @@
+// MAP_ANONYMOUS and MAP_NORESERVE are outside POSIX
+#define _DEFAULT_SOURCE
+#include "flash/flash_buffer.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "core/pi2_log.h"
+#include "flash/embedding_rows.h"
+#include "flash/output_rows.h"
+#include "graph/ffn_names.h"
+#include "model/model_binding.h"
+
+void * pi2_flash_reserve(size_t size, size_t * reserved) {
+    *reserved = size > 0 ? (size + 4095) & ~(size_t) 4095 : 0;
+    if (*reserved == 0) {
+        return NULL;
+    }
+    void * data = mmap(NULL, *reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (data == MAP_FAILED) {
+        PI2_LOG_ERROR("pi2: cannot reserve %zu bytes of address space: %s\n", *reserved, strerror(errno));
+        return NULL;
+    }
+    return data;
+}
+
+void pi2_flash_release(void * data, size_t reserved) {
+    if (data != NULL && munmap(data, reserved) != 0) {
+        PI2_LOG_ERROR("pi2: munmap of a flash weight buffer failed: %s\n", strerror(errno));
+    }
+}
+
+// flash: llama uploads an FFN weight; it is checked against the sidecar (which holds its bytes as
+// bundles) and not kept
+void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor * tensor, const void * data, size_t offset,
+                                 size_t size) {
+    int layer = -1;
+    enum pi2_matrix m;
+    if (bc->binding != NULL && pi2_embedding_matches(bc->binding->embd, tensor)) {
+        atomic_store(&bc->binding->uploading, true);
+        pi2_embedding_check_upload(bc->binding->embd, data, offset, size);
+        return;
+    }
+    if (bc->binding != NULL && pi2_output_matches(bc->binding->output, tensor)) {
+        atomic_store(&bc->binding->uploading, true);
+        pi2_output_upload(bc->binding->output, (int64_t) pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS),
+                          pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_COPY) > 0, data, offset, size);
+        return;
+    }
+    if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse(tensor->name, &layer, &m)) {
+        // routed experts: each expert's slice is the sidecar layer layer * n_expert + expert (FORMAT.md, "MoE sidecars")
+        const int64_t n_expert = tensor->ne[2];
+        const size_t  slice    = tensor->nb[2];
+        for (int64_t e = 0; e < n_expert; ++e) {
+            struct ggml_tensor one = *tensor;
+            one.ne[2] = 1;
+            one.nb[3] = one.nb[2];
+            const bool whole = offset == 0 && size == ggml_nbytes(tensor);
+            pi2_binding_check_upload(bc->binding, layer * (int) n_expert + (int) e, m, &one, (const char *) data + (size_t) e * slice,
+                                     whole ? slice : 0);
+        }
+        return;
+    }
+    if (bc->binding == NULL || !pi2_ffn_weight_parse(tensor->name, &layer, &m)) {
+        PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
+        return;
+    }
+    pi2_binding_check_upload(bc->binding, layer, m, tensor, data, offset == 0 ? size : 0);
+}

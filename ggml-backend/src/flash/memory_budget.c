@@ -1,0 +1,304 @@
+// MAP_* and malloc_trim are outside C11/POSIX
+#define _DEFAULT_SOURCE
+#include "flash/memory_budget.h"
+
+#include <stdio.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "flash/bundle_io.h"
+#include "ggml-pi2.h"
+#include "flash/pipeline.h"
+#include "sparse/predictor.h"
+
+uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
+    // with nothing hot, the cold segment must hold a whole layer (oracle and dense modes need every neuron)
+    uint32_t n_bundles = 0;
+    const uint32_t bsize = pi2_cache_entry_size(sc, &n_bundles);
+    return (uint64_t) n_bundles * bsize;
+}
+
+uint64_t pi2_cache_ahead_bundles(const struct pi2_sidecar * sc, uint32_t ahead_pairs) {
+    if (sc->n_expert == 0) {
+        return 0;
+    }
+    uint32_t n_bundles = 0;
+    pi2_cache_entry_size(sc, &n_bundles);
+    return (uint64_t) ahead_pairs * n_bundles;
+}
+
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_pairs) {
+    uint32_t n_bundles = 0;
+    pi2_cache_entry_size(sc, &n_bundles);
+    uint64_t bundles = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        bundles += sc->layer[il].n_bundles;
+    }
+    // bundle maps, entry table (an entry per bundle at most), request buffers, frequency sort at planning
+    // (request arrays: the request's, the two prefetch sets and the routed experts' two read-ahead sets)
+    const uint64_t req_bundles = 3 * (uint64_t) n_bundles + 2 * pi2_cache_ahead_bundles(sc, ahead_pairs);
+    return bundles * (sizeof(int32_t) + pi2_cache_entry_overhead() + 2 * sizeof(float)) +
+           req_bundles * (sizeof(struct pi2_io_req) + sizeof(struct iovec) + sizeof(int32_t));
+}
+
+struct pi2_freq_item {
+    float    f;
+    uint32_t layer, bundle;
+};
+
+// by frequency, hottest first; ties (frequencies are counts over the profiled tokens) by layer and bundle,
+// so that planning and creating the cache split the hot segment identically
+static int pi2_freq_desc(const void * a, const void * b) {
+    const struct pi2_freq_item * x = a, * y = b;
+    if (x->f != y->f) {
+        return (x->f < y->f) - (x->f > y->f);
+    }
+    if (x->layer != y->layer) {
+        return (x->layer > y->layer) - (x->layer < y->layer);
+    }
+    return (x->bundle > y->bundle) - (x->bundle < y->bundle);
+}
+
+// every bundle of the model as a pi2_freq_item, hottest first; NULL when out of memory. A bundle is as hot
+// as its first slot (slots are in frequency order).
+static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, size_t * n_items) {
+    size_t n = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        n += sc->layer[il].n_bundles;
+    }
+    struct pi2_freq_item * items = malloc((n > 0 ? n : 1) * sizeof(*items));
+    if (items == NULL) {
+        return NULL;
+    }
+    size_t k = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const struct pi2_sidecar_layer * L = &sc->layer[il];
+        for (uint32_t j = 0; j < L->n_bundles; ++j) {
+            items[k++] = (struct pi2_freq_item) { L->freq[L->order[(size_t) j * L->bundle_neurons]], il, j };
+        }
+    }
+    qsort(items, n, sizeof(*items), pi2_freq_desc);
+    *n_items = n;
+    return items;
+}
+
+// cold entries the layer with the most non-hot bundles needs (oracle and dense modes read all of them)
+static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * hot_k) {
+    uint32_t need = 0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const uint32_t rest = sc->layer[il].n_bundles - hot_k[il];
+        need = rest > need ? rest : need;
+    }
+    return need;
+}
+
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, double cold_share,
+                    struct pi2_cache_plan * out) {
+    memset(out, 0, sizeof(*out));
+    if (bytes < pi2_cache_min_bytes(sc)) {
+        return false;
+    }
+    uint32_t max_n_bundles = 0;
+    const uint32_t entry = pi2_cache_entry_size(sc, &max_n_bundles);
+    // prefetch entries from at most a quarter of what the cache has beyond one whole layer, so a small
+    // cache still pins its hottest neurons
+    const uint64_t spare = (bytes / entry - max_n_bundles) / 4;
+    const uint64_t n_pf  = prefetch_bytes / entry < spare ? prefetch_bytes / entry : spare;
+    size_t n_items = 0;
+    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
+    uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
+    if (items == NULL || hot_k == NULL) {
+        free(items);
+        free(hot_k);
+        return false;
+    }
+    // the longest prefix of the hottest bundles (up to 1 - the cold share of the cache) that leaves the
+    // cold segment room for every non-hot bundle of any one layer. That room is not monotone in the
+    // prefix (a layer still without hot neurons needs a whole layer of cold entries), so every prefix is
+    // tried; no bisection.
+    const uint64_t hot_cap = (uint64_t) ((1.0 - cold_share) * (double) bytes);
+    uint64_t used = 0, best_used = 0;
+    size_t best = 0;
+    for (size_t k = 0; k < n_items; ++k) {
+        used += sc->layer[items[k].layer].bundle_size;
+        if (used > hot_cap) { // at most bytes: the cold share is 0 to 0.9
+            break;
+        }
+        hot_k[items[k].layer]++;
+        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k) + n_pf) {
+            best      = k + 1;
+            best_used = used;
+        }
+    }
+    out->hot_bytes   = best_used;
+    out->hot_bundles = best;
+    out->hot_neurons = 0;
+    for (size_t k = 0; k < best; ++k) {
+        const struct pi2_sidecar_layer * L = &sc->layer[items[k].layer];
+        const uint64_t first = (uint64_t) items[k].bundle * L->bundle_neurons;
+        out->hot_neurons += L->n_ff - first < L->bundle_neurons ? L->n_ff - first : L->bundle_neurons;
+    }
+    out->freq_cutoff = best > 0 ? items[best - 1].f : 1.0f;
+    memset(hot_k, 0, sc->n_layer * sizeof(*hot_k));
+    for (size_t k = 0; k < best; ++k) {
+        hot_k[items[k].layer]++;
+    }
+    out->hot_k = hot_k;
+    // no more cold entries than bundles besides the prefetch room: a budget far above the FFN (a model's
+    // every bundle hot) once capped the cold segment below that room and the cache refused its own plan
+    const uint64_t cold_entries = (bytes - best_used) / entry;
+    const uint64_t cold_cap     = (uint64_t) n_items + n_pf;
+    out->n_cold     = (uint32_t) (cold_entries < cold_cap ? cold_entries : cold_cap);
+    out->n_prefetch = (uint32_t) n_pf;
+    out->cold_bytes = (uint64_t) out->n_cold * entry;
+    free(items);
+    return true;
+}
+
+void pi2_cache_plan_free(struct pi2_cache_plan * plan) {
+    free(plan->hot_k);
+    plan->hot_k = NULL;
+}
+
+uint64_t pi2_resident_bytes(void) {
+#if defined(__GLIBC__)
+    // freed heap (the predictors a flash binding dropped, loading's temporaries) stays resident until
+    // trimmed: without this the cache got 61 or 95 MB of the same 600 MB budget from one load to the next
+    malloc_trim(0);
+#endif
+    FILE * f = fopen("/proc/self/statm", "r");
+    if (f == NULL) {
+        return 0;
+    }
+    unsigned long long size = 0, resident = 0;
+    const int n = fscanf(f, "%llu %llu", &size, &resident);
+    fclose(f);
+    const long page = sysconf(_SC_PAGESIZE);
+    return n == 2 && page > 0 ? (uint64_t) resident * (uint64_t) page : 0;
+}
+
+static double pi2_mb(uint64_t v) {
+    return (double) v / 1e6;
+}
+
+// Cold room for prefetching the next layer's first bundles while a layer finishes (PI2_PREFETCH_BYTES,
+// default 8 MiB: ~3 ms of this disk, the time a Qwen2.5-1.5B layer's tail and attention leave it idle),
+// where some layer reads every bundle in predicted mode; sparse layers do not know their bundles early.
+static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
+    const uint64_t bytes = (uint64_t) pi2_binding_setting(b, PI2_SET_PREFETCH_BYTES);
+    if (b->sc->n_expert > 0) { // the room a batch's routed experts are read ahead into
+        return pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 ? bytes : 0;
+    }
+    for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+        if (!pi2_predictor_runs(&b->layer[il].pred, true, false)) {
+            return bytes;
+        }
+    }
+    return 0;
+}
+
+bool pi2_binding_has_cache(struct pi2_binding * b) {
+    pthread_mutex_lock(&b->cache_lock);
+    const bool has = b->pipe != NULL;
+    pthread_mutex_unlock(&b->cache_lock);
+    return has;
+}
+
+int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
+    if (!b->flash) {
+        snprintf(err, errlen, "sidecar %s: the model was loaded without a memory budget", b->sc->path);
+        return -1;
+    }
+    pthread_mutex_lock(&b->cache_lock);
+    if (b->pipe != NULL) { // a new budget replaces the cache (its hot segment is read again)
+        pi2_pipeline_free(b->pipe);
+        b->pipe = NULL;
+    }
+    // the routers for guessing the next layer's experts, read before the resident memory counts them
+    if (!b->routers_read && b->sc->n_expert > 0 && b->model_path != NULL &&
+        pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 && pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0) {
+        if (pi2_routers_open(b->model_path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert, b->sc->n_embd, &b->routers,
+                             err, errlen) < 0) {
+            pthread_mutex_unlock(&b->cache_lock);
+            return -1;
+        }
+        b->guess_layer = -1;
+        if (b->routers != NULL && (b->guess_set = calloc(b->sc->n_expert, 1)) == NULL) {
+            pi2_routers_free(b->routers); // guessing is an optimization: go without
+            b->routers = NULL;
+        }
+        b->routers_read = true;
+    }
+    const uint64_t resident = pi2_resident_bytes();
+    const uint32_t ahead_pairs = (uint32_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD);
+    const uint64_t overhead = pi2_cache_overhead_bytes(b->sc, ahead_pairs) + PI2_BUDGET_MARGIN;
+    const uint64_t min_cache = pi2_cache_min_bytes(b->sc);
+    const uint64_t fixed = resident + reserved + overhead;
+    if (resident == 0 || budget < fixed + min_cache) {
+        snprintf(err, errlen, "memory budget %.0f MB is too small for this model: it needs at least %.0f MB "
+                 "(resident now %.0f MB: llama.cpp's weights and KV cache, the predictors %.0f MB, the runtime; "
+                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles; tables and margin %.0f MB)",
+                 pi2_mb(budget), pi2_mb(fixed + min_cache), pi2_mb(resident), pi2_mb(b->fixed_bytes), pi2_mb(reserved),
+                 pi2_mb(min_cache), pi2_mb(overhead));
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
+    uint64_t cache_bytes = budget - fixed;
+    // PI2_CACHE_MAX caps the cache below what the budget allows: a smaller device's cache on this one
+    const uint64_t cap = (uint64_t) pi2_binding_setting(b, PI2_SET_CACHE_MAX);
+    if (cap > 0) {
+        cache_bytes = cap < min_cache ? min_cache : (cap < cache_bytes ? cap : cache_bytes);
+    }
+    struct pi2_cache_plan plan;
+    if (!pi2_cache_plan(b->sc, cache_bytes, pi2_prefetch_bytes(b), pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan)) {
+        snprintf(err, errlen, "sidecar %s: cannot plan a neuron cache of %.0f MB", b->sc->path, pi2_mb(cache_bytes));
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
+    const uint64_t inflight = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_INFLIGHT_BYTES);
+    const struct pi2_io_params io = {
+        .threads      = (int) pi2_binding_setting(b, PI2_SET_IO_THREADS),
+        .ring         = pi2_binding_setting(b, PI2_SET_IO_ENGINE) != 0.0,
+        .inflight_max = inflight > 0 ? inflight : UINT64_MAX,
+        .max_bytes    = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
+        .gap          = (uint64_t) pi2_binding_setting(b, PI2_SET_IO_GAP),
+        .ahead_pairs  = ahead_pairs,
+    };
+    b->pipe = pi2_pipeline_create(b->sc, &plan, &io, err, errlen);
+    pi2_cache_plan_free(&plan);
+    b->ffn_ns = 0;
+    pthread_mutex_unlock(&b->cache_lock);
+    return b->pipe != NULL ? 0 : -1;
+}
+
+int pi2_budget_floor(const char * model_path, const char * sidecar_path, int64_t output_rows, struct pi2_budget_floor * out,
+                     char * err, size_t errlen) {
+    memset(out, 0, sizeof(*out));
+    out->resident = pi2_resident_bytes(); // before the files below are read
+    struct pi2_model_summary m;
+    if (pi2_model_summary(model_path, &m, err, errlen) != 0) {
+        return -1;
+    }
+    struct pi2_sidecar * sc = NULL;
+    if (pi2_sidecar_open(sidecar_path, &sc, err, errlen) != 0) {
+        return -1;
+    }
+    if (output_rows < 0) {
+        output_rows = sc->output_rows > 0 ? sc->output_rows : 0;
+    }
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        const uint64_t bytes = (uint64_t) sc->layer[il].n_bundles * sc->layer[il].bundle_size;
+        out->one_layer = bytes > out->one_layer ? bytes : out->one_layer;
+    }
+    pi2_sidecar_free(sc);
+    const uint64_t outside = m.ffn_bytes + m.embedding_bytes +
+                             (output_rows > 0 && m.output_copy_bytes > 0 ? m.output_bytes - m.output_copy_bytes : 0);
+    out->non_ffn = m.file_size > outside ? m.file_size - outside : 0;
+    out->margin  = PI2_BUDGET_MARGIN;
+    out->need    = out->resident + out->non_ffn + out->one_layer + out->margin;
+    return 0;
+}

@@ -1,0 +1,40 @@
+// The memory budget of a model whose FFN lives on flash: the neuron cache gets what the budget leaves
+// once the model is loaded (the process's resident memory, llama's compute buffers still to come, the
+// cache's tables and a margin), split into a hot segment (the most frequently active bundles over all
+// layers, by one frequency cutoff) and a cold segment that can hold any one layer's other bundles, plus
+// room to prefetch the next layer's first bundles.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/model_binding.h"
+#include "flash/neuron_cache.h"
+#include "model/sidecar.h"
+
+// Memory kept free of the cache for what the accounting cannot see (allocator slack, stacks): a budget 16
+// or 0 MB tighter measured no faster and no OOM kills on Qwen2.5-1.5B under 600 MB.
+#define PI2_BUDGET_MARGIN (32ull << 20)
+
+// Cache bytes below which some layer could not hold every neuron one token may need.
+uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc);
+// Bytes the cache spends outside its segments (bundle maps, entry table, request buffers), with request
+// buffers for ahead_pairs routed experts read ahead (an MoE sidecar).
+uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_pairs);
+// Bundles the read-ahead of ahead_pairs routed experts may queue at once (0 for a sidecar without experts).
+uint64_t pi2_cache_ahead_bundles(const struct pi2_sidecar * sc, uint32_t ahead_pairs);
+// How `bytes` splits into hot and cold segments, with cold room for up to prefetch_bytes of prefetched
+// bundles beyond one layer's need (less if the cache cannot spare it), and at most 1 - cold_share of the
+// bytes hot; false if bytes < pi2_cache_min_bytes or memory runs out. Free with pi2_cache_plan_free.
+bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, double cold_share,
+                    struct pi2_cache_plan * out);
+void pi2_cache_plan_free(struct pi2_cache_plan * plan);
+
+// Sizes and makes b's neuron cache (replacing one it had) from `budget` minus what the process holds now,
+// minus `reserved` (memory the caller knows will be touched later: llama's compute buffers), the cache's
+// tables and the margin, with b's settings (PI2_CACHE_MAX, PI2_COLD_SHARE, PI2_PREFETCH_BYTES, PI2_IO_*).
+// Reads the hot segment. 0, or -1 with err naming the minimum budget.
+int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen);
+// whether the binding's neuron cache exists (sized by pi2_binding_size_cache)
+bool pi2_binding_has_cache(struct pi2_binding * b);

@@ -1,0 +1,31 @@
+// Which nodes of llama's graph are one layer's FFN, and what activation PI2 computes for it. llama builds
+// gate and up products of the FFN input, then act(gate) * up (one GLU node; a patched llama.cpp spells a
+// ReLU-family activation with a few elementwise ops instead), then the down product. PI2 takes the region
+// whole: it writes the gate and up products, act(gate) * up into the node down reads, and down's output;
+// the elementwise nodes in between are not computed (nothing else reads them).
+#pragma once
+
+#include <stdbool.h>
+
+#include "graph/activation.h"
+#include "ggml.h"
+
+#define PI2_FFN_REGION_MAX 16 // nodes a region may span, down included
+
+struct pi2_ffn_region {
+    int                  n_nodes;  // graph nodes from the first product through `out`, or through down
+    int                  layer;
+    struct ggml_tensor * gate, * up; // the products, f32 [n_ff, n_tokens]
+    struct ggml_tensor * out;        // the node down reads: act(gate) * up
+    struct ggml_tensor * down;       // down's product of `out`, or NULL when it does not follow directly
+    struct pi2_ffn_act   act;        // what PI2 computes into `out`
+    bool                 batch;      // a routed expert's tokens of a prompt: computed as a batch on flash (batch_ffn.h)
+};
+
+// true when node i of g starts a layer's FFN PI2 can compute, given what the model states (the gate weight's
+// buffer keeps it); else false with *why saying what differs
+bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_ffn_region * r,
+                         const char ** why);
+
+// an elementwise op a patched llama.cpp uses to spell a ReLU-family activation (relu, step, scale, mul)
+bool pi2_ffn_region_elementwise(const struct ggml_tensor * t);

@@ -1,0 +1,95 @@
+// The pi2 sidecar reader (docs/FORMAT.md). pi2_sidecar_open reads the file through ggml's GGUF reader,
+// refuses anything FORMAT.md says readers must refuse, and keeps what decode needs in memory: per-layer
+// metadata and the small tensors (predictor, frequencies, order). Bundles stay on disk; only their
+// file offset is kept, for the bundle reader. A pi2_sidecar is immutable once opened, except that a model
+// binding (model_binding.c), which owns its sidecar, drops the F16 predictor weights once it has its copies.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "graph/activation.h"
+#include "ggml-pi2.h"
+#include "ggml.h"
+
+enum pi2_sparsity_method {
+    PI2_SPARSITY_METHOD_CATS, // active iff |act(gate_i . x)| > threshold
+    PI2_SPARSITY_METHOD_RELU, // active iff act(gate_i . x) > 0
+    // admitted iff |act(gate_i . x)| > threshold; an admitted neuron is active iff
+    // |act(gate_i . x) * (up_i . x)| > product_threshold
+    PI2_SPARSITY_METHOD_PRODUCT,
+};
+
+struct pi2_sidecar_layer {
+    uint32_t n_ff;
+    uint32_t rank;           // r, hidden width of the predictor
+    uint32_t hot_count;      // bundle slots [0, hot_count) hold the hot neurons
+    float    threshold;      // pi2.sparsity.thresholds
+    float    product_threshold; // pi2.sparsity.product_thresholds (method product; else 0)
+    float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
+    float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
+    float    density;        // fraction of neurons active (held-out, pi2.sparsity.density)
+
+    // bundle slot j (neuron order[j]) is neuron j % bundle_neurons of bundle j / bundle_neurons, at
+    // bundles_offset + pi2_slot_offset(L, j) in the file
+    uint32_t       bundle_size;    // bytes per bundle (the unit read from flash)
+    uint32_t       bundle_neurons; // neurons per bundle
+    uint32_t       n_bundles;
+    size_t         neuron_stride;  // from one neuron of a bundle to the next
+    enum ggml_type gate_type;
+    enum ggml_type up_type;
+    enum ggml_type down_type;
+    size_t         up_offset;      // parts within a bundle: gate row at 0, then up row, then down column
+    size_t         down_offset;
+    size_t         data_end;       // end of a neuron's parts
+    uint64_t       bundles_offset; // absolute file offset of blk.N.pi2_bundles, a multiple of PI2_BUNDLE_ALIGN
+
+    uint64_t tensor_fp[PI2_N_MATRIX]; // fingerprints of the model's gate, up, down weights
+
+    // small tensors, malloc'd, bytes as in the file. The predictor's F16 weights are read only where a binding keeps
+    // its predictor (pi2_predictor_prepare, from their file offsets), one layer at a time: read whole at open they
+    // were a transient of 117 MB for an MoE sidecar of 512 layers, which a memory budget's cgroup OOM-killed
+    uint64_t      pred_w1_offset, pred_w2_offset;
+    ggml_fp16_t * pred_w1; // [rank][n_embd], NULL until read
+    float *       pred_b1; // [rank]
+    ggml_fp16_t * pred_w2; // [n_ff][rank], NULL until read
+    float *       pred_b2; // [n_ff]
+    float *       freq;    // [n_ff]
+    int32_t *     order;   // [n_ff], a permutation of 0..n_ff-1
+};
+
+// Byte offset of bundle slot j from the layer's first bundle.
+static inline size_t pi2_slot_offset(const struct pi2_sidecar_layer * L, int64_t j) {
+    if (L->bundle_neurons == 1) {
+        return (size_t) j * L->bundle_size;
+    }
+    return (size_t) (j / L->bundle_neurons) * L->bundle_size + (size_t) (j % L->bundle_neurons) * L->neuron_stride;
+}
+
+struct pi2_sidecar {
+    char *   path;
+    uint64_t file_size;
+    uint32_t n_layer;
+    uint32_t n_embd;
+    uint64_t fingerprint; // pi2.source.fingerprint
+    uint32_t bundle_align; // pi2.bundle.align: bundle sizes, and so their file offsets, are multiples of it
+    char *   source_arch;
+    char *   source_name;
+    int32_t  output_rows; // pi2.budget.output_rows, -1 where the sidecar records none
+    int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
+    uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert), layer * n_expert + expert; 0: dense
+
+    struct pi2_ffn_act       activation;
+    enum pi2_sparsity_method sparsity_method;
+
+    struct pi2_sidecar_layer * layer; // [n_layer]
+};
+
+// 0 and *out set on success; -1 with err filled ("sidecar PATH: problem") otherwise. err may be NULL.
+int  pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, size_t errlen);
+void pi2_sidecar_free(struct pi2_sidecar * sc);
+
+// 0 if the model's weight blk.<layer>.ffn_{gate,up,down}.weight (matrix = enum pi2_matrix) is the one
+// the sidecar was made from; -1 with err explaining which tensor differs otherwise.
+int pi2_sidecar_check_tensor(const struct pi2_sidecar * sc, int layer, int matrix, enum ggml_type type,
+                             int64_t ne0, int64_t ne1, const void * data, size_t nbytes, char * err, size_t errlen);
