@@ -373,7 +373,7 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_backen
     A->window = window;
     // the next MoE layer's experts are guessed where the model's routers were read and that layer is the sidecar's
     const uint32_t n_expert = (uint32_t) o->n_expert;
-    const bool guess = b->routers != NULL && (uint32_t) r->layer + 1 < b->routers->n_layer &&
+    const bool guess = b->guess.routers != NULL && (uint32_t) r->layer + 1 < b->guess.routers->n_layer &&
                        (uint64_t) (r->layer + 2) * n_expert <= b->sc->n_layer && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0;
     size_t scratch = 0;
     uint32_t n_ff = 0;
@@ -397,10 +397,10 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_backen
         A->top      = malloc(sizeof(*A->top) * (size_t) o->n_used);
         A->order     = malloc(sizeof(*A->order) * n_expert);
         A->order_tok = malloc(sizeof(*A->order_tok) * n_expert);
-        A->rscratch  = malloc(pi2_routers_scratch(b->routers));
+        A->rscratch  = malloc(pi2_routers_scratch(b->guess.routers));
         A->n_order   = -1;
         A->routers   = A->top != NULL && A->order != NULL && A->order_tok != NULL && A->rscratch != NULL
-                     ? b->routers : NULL; // else no guess
+                     ? b->guess.routers : NULL; // else no guess
     }
     return true;
 }
@@ -421,29 +421,29 @@ static void pi2_expert_want(struct pi2_expert_ahead * A, int v, const float * x)
 // pair (within the ahead room left), so the next layer finds them cached or in flight when its router has chosen;
 // its own read-ahead then pins those it routes to. The guess is made once a batch and remembered for the next
 // layer's count of how often it was right; its reads are tried again before each pair until there is room, and
-// skipped while recent guesses were too often wrong (pi2_expert_guess_scored).
+// skipped while recent guesses were too often wrong (pi2_expert_guess_scored, expert_speculate.c).
 static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
     const struct pi2_id_operands * o = A->o;
     struct pi2_binding * b = A->b;
     const uint32_t n_expert = (uint32_t) o->n_expert, next = (uint32_t) A->r->layer + 1;
     if (A->n_order < 0) {
         // the guess goes straight to the binding, where the next layer scores it (its layers run one at a time)
-        memset(b->guess_set, 0, n_expert);
+        memset(b->guess.set, 0, n_expert);
         A->n_order = 0;
         for (int64_t t = 0; t < o->n_tokens; ++t) {
             const float * x = (const float *) ((const char *) o->x->data + t * o->x->nb[2]);
             pi2_routers_top(A->routers, next, x, (int) o->n_used, A->top, A->rscratch);
             for (int64_t j = 0; j < o->n_used; ++j) {
                 const int32_t e = A->top[j];
-                if (e >= 0 && !b->guess_set[e]) {
-                    b->guess_set[e] = 1;
+                if (e >= 0 && !b->guess.set[e]) {
+                    b->guess.set[e] = 1;
                     A->order[A->n_order] = e;
                     A->order_tok[A->n_order++] = t;
                 }
             }
         }
-        b->guess_layer = (int32_t) next;
-        if (b->guess_precision < PI2_GUESS_MIN_PRECISION) {
+        b->guess.layer = (int32_t) next;
+        if (b->guess.precision < PI2_GUESS_MIN_PRECISION) {
             A->guessed = true; // made, to be scored, but not read
             return;
         }
@@ -464,7 +464,7 @@ static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
         const uint32_t n = pi2_pipeline_read_ahead(b, v, A->want, (uint32_t) (A->n_pairs - i), max_pin, false);
         A->pinned[A->n_pairs - 1] += n;
         max_pin -= n < max_pin ? n : max_pin;
-        b->guess_set[A->order[k]] = 2;
+        b->guess.set[A->order[k]] = 2;
         n_read++;
     }
     pi2_count_layer_seen(A->counters, (int) next);
@@ -507,22 +507,6 @@ static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, const int64_t *
     if (g0 == NULL && A->issued == n_units && A->routers != NULL && !A->guessed) {
         pi2_expert_guess(A, i);
     }
-}
-
-// The next layer routed to `right` of the experts guessed for it: the running share of guesses that were right
-// (a batch's share, averaged over the last ~16 batches) decides whether the next guesses are read. A right guess
-// saves a read's wait only where the disk would have idled; a wrong one costs a read and cache room whether or not
-// it did, so guesses are read only while at least PI2_GUESS_MIN_PRECISION were right (measured: at 96% right the
-// SmallThinker-shaped model gained 8%; at 70% the Qwen3-shaped one lost 9%, 2026-11-26).
-static void pi2_expert_guess_scored(struct pi2_binding * b, uint64_t right) {
-    uint64_t n = 0;
-    for (uint32_t e = 0; e < b->sc->n_expert; ++e) {
-        n += b->guess_set[e] != 0;
-    }
-    if (n > 0) {
-        b->guess_precision += ((float) right / (float) n - b->guess_precision) / 16.0f;
-    }
-    b->guess_layer = -1;
 }
 
 // Routed pair i of a region as one FFN of its own: the expert's matrices, the pair's columns of the products, and the
@@ -841,7 +825,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         }
     }
     // the distinct experts this batch routes to, and of those the ones guessed for this layer (flash)
-    const bool guessed = b->flash && b->guess_layer == r->layer;
+    const bool guessed = b->flash && b->guess.layer == r->layer;
     uint64_t distinct = 0, right = 0, right_read = 0;
     for (int64_t e = 0; e < o.n_expert; ++e) {
         bool routed = false;
@@ -849,12 +833,12 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
             routed = pi2_id_at(&o, p % o.n_used, p / o.n_used) == e;
         }
         distinct += routed;
-        right += routed && guessed && b->guess_set[e] != 0;
-        right_read += routed && guessed && b->guess_set[e] == 2;
+        right += routed && guessed && b->guess.set[e] != 0;
+        right_read += routed && guessed && b->guess.set[e] == 2;
     }
     pi2_count(&ctx->dev->counters.layer[r->layer].experts_loaded, distinct);
     if (guessed) {
-        pi2_expert_guess_scored(b, right);
+        pi2_expert_guess_scored(&b->guess, b->sc->n_expert, right);
         pi2_count(&ctx->dev->counters.layer[r->layer].experts_guessed_routed, right_read);
     }
     if (!b->flash && pi2_expert_pairs_parallel(ctx, b, &o, r, st)) {

@@ -8,6 +8,7 @@
 // The routers are copied from the model file (llama keeps its own copy in ggml-cpu, which PI2 never sees).
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -38,3 +39,23 @@ void pi2_routers_free(struct pi2_routers * r);
 size_t pi2_routers_scratch(const struct pi2_routers * r);
 // top[0..k): the k experts layer `layer`'s router scores highest for x (f32 [n_embd]), best first
 void pi2_routers_top(const struct pi2_routers * r, uint32_t layer, const float * x, int k, int32_t * top, void * scratch);
+
+// The guessing state of one model: its routers, the layer last guessed and which of its experts, and how often
+// recent guesses were right. Routing's results (expert_ffn.c) and guessing read and write it; nothing else does.
+struct pi2_expert_guess {
+    struct pi2_routers * routers;   // NULL: no guessing (not opened, the model has none, or out of memory)
+    bool                 tried;     // the routers were looked for
+    int32_t              layer;     // the MoE layer whose experts were last guessed (-1: none pending)
+    uint8_t *            set;       // [n_expert] 1: guessed, 2: guessed and read ahead
+    float                precision; // running share of guessed experts that were routed to
+};
+
+void pi2_expert_guess_init(struct pi2_expert_guess * g);
+void pi2_expert_guess_free(struct pi2_expert_guess * g);
+// Reads the routers of the model's n_layer MoE layers once (before the resident memory is measured, which then
+// counts them). Guessing is an optimization: a model without routers, or too little memory, goes without. 0, or
+// -1 with err set when the model file cannot be read.
+int  pi2_expert_guess_open(struct pi2_expert_guess * g, const char * model_path, uint32_t n_layer, uint32_t n_expert,
+                           int64_t n_embd, char * err, size_t errlen);
+// The layer guessed for was routed to `right` of the guessed experts (expert_speculate.c says what follows).
+void pi2_expert_guess_scored(struct pi2_expert_guess * g, uint32_t n_expert, uint64_t right);

@@ -219,19 +219,12 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         b->pipe = NULL;
     }
     // the routers for guessing the next layer's experts, read before the resident memory counts them
-    if (!b->routers_read && b->sc->n_expert > 0 && b->model_path != NULL &&
-        pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 && pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0) {
-        if (pi2_routers_open(b->model_path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert, b->sc->n_embd, &b->routers,
-                             err, errlen) < 0) {
-            pthread_mutex_unlock(&b->cache_lock);
-            return -1;
-        }
-        b->guess_layer = -1;
-        if (b->routers != NULL && (b->guess_set = calloc(b->sc->n_expert, 1)) == NULL) {
-            pi2_routers_free(b->routers); // guessing is an optimization: go without
-            b->routers = NULL;
-        }
-        b->routers_read = true;
+    if (b->sc->n_expert > 0 && b->model_path != NULL && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 &&
+        pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 &&
+        pi2_expert_guess_open(&b->guess, b->model_path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert, b->sc->n_embd,
+                              err, errlen) < 0) {
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
     }
     const uint64_t resident = pi2_resident_bytes();
     const uint32_t ahead_pairs = (uint32_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD);
@@ -273,6 +266,15 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     b->ffn_ns = 0;
     pthread_mutex_unlock(&b->cache_lock);
     return b->pipe != NULL ? 0 : -1;
+}
+
+int pi2_binding_size_env_cache(struct pi2_binding * b) {
+    if (b->env_budget == 0) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s: the model was loaded for a memory budget, but none was set "
+                 "(pi2_gguf.Llama(memory_budget=) or PI2_MEMORY_BUDGET)", b->sc->path);
+        return -1;
+    }
+    return pi2_binding_size_cache(b, b->env_budget, b->env_budget / 20, b->error, sizeof(b->error));
 }
 
 int pi2_budget_floor(const char * model_path, const char * sidecar_path, int64_t output_rows, struct pi2_budget_floor * out,

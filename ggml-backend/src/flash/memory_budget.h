@@ -36,5 +36,9 @@ void pi2_cache_plan_free(struct pi2_cache_plan * plan);
 // tables and the margin, with b's settings (PI2_CACHE_MAX, PI2_COLD_SHARE, PI2_PREFETCH_BYTES, PI2_IO_*).
 // Reads the hot segment. 0, or -1 with err naming the minimum budget.
 int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen);
+// PI2_MEMORY_BUDGET's model (frontends other than pi2_gguf, which set the budget themselves): its cache sized from
+// the environment's budget, with a twentieth of it kept for llama's compute buffers, whose size the plugin cannot
+// ask. 0, or -1 with b->error set (no budget was set, or it is too small).
+int pi2_binding_size_env_cache(struct pi2_binding * b);
 // whether the binding's neuron cache exists (sized by pi2_binding_size_cache)
 bool pi2_binding_has_cache(struct pi2_binding * b);

@@ -250,6 +250,19 @@ static uint64_t pi2_runs_add(struct pi2_runs * R, const struct pi2_pipeline * pp
     return (uint64_t) (k - from) * L->bundle_size;
 }
 
+// The runs R added to set S (its arrays) queued as reads; the number of requests queued.
+static int pi2_set_submit(struct pi2_pipeline * pp, struct pi2_pf_set * S, const struct pi2_runs * R) {
+    const uint32_t req0 = S->n_req;
+    S->n_req = R->n_req;
+    S->n_iov = R->n_iov;
+    const int nreq = (int) (S->n_req - req0);
+    if (nreq > 0) {
+        atomic_fetch_add(&S->outstanding, nreq);
+        pi2_bundle_file_submit(pp->file, S->reqs + req0, nreq);
+    }
+    return nreq;
+}
+
 // Queues reads of bundles of `layer` that are neither hot nor cached and returns without waiting; for a
 // layer that will want every bundle (the engine knows which), the one after the current request's. Once
 // the current request is queued (done false): at most the plan's prefetch entries, its first bundles,
@@ -292,14 +305,7 @@ static void pi2_prefetch(struct pi2_pipeline * pp, int layer, bool done) {
         pi2_runs_add(&R, pp, L, k, dst, e);
         ++n;
     }
-    const uint32_t req0 = S->n_req;
-    S->n_req = R.n_req;
-    S->n_iov = R.n_iov;
-    const int nreq = (int) (S->n_req - req0);
-    if (nreq > 0) {
-        atomic_fetch_add(&S->outstanding, nreq);
-        pi2_bundle_file_submit(pp->file, S->reqs + req0, nreq);
-    }
+    pi2_set_submit(pp, S, &R);
 }
 
 // Looks up the slots with want[slot] != 0 of one layer and queues reads for the bundles missing, all at
@@ -396,14 +402,7 @@ static uint32_t pi2_read_ahead(struct pi2_pipeline * pp, int layer, const uint8_
         pp->ahead_bridged += pi2_runs_add(&R, pp, L, k, dst, e);
         ++n;
     }
-    const uint32_t req0 = S->n_req;
-    S->n_req = R.n_req;
-    S->n_iov = R.n_iov;
-    const int nreq = (int) (S->n_req - req0);
-    if (nreq > 0) {
-        atomic_fetch_add(&S->outstanding, nreq);
-        pi2_bundle_file_submit(pp->file, S->reqs + req0, nreq);
-    }
+    const int nreq = pi2_set_submit(pp, S, &R);
     pp->ahead_requests += (uint32_t) nreq;
     return n;
 }
@@ -489,12 +488,7 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
     pthread_mutex_lock(&b->cache_lock);
     if (b->pipe == NULL) {
         pthread_mutex_unlock(&b->cache_lock);
-        if (b->env_budget == 0 ||
-            pi2_binding_size_cache(b, b->env_budget, b->env_budget / 20, b->error, sizeof(b->error)) != 0) {
-            if (b->env_budget == 0) {
-                snprintf(b->error, sizeof(b->error), "sidecar %s: the model was loaded for a memory budget, but none was "
-                         "set (pi2_gguf.Llama(memory_budget=) or PI2_MEMORY_BUDGET)", b->sc->path);
-            }
+        if (pi2_binding_size_env_cache(b) != 0) {
             PI2_LOG_REFUSAL("pi2: %s\n", b->error);
             return GGML_STATUS_FAILED;
         }

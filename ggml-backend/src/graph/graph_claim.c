@@ -241,6 +241,9 @@ static bool pi2_supports_output_mul_mat(ggml_backend_dev_t dev, const struct ggm
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, enum ggml_op op, bool by_id) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
     const bool in_ram = w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0;
+    if (!in_ram) {
+        return false;
+    }
     int layer;
     enum pi2_matrix m;
     const bool gate_or_up = !by_id && op != GGML_OP_GLU && pi2_ffn_weight_parse(w->name, &layer, &m) && m != PI2_MATRIX_DOWN;

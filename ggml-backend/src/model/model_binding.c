@@ -21,8 +21,7 @@ static void pi2_binding_destroy(struct pi2_binding * b) {
     pi2_pipeline_free(b->pipe);
     pi2_embedding_free(b->embd);
     pi2_output_free(b->output);
-    pi2_routers_free(b->routers);
-    free(b->guess_set);
+    pi2_expert_guess_free(&b->guess);
     free(b->model_path);
     pthread_mutex_destroy(&b->cache_lock);
     if (b->layer != NULL) {
@@ -119,8 +118,7 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
     atomic_init(&b->refs, 1);
     atomic_init(&b->mode, mode);
     b->load_mode = mode;
-    b->guess_layer = -1;
-    b->guess_precision = 1.0f; // guesses are read until they are found wrong too often
+    pi2_expert_guess_init(&b->guess);
     atomic_init(&b->check_recall, 0);
     pi2_settings_unset(&b->settings);
     b->defaults = &config->defaults;

@@ -56,11 +56,7 @@ struct pi2_binding {
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
     struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
     struct pi2_output *       output;      // the output matrix, if PI2_OUTPUT_ROWS leaves it in the model file
-    struct pi2_routers *      routers;     // MoE on flash: the routers, read when the cache is made (expert_speculate.h)
-    bool                      routers_read; // tried (NULL routers then: the model has none to guess with)
-    int32_t                   guess_layer; // the MoE layer whose experts were last guessed (-1: none pending)
-    uint8_t *                 guess_set;   // [n_expert] 1: guessed, 2: guessed and read ahead
-    float                     guess_precision; // running share of guessed experts that were routed to (expert_ffn.c)
+    struct pi2_expert_guess   guess;       // MoE on flash: guessing the next layer's experts (expert_speculate.h)
     char *                    model_path;  // flash: the model file (NULL: unknown)
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
 };

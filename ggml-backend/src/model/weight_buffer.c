@@ -56,7 +56,7 @@ struct pi2_buffer_ctx * pi2_buffer_ctx_new(void * data, bool owned) {
     struct pi2_binding * eb = dctx->env_binding;
     if (dctx->pending != NULL && dctx->pending == eb && eb->flash && eb->env_budget > 0 && atomic_load(&eb->uploading) &&
         !pi2_binding_has_cache(eb) &&
-        pi2_binding_size_cache(eb, eb->env_budget, eb->env_budget / 20, eb->error, sizeof(eb->error)) != 0) {
+        pi2_binding_size_env_cache(eb) != 0) {
         PI2_LOG_REFUSAL("pi2: PI2_MEMORY_BUDGET: %s\n", eb->error);
         pthread_mutex_unlock(&dctx->lock);
         return NULL;
