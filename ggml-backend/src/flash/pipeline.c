@@ -463,7 +463,7 @@ static const char * pi2_read_error(const struct pi2_pipeline * pp) {
 // every thread: which slots this token needs (thread ith's clusters; a batch marks its own, batch_ffn.h)
 static void pi2_pipeline_mark(struct pi2_sparse_plan * p, int ith, int nth) {
     const bool predicted = p->select != PI2_SELECT_ALL;
-    for (int64_t c = ith; c < p->n_clusters && !p->batch; c += nth) {
+    for (int64_t c = ith; c < p->n_clusters; c += nth) {
         const int64_t s0 = c * PI2_CLUSTER;
         const int64_t s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
         for (int64_t s = s0; s < s1; ++s) {

@@ -240,16 +240,15 @@ static bool pi2_supports_output_mul_mat(ggml_backend_dev_t dev, const struct ggm
 // after it. Flash weights are not in memory, so their prompts stay in PI2.
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, enum ggml_op op, bool by_id) {
     const struct pi2_device_ctx * d = pi2_device_ctx();
-    const bool in_ram = w->buffer != NULL && w->buffer->buft == &d->buft && ggml_backend_buffer_get_size(w->buffer) > 0;
-    if (!in_ram) {
-        return false;
+    if (w->buffer == NULL || w->buffer->buft != &d->buft || ggml_backend_buffer_get_size(w->buffer) == 0) {
+        return false; // on flash, or llama's placement probe
     }
     int layer;
     enum pi2_matrix m;
     const bool gate_or_up = !by_id && op != GGML_OP_GLU && pi2_ffn_weight_parse(w->name, &layer, &m) && m != PI2_MATRIX_DOWN;
     const struct pi2_binding * b = pi2_weight_binding(w);
     const struct pi2_stated_act act = pi2_weight_act(w);
-    return pi2_route_to_cpu(b != NULL ? &b->settings : NULL, &d->config.defaults, &act, in_ram, gate_or_up, n_tokens);
+    return pi2_route_to_cpu(b != NULL ? &b->settings : NULL, &d->config.defaults, &act, gate_or_up, n_tokens);
 }
 
 bool pi2_claim_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {

@@ -16,8 +16,8 @@ enum pi2_route pi2_route_region(const struct pi2_binding * b, int64_t n_tokens) 
 }
 
 bool pi2_route_to_cpu(const struct pi2_settings * own, const struct pi2_settings * defaults, const struct pi2_stated_act * act,
-                      bool in_ram, bool product_of_gate_or_up, int64_t n_tokens) {
-    if (!in_ram || (pi2_act_overrides_glu(act) && !product_of_gate_or_up)) {
+                      bool gate_or_up, int64_t n_tokens) {
+    if (pi2_act_overrides_glu(act) && !gate_or_up) {
         return false;
     }
     return pi2_setting(own, defaults, PI2_SET_PROMPT) != 0.0 && n_tokens > pi2_setting(own, defaults, PI2_SET_SPARSE_BATCH);

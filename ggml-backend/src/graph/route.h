@@ -21,9 +21,9 @@ enum pi2_route {
 // The route of a region PI2 computes: b NULL for a model without a sidecar.
 enum pi2_route pi2_route_region(const struct pi2_binding * b, int64_t n_tokens);
 
-// Whether node op of a prompt batch of n_tokens (a product of PI2-held weight w, or their GLU) goes to ggml-cpu
-// instead (PI2_PROMPT=cpu): in RAM only, past PI2_SPARSE_BATCH, and never the GLU, down or routed-expert nodes
-// of a model whose ReLU-family activation ggml-cpu would compute as the graph's SwiGLU. own: the model's settings
-// (NULL: the defaults'); in_ram: w is in PI2's in-RAM buffer, with memory.
+// Whether a node of a prompt batch of n_tokens over weights PI2 holds in RAM (a product, or their GLU) goes to
+// ggml-cpu instead (PI2_PROMPT=cpu): past PI2_SPARSE_BATCH, and never the GLU, down or routed-expert nodes of a
+// model whose ReLU-family activation ggml-cpu would compute as the graph's SwiGLU. own: the model's settings
+// (NULL: the defaults'); gate_or_up: the node is the product of a dense FFN's gate or up weight.
 bool pi2_route_to_cpu(const struct pi2_settings * own, const struct pi2_settings * defaults, const struct pi2_stated_act * act,
-                      bool in_ram, bool product_of_gate_or_up, int64_t n_tokens);
+                      bool gate_or_up, int64_t n_tokens);
