@@ -15,8 +15,8 @@
 #include "model/weight_buffer.h"
 
 static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
-    const struct pi2_device_ctx * dctx = dev->context;
-    return t != NULL && t->buffer != NULL && (t->buffer->buft == &dctx->buft || t->buffer->buft == &dctx->flash_buft);
+    return t != NULL && t->buffer != NULL && pi2_is_pi2_buft(t->buffer->buft);
+    GGML_UNUSED(dev);
 }
 
 // llama's weight-placement probe (a zero-size buffer of PI2's in-RAM type): does PI2 hold this layer of the

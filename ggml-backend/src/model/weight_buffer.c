@@ -118,9 +118,3 @@ struct pi2_stated_act pi2_weight_act(const struct ggml_tensor * w) {
     pthread_mutex_unlock(&d->lock);
     return a;
 }
-
-// the model's value of a per-model setting, for a weight of a model with a sidecar (else the default)
-double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting k) {
-    const struct pi2_binding * b = pi2_weight_binding(w);
-    return pi2_setting(b != NULL ? &b->settings : NULL, &pi2_device_ctx()->config.defaults, k);
-}

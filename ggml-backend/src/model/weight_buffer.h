@@ -41,8 +41,6 @@ struct pi2_binding * pi2_weight_binding(const struct ggml_tensor * w);
 // the FFN activation the model of weight w states; llama's placement probe asks with a zero-size buffer,
 // which has no context: the pending load's
 struct pi2_stated_act pi2_weight_act(const struct ggml_tensor * w);
-// the model's value of a per-model setting, for a weight of a model with a sidecar (else the default)
-double pi2_weight_setting(const struct ggml_tensor * w, enum pi2_setting k);
 
 // Once per process, at the first load outside pi2_load_begin/end (llama.cpp's tools; pi2_gguf says it itself):
 // that PI2 is active and what PI2_* made of it (d->lock held).
