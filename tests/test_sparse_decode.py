@@ -68,22 +68,34 @@ def test_relu_patch_makes_stock_llama_run_relu(relu_model: tuple[Path, Path, lis
 
 
 def test_oracle_equals_dense_on_relu(relu_llm: pi2_gguf.Llama) -> None:
-    for prompt in PROMPTS[:2]:
-        relu_llm.set_mode("dense")
-        dense_toks, dense_logits = decode(relu_llm, prompt, N_TOKENS)
-        relu_llm.set_mode("oracle")
-        pi2_gguf.reset_counters()
-        oracle_toks, oracle_logits = decode(relu_llm, prompt, N_TOKENS)
-        c = pi2_gguf.read_counters()
-        assert oracle_toks == dense_toks
-        scale = np.abs(dense_logits).max()
-        assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * scale
-        # every decode step of every layer ran sparse, and only ~10% of the neurons fired. llama runs the
-        # last layer of a prompt only for the token whose logits it returns: one more sparse token there.
-        assert (c.sparse_tokens[:-1] == N_TOKENS).all() and c.sparse_tokens[-1] == N_TOKENS + 1
-        frac = c.active.sum() / c.neurons.sum()
-        assert 0.05 < frac < 0.2, frac
-        assert (c.predicted == c.neurons).all()  # oracle computes every gate row
+    # the prompts in PI2 as well (this model's own setting, restored): the bound below is on PI2's dense and
+    # sparse kernels alone. With ggml-cpu's prompt (PI2_PROMPT=cpu, the default) both modes start from the same
+    # cache, but this synthetic model's large activations carry the kernels' summation-order differences over
+    # 64 steps to 6e-4 of the logit scale (tokens still equal); which run the suite leaves set must not decide.
+    relu_llm.configure(prompt="pi2")
+    try:
+        for prompt in PROMPTS[:2]:
+            _oracle_against_dense(relu_llm, prompt)
+    finally:
+        relu_llm.configure(prompt="cpu")
+
+
+def _oracle_against_dense(relu_llm: pi2_gguf.Llama, prompt: str) -> None:
+    relu_llm.set_mode("dense")
+    dense_toks, dense_logits = decode(relu_llm, prompt, N_TOKENS)
+    relu_llm.set_mode("oracle")
+    pi2_gguf.reset_counters()
+    oracle_toks, oracle_logits = decode(relu_llm, prompt, N_TOKENS)
+    c = pi2_gguf.read_counters()
+    assert oracle_toks == dense_toks
+    scale = np.abs(dense_logits).max()
+    assert np.abs(oracle_logits - dense_logits).max() <= 1e-4 * scale
+    # every decode step of every layer ran sparse, and only ~10% of the neurons fired. llama runs the
+    # last layer of a prompt only for the token whose logits it returns: one more sparse token there.
+    assert (c.sparse_tokens[:-1] == N_TOKENS).all() and c.sparse_tokens[-1] == N_TOKENS + 1
+    frac = c.active.sum() / c.neurons.sum()
+    assert 0.05 < frac < 0.2, frac
+    assert (c.predicted == c.neurons).all()  # oracle computes every gate row
 
 
 def test_predicted_agrees_with_dense_on_99_percent_of_tokens(relu_llm: pi2_gguf.Llama) -> None:
