@@ -89,6 +89,45 @@ def test_plugin_without_sidecar_on_unpatched_llama(family_model: tuple[str, Path
     assert np.abs(np.array(run.logits_first) - ref.logits_first).max() <= 1e-3 * np.abs(ref.logits_first).max()
 
 
+def _with_biases_and_scales(src: Path, dst: Path) -> Path:
+    """src with non-zero biases and per-tensor scales (blk.N.ffn_*.bias, blk.N.ffn_*.scale, which llama.cpp
+    applies to a dense FFN after each product and its bias) on gate, up and down."""
+    rng = np.random.default_rng(7)
+    scales = {"ffn_gate": 0.8, "ffn_up": 1.25, "ffn_down": 0.9}
+
+    def extra(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        kind = name.split(".")[-2]
+        if kind not in scales or not name.endswith(".weight"):
+            return []
+        base = name[: -len(".weight")]
+        bias = (0.05 * rng.standard_normal(data.shape[0])).astype(np.float32)
+        return [(base + ".bias", bias), (base + ".scale", np.array([scales[kind]], np.float32))]
+
+    return copy_gguf(src, dst, extra)
+
+
+def test_biases_and_scales_of_a_stated_activation(family_model: tuple[str, Path, Path], stock_site: Path,
+                                                  tmp_path: Path) -> None:
+    """An FFN with biases and scale tensors between its products and the GLU: the patched llama.cpp alone
+    applies both and the stated activation (the reference). With the plugin, the unpatched build, whose graph
+    spells SwiGLU on the biased, scaled products, computes the stated activation of those same inputs and so
+    the reference; ggml-cpu alone on that build computes SwiGLU, which shows the comparison can fail."""
+    _, model, _ = family_model
+    odd = _with_biases_and_scales(model, tmp_path / "biased.gguf")
+    ref = greedy_in_subprocess(odd, [PROMPT], 16, pi2=False)[0]
+    plain = greedy_in_subprocess(model, [PROMPT], 16, pi2=False)[0]
+    unpatched = greedy_in_subprocess(odd, [PROMPT], 16, pi2=True, llama_site=stock_site)[0]
+    patched = greedy_in_subprocess(odd, [PROMPT], 16, pi2=True)[0]
+    silu = greedy_in_subprocess(odd, [PROMPT], 16, pi2=False, llama_site=stock_site)[0]
+    scale = np.abs(ref.logits_first).max()
+    # the biases and scales change the function, so a build that dropped them would not pass below
+    assert np.abs(np.array(plain.logits_first) - ref.logits_first).max() > 1e-2 * scale
+    for run in (unpatched, patched):
+        assert run.pi2_matmuls > 0 and run.tokens == ref.tokens
+        assert np.abs(np.array(run.logits_first) - ref.logits_first).max() <= 1e-3 * scale
+    assert np.abs(np.array(silu.logits_first) - ref.logits_first).max() > 1e-2 * scale
+
+
 def test_oracle_equals_dense_and_predicted_agrees(family_model: tuple[str, Path, Path]) -> None:
     act, model, sidecar = family_model
     llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="dense", n_ctx=256, n_threads=2, verbose=False)

@@ -17,6 +17,22 @@ bool pi2_ffn_region_elementwise(const struct ggml_tensor * t) {
     }
 }
 
+const struct ggml_tensor * pi2_ffn_product_weight(const struct ggml_tensor * t, int depth, bool through_add) {
+    if (t == NULL) {
+        return NULL;
+    }
+    if (t->op == GGML_OP_MUL_MAT) {
+        int layer = 0;
+        enum pi2_matrix m;
+        return t->src[0] != NULL && pi2_ffn_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
+    }
+    if (depth == 0 || !(t->op == GGML_OP_GLU || pi2_ffn_region_elementwise(t) || (through_add && t->op == GGML_OP_ADD))) {
+        return NULL;
+    }
+    const struct ggml_tensor * w = pi2_ffn_product_weight(t->src[0], depth - 1, through_add);
+    return w != NULL ? w : pi2_ffn_product_weight(t->src[1], depth - 1, through_add);
+}
+
 static bool pi2_member(struct ggml_tensor * const * m, int n, const struct ggml_tensor * t) {
     for (int k = 0; k < n; ++k) {
         if (m[k] == t) {

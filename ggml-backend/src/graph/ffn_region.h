@@ -29,3 +29,9 @@ bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_
 
 // an elementwise op a patched llama.cpp uses to spell a ReLU-family activation (relu, step, scale, mul)
 bool pi2_ffn_region_elementwise(const struct ggml_tensor * t);
+
+// The FFN weight (gate, up or down, by name) whose product t derives from through at most `depth` of those
+// elementwise ops or GLUs, or NULL. With through_add also through an ADD: the bias or LoRA term build_ffn adds
+// to a product before the GLU, which keeps the GLU's inputs the model's gate and up, so the activation the
+// model states still applies to them (an unpatched llama.cpp spells every GLU SwiGLU).
+const struct ggml_tensor * pi2_ffn_product_weight(const struct ggml_tensor * t, int depth, bool through_add);

@@ -108,21 +108,11 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
     return pi2_cpu_can_dot(w->type) && pi2_expert_mul_mat_id_shapes(op);
 }
 
-// the own FFN weight whose product t derives from through at most `depth` elementwise ops, or NULL
-static const struct ggml_tensor * pi2_ffn_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t, int depth) {
-    if (t == NULL) {
-        return NULL;
-    }
-    if (t->op == GGML_OP_MUL_MAT) {
-        int layer = 0;
-        enum pi2_matrix m;
-        return pi2_is_own_buffer(dev, t->src[0]) && pi2_ffn_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
-    }
-    if (depth == 0 || !(t->op == GGML_OP_GLU || pi2_ffn_region_elementwise(t))) {
-        return NULL;
-    }
-    const struct ggml_tensor * w = pi2_ffn_product_weight(dev, t->src[0], depth - 1);
-    return w != NULL ? w : pi2_ffn_product_weight(dev, t->src[1], depth - 1);
+// the own FFN weight whose product t derives from (ffn_region.h), or NULL
+static const struct ggml_tensor * pi2_own_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t, int depth,
+                                                         bool through_add) {
+    const struct ggml_tensor * w = pi2_ffn_product_weight(t, depth, through_add);
+    return w != NULL && pi2_is_own_buffer(dev, w) ? w : NULL;
 }
 
 // an own routed-expert product (MUL_MAT_ID), or NULL
@@ -159,8 +149,8 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
     if (pi2_expert_product_weight(dev, a) != NULL) {
         return pi2_supports_expert_glu(dev, op);
     }
-    const struct ggml_tensor * wa = pi2_ffn_product_weight(dev, a, 3);
-    if (b == NULL || wa == NULL || pi2_ffn_product_weight(dev, b, 3) == NULL) {
+    const struct ggml_tensor * wa = pi2_own_product_weight(dev, a, 3, true);
+    if (b == NULL || wa == NULL || pi2_own_product_weight(dev, b, 3, true) == NULL) {
         return false;
     }
     const struct pi2_stated_act sa = pi2_weight_act(wa);
@@ -178,7 +168,7 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
 // an elementwise op with which a patched llama.cpp spells the ReLU-family activation of a model that states
 // one (ffn_region.h): it runs inside PI2's FFN region
 static bool pi2_supports_ffn_elementwise(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
-    const struct ggml_tensor * w = pi2_ffn_product_weight(dev, op, 4);
+    const struct ggml_tensor * w = pi2_own_product_weight(dev, op, 4, false);
     if (w == NULL || !pi2_ffn_region_elementwise(op)) {
         return false;
     }
