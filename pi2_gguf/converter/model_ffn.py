@@ -4,8 +4,10 @@ dequantized matrices, the activation the model uses, and the fingerprint of docs
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
@@ -71,6 +73,9 @@ class ModelFfn:
         self.architecture = arch
         self.name = _string(self.reader, "general.name", self.path) or ""
         tensors = {t.name: t for t in self.reader.tensors}
+        why = layout_refusal(arch, tensors)
+        if why is not None:
+            raise ModelFileError(f"{self.path}: {why}")
         self.layers: list[dict[str, FfnTensor]] = []
         # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, numbered layer * n_expert +
         # expert; 0 for a dense model
@@ -176,6 +181,45 @@ class ModelFfn:
 
     def fingerprint(self) -> int:
         return fmt.model_fingerprint(self.tensor_fingerprints())
+
+
+def layout_refusal(arch: str, tensors: Mapping[str, Any]) -> str | None:
+    """Why a sidecar cannot describe this FFN layout, naming its first layer (docs/ARCHITECTURES.md), or None.
+    tensors: the model's tensors by name (gguf-py's, with .shape). llama.cpp computes these models right
+    without a sidecar: PI2 computes their products densely or leaves them to ggml-cpu."""
+    def layers(suffix: str) -> list[int]:
+        return sorted(int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.endswith(suffix))
+
+    dense, routed = layers(".ffn_gate.weight"), layers(".ffn_gate_exps.weight")
+    if dense and routed:
+        return (f"dense FFN layers ({_span(dense)}) and routed-expert layers ({_span(routed)}) in one model ({arch}, "
+                "the DeepSeek-V2/GLM-4.5 layout); a sidecar describes one kind, so convert cannot make one")
+    biased = layers(".ffn_gate_exps.bias") or layers(".ffn_up_exps.bias")
+    if biased:
+        return (f"blk.{biased[0]}'s routed experts carry biases ({arch}; gpt-oss's are biased and computed with "
+                "SwiGLU-OAI), which PI2 does not compute; convert cannot make a sidecar")
+    ungated = [il for il in layers(".ffn_up.weight") if il not in dense]
+    if ungated and not routed:
+        il = ungated[0]
+        up, down = tensors[f"blk.{il}.ffn_up.weight"], tensors.get(f"blk.{il}.ffn_down.weight")
+        if down is not None and int(up.shape[1]) == 2 * int(down.shape[0]):
+            return (f"blk.{il}.ffn_up.weight holds gate and up fused ({arch}; the phi3 layout), which convert does not "
+                    "split; convert cannot make a sidecar")
+        return (f"blk.{il}'s FFN has no gate ({arch}: up, activation, down), and PowerInfer-2's sparse decode "
+                "predicts a gated FFN's neurons; convert cannot make a sidecar")
+    return None
+
+
+def gguf_layout_refusal(path: Path) -> str | None:
+    """layout_refusal of a GGUF file (read with gguf-py; the caller has checked the file)."""
+    reader = GGUFReader(path, "r")
+    arch = _string(reader, "general.architecture", path) or "?"
+    return layout_refusal(arch, {t.name: t for t in reader.tensors})
+
+
+def _span(layers: list[int]) -> str:
+    """'blk.3' or 'blk.1-26' (the layers, which callers give sorted)"""
+    return f"blk.{layers[0]}" if len(layers) == 1 else f"blk.{layers[0]}-{layers[-1]}"
 
 
 def activation_values(kind: str, g: np.ndarray, threshold: float = 0.0) -> np.ndarray:

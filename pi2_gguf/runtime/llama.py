@@ -134,7 +134,7 @@ class Llama(llama_cpp.Llama):
         self.pi2_memory_budget = None if budget_arg is None else budgets.parse_size(budget_arg)
         if self.pi2_memory_budget is not None:
             if self.pi2_sidecar is None:
-                raise MemoryBudgetError(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`")
+                raise MemoryBudgetError(budgets.no_sidecar(path))
             if kwargs.get("use_mmap", False):
                 raise MemoryBudgetError("a memory budget loads the model without mmap; drop use_mmap=True")
             kwargs["use_mmap"] = False

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import Pi2Error, SidecarError
 from ..gguf_file import check_model_file, load_failure
 from . import ggml_base
+from .memory_budget import no_sidecar
 
 
 class _TensorHead(ctypes.Structure):
@@ -63,7 +64,7 @@ class LlamaRunner:
         from . import plugin
 
         if memory_budget is not None and sidecar is None:
-            raise Pi2Error(f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`")
+            raise Pi2Error(no_sidecar(path))
         # with PI2 in the process it is told the model, whose stated FFN activation it then computes
         if sidecar is not None or mode != "dense" or settings or plugin.is_registered():
             with plugin.model_load(sidecar, mode, flash=memory_budget is not None, model=path,

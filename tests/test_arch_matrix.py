@@ -1,0 +1,202 @@
+"""The architecture matrix: for each of 17 families, a tiny random checkpoint with the family's real config layout,
+converted by llama.cpp's own converter (tests/tiny_families.py), run through PI2 against stock llama.cpp.
+
+- dense: with PI2 holding every FFN layer (PI2_LAYERS=all) the logits equal stock llama.cpp's, in f32, f16 and
+  q8_0; with the default placement they are stock's bit for bit;
+- `convert` writes a sidecar, or refuses with a message naming the layer and what it does not support;
+- with the sidecar, in RAM: `dense` equals stock, ReLU-family `oracle` gives dense's greedy tokens, `predicted`
+  runs; under a memory budget each mode gives the in-RAM run's tokens, reading bundles from flash;
+- a budget for a model convert cannot make a sidecar for is refused at load, naming the reason.
+
+docs/ARCHITECTURES.md's table is written from ROWS below; test_table_matches_the_matrix fails when they differ."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+for _module in ("torch", "transformers", "sentencepiece", "safetensors"):  # the `import` extra
+    pytest.importorskip(_module)
+
+import pi2_gguf  # noqa: E402
+from pi2_gguf.converter.convert import convert  # noqa: E402
+from pi2_gguf.errors import MemoryBudgetError, ModelFileError  # noqa: E402
+from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+import tiny_families as tf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The history of the Roman Empire covers"
+N_TOKENS = 8
+# under a budget: a neuron cache far below the FFN's size, so every mode reads bundles from the sidecar; prompt
+# tokens one at a time in both runs (sparse_batch 64): in RAM a prompt batch runs dense, under a budget through
+# the flash batch path, and for a SiLU model's approximate sparse modes those drop different neurons
+FLASH = {"cache_max": "64KiB", "sparse_batch": 64}
+RAM = {"layers": "all", "sparse_batch": 64}
+
+
+@dataclass(frozen=True)
+class Row:
+    computes: str         # what PI2 computes with every layer held (the ARCHITECTURES.md column)
+    pi2_ops: str          # which of the FFN's gate/up/down products and GLU PI2 ran (counters), space-separated
+    sidecar: str          # "yes", or the words convert's refusal says
+    sparse: str           # "exact" (ReLU family), "approximate" (SiLU/GELU), "no"
+    flash: str            # "yes", or "no"
+
+
+_NO = "no (no sidecar)"
+ROWS: dict[str, Row] = {
+    "llama": Row("dense FFN: products and SwiGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "mistral": Row("dense FFN: products and SwiGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "qwen2": Row("dense FFN: products and SwiGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "qwen3": Row("dense FFN: products and SwiGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "gemma2": Row("dense FFN: products and GeGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "gemma3": Row("dense FFN: products and GeGLU", "gate up down glu", "yes", "approximate", "yes"),
+    "phi3": Row("fused gate+up and down products; the split SwiGLU in ggml-cpu", "up down",
+                "holds gate and up fused", "no", _NO),
+    "starcoder2": Row("up and down products; biases and GELU in ggml-cpu", "up down", "has no gate", "no", _NO),
+    "mixtral": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
+                   "approximate", "yes"),
+    "qwen3moe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
+                    "approximate", "yes"),
+    "qwen2moe": Row("routed experts: products and SwiGLU; the shared expert and its sigmoid gate in ggml-cpu",
+                    "gate up down glu", "yes", "approximate", "routed experts; the shared expert in RAM"),
+    "olmoe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
+                 "approximate", "yes"),
+    "granitemoe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
+                      "approximate", "yes"),
+    "gpt_oss": Row("routed experts' products; their biases and SwiGLU-OAI in ggml-cpu", "gate up down",
+                   "routed experts carry biases", "no", _NO),
+    "deepseek2": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
+                     "gate up down glu", "dense FFN layers (blk.0) and routed-expert layers (blk.1-26)", "no", _NO),
+    "glm4moe": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
+                   "gate up down glu", "dense FFN layers (blk.0) and routed-expert layers (blk.1-2)", "no", _NO),
+    "smallthinker": Row("routed experts: products and ReGLU; routing in ggml-cpu", "gate up down glu", "yes", "exact",
+                        "yes"),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Every family's GGUF in every type, converted in one converter process."""
+    return tf.build_many(list(tf.FAMILIES), tmp_path_factory.mktemp("arch_matrix"), tf.OUTTYPES)
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    x, y = np.array(a), np.array(b)
+    return float(np.abs(x - y).max() / np.abs(y).max())
+
+
+def test_rows_cover_the_families() -> None:
+    assert list(ROWS) == list(tf.FAMILIES)
+
+
+@pytest.mark.parametrize("outtype", tf.OUTTYPES)
+@pytest.mark.parametrize("name", list(tf.FAMILIES))
+def test_dense_equals_stock(built: dict[tuple[str, str], Path], name: str, outtype: str) -> None:
+    model = built[(name, outtype)]
+    stock = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=False, repack=False)[0]
+    held = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0
+    assert held.tokens == stock.tokens
+    assert _relative(held.logits_first, stock.logits_first) <= 1e-4
+    placed = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False)[0]
+    assert placed.tokens == stock.tokens and placed.logits_first == stock.logits_first  # bit for bit
+
+
+@pytest.mark.parametrize("name", list(tf.FAMILIES))
+def test_what_pi2_computes(built: dict[tuple[str, str], Path], name: str) -> None:
+    """The products (and the GLU) PI2 runs for one decode step with every layer held, as ROWS says."""
+    llm = pi2_gguf.Llama(str(built[(name, "f32")]), sidecar=False, n_ctx=128, n_threads=2, verbose=False)
+    try:  # every layer held: the tests' PI2_LAYERS=all (conftest.py)
+        assert llm.layers_left() == []
+        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+        pi2_gguf.reset_counters()
+        llm.eval([5])
+        c = pi2_gguf.read_counters()
+    finally:
+        llm.close()
+    ran = [m for m, n in zip(("gate", "up", "down"), c.matmul_calls.sum(axis=0)) if n > 0]
+    ran += ["glu"] if c.glu_calls.sum() > 0 else []
+    assert " ".join(ran) == ROWS[name].pi2_ops
+
+
+@pytest.fixture(scope="module")
+def sidecars(built: dict[tuple[str, str], Path]) -> dict[str, Path | ModelFileError]:
+    """convert's sidecar for each family's f32 model (its defaults, a short profile), or its refusal."""
+    out: dict[str, Path | ModelFileError] = {}
+    for name in tf.FAMILIES:
+        model = built[(name, "f32")]
+        try:
+            out[name] = convert(model, model.with_suffix(".pi2.gguf"), train_tokens=1024, heldout_tokens=256,
+                                progress=False, perplexity_budget=None).path
+        except ModelFileError as e:
+            out[name] = e
+    return out
+
+
+@pytest.mark.parametrize("name", list(tf.FAMILIES))
+def test_convert_makes_a_sidecar_or_says_why_not(sidecars: dict[str, Path | ModelFileError], name: str) -> None:
+    got, want = sidecars[name], ROWS[name].sidecar
+    if want == "yes":
+        assert isinstance(got, Path) and got.stat().st_size > 0
+    else:
+        assert isinstance(got, ModelFileError) and want in str(got)
+        assert re.search(r"blk\.\d+", str(got)), got  # the layer is named
+
+
+@pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar == "yes"])
+def test_modes_with_the_sidecar_in_ram_and_under_a_budget(built: dict[tuple[str, str], Path],
+                                                          sidecars: dict[str, Path | ModelFileError], name: str) -> None:
+    model, sidecar = built[(name, "f32")], sidecars[name]
+    assert isinstance(sidecar, Path)
+    stock = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=False, repack=False)[0]
+    ram: dict[str, list[int]] = {}
+    for mode in ("dense", "oracle", "predicted"):
+        run = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
+                                   settings=RAM)[0]
+        assert run.pi2_matmuls > 0 and len(run.tokens) == N_TOKENS, mode
+        ram[mode] = run.tokens
+        if mode == "dense":
+            assert run.tokens == stock.tokens and _relative(run.logits_first, stock.logits_first) <= 1e-4
+        flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
+                                     memory_budget=2 << 30, settings=FLASH)[0]
+        assert flash.tokens == run.tokens, mode
+        assert flash.io["bundle_bytes"] > 0 and flash.io["misses"] > 0, (mode, flash.io)
+    if ROWS[name].sparse == "exact":  # ReLU family: the oracle's neurons are exactly the active ones
+        assert ram["oracle"] == ram["dense"]
+
+
+@pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar != "yes"])
+def test_budget_without_a_possible_sidecar_says_why(built: dict[tuple[str, str], Path], name: str) -> None:
+    with pytest.raises(MemoryBudgetError, match=re.escape(ROWS[name].sidecar)):
+        pi2_gguf.Llama(str(built[(name, "f32")]), memory_budget="1GB", n_ctx=128, verbose=False)
+
+
+def _table() -> dict[str, list[str]]:
+    text = (ROOT / "docs" / "ARCHITECTURES.md").read_text()
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] not in ("Family", "") and not cells[0].startswith("-"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_table_matches_the_matrix() -> None:
+    """ARCHITECTURES.md's table: family, GGUF architecture, what PI2 computes, sidecar, sparse decode, flash."""
+    table = _table()
+    assert list(table) == list(ROWS)
+    for name, row in ROWS.items():
+        arch, computes, sidecar, sparse, flash = table[name]
+        assert arch == f"`{tf.FAMILIES[name].arch}`", name
+        assert computes == row.computes, name
+        assert sidecar == ("yes" if row.sidecar == "yes" else f"no: {row.sidecar}"), name
+        assert sparse == row.sparse, name
+        assert flash == row.flash, name
