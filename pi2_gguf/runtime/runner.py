@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import Pi2Error, SidecarError
 from ..gguf_file import check_model_file, load_failure
 from . import ggml_base
-from .memory_budget import no_sidecar
+from . import memory_budget as budgets
 
 
 class _TensorHead(ctypes.Structure):
@@ -41,7 +41,7 @@ class LlamaRunner:
                  memory_budget: int | None = None) -> None:
         """sidecar/mode: bind the model to a pi2 sidecar in the PI2 plugin (registered by the caller).
         memory_budget: the FFN stays on flash as under pi2_gguf.Llama's budget, the neuron cache sized from it once
-        the context exists (the compute buffers then in use count as resident); loads without mmap.
+        the context exists, llama's compute buffers reserved as pi2_gguf.Llama reserves them; loads without mmap.
         repack: llama's CPU weight repacking (its default); off, prompt batches of Q4_K models ran faster here.
         n_ubatch: llama's micro-batch; a small one makes every micro-batch a sparse decode batch.
         settings: PI2_* settings for the binding (without a sidecar: the defaults), as pi2_gguf.Llama's."""
@@ -64,7 +64,7 @@ class LlamaRunner:
         from . import plugin
 
         if memory_budget is not None and sidecar is None:
-            raise Pi2Error(no_sidecar(path))
+            raise Pi2Error(budgets.no_sidecar(path))
         # with PI2 in the process it is told the model, whose stated FFN activation it then computes
         if sidecar is not None or mode != "dense" or settings or plugin.is_registered():
             with plugin.model_load(sidecar, mode, flash=memory_budget is not None, model=path,
@@ -91,7 +91,8 @@ class LlamaRunner:
             self._cb = lc.ggml_backend_sched_eval_callback(self._eval_callback)  # kept alive on self
             cp.cb_eval = self._cb
             cp.cb_eval_user_data = None
-        self.ctx = lc.llama_init_from_model(self.model, cp)
+        with budgets.compute_buffer_log() as compute:
+            self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
             self._release_binding()
@@ -104,7 +105,10 @@ class LlamaRunner:
             try:
                 if why:
                     raise SidecarError(why)
-                plugin.set_budget(self._binding, memory_budget, 0)
+                # llama's compute buffers, as pi2_gguf.Llama counts them (every token of a batch has an output here
+                # when watching or with all_logits)
+                reserved = budgets.compute_reserve(compute, self.n_vocab, cp.n_ubatch, self.all_logits or bool(self._watch), 0)
+                plugin.set_budget(self._binding, memory_budget, reserved)
             except Pi2Error:
                 self.close()
                 raise
