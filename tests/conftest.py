@@ -90,3 +90,15 @@ def relu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, li
     sidecar = convert(model, d / "relu.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False,
                       perplexity_budget=None).path
     return model, sidecar, report
+
+
+@pytest.fixture(scope="session")
+def tiny_family_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Every family of tests/tiny_families.py in every type, {(family, outtype): GGUF}, converted by llama.cpp's
+    converter in one process (needs the `import` extra: its users skip without it). Nothing else is written to
+    their directory: a sidecar beside a model would be every later run's default."""
+    import tiny_families
+
+    return tiny_families.build_many(list(tiny_families.FAMILIES), tmp_path_factory.mktemp("tiny_families"),
+                                    tiny_families.OUTTYPES)
+

@@ -83,9 +83,9 @@ ROWS: dict[str, Row] = {
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """Every family's GGUF in every type, converted in one converter process."""
-    return tf.build_many(list(tf.FAMILIES), tmp_path_factory.mktemp("arch_matrix"), tf.OUTTYPES)
+def built(tiny_family_ggufs: dict[tuple[str, str], Path]) -> dict[tuple[str, str], Path]:
+    """Every family's GGUF in every type (conftest.py converts them once for the session)."""
+    return tiny_family_ggufs
 
 
 def _relative(a: list[float], b: list[float]) -> float:
@@ -128,13 +128,16 @@ def test_what_pi2_computes(built: dict[tuple[str, str], Path], name: str) -> Non
 
 
 @pytest.fixture(scope="module")
-def sidecars(built: dict[tuple[str, str], Path]) -> dict[str, Path | ModelFileError]:
-    """convert's sidecar for each family's f32 model (its defaults, a short profile), or its refusal."""
+def sidecars(built: dict[tuple[str, str], Path],
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | ModelFileError]:
+    """convert's sidecar for each family's f32 model (its defaults, a short profile), or its refusal; in a
+    directory of their own, so no run takes one as its model's default sidecar."""
+    d = tmp_path_factory.mktemp("arch_matrix_sidecars")
     out: dict[str, Path | ModelFileError] = {}
     for name in tf.FAMILIES:
         model = built[(name, "f32")]
         try:
-            out[name] = convert(model, model.with_suffix(".pi2.gguf"), train_tokens=1024, heldout_tokens=256,
+            out[name] = convert(model, d / f"{name}.pi2.gguf", train_tokens=1024, heldout_tokens=256,
                                 progress=False, perplexity_budget=None).path
         except ModelFileError as e:
             out[name] = e

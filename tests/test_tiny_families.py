@@ -25,11 +25,9 @@ N_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every family's GGUF in f32, converted in one converter process."""
-    d = tmp_path_factory.mktemp("tiny_families")
-    paths = tf.build_many(list(tf.FAMILIES), d, ("f32",))
-    return {name: paths[(name, "f32")] for name in tf.FAMILIES}
+def built(tiny_family_ggufs: dict[tuple[str, str], Path]) -> dict[str, Path]:
+    """Every family's GGUF in f32 (conftest.py converts them once for the session)."""
+    return {name: tiny_family_ggufs[(name, "f32")] for name in tf.FAMILIES}
 
 
 @pytest.fixture(scope="module")

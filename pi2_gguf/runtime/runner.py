@@ -4,6 +4,7 @@ logits of every token of a window (perplexity)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -50,6 +51,8 @@ class LlamaRunner:
         self.n_ctx = n_ctx
         self.all_logits = all_logits
         self._watch = frozenset(watch)
+        # every token of a batch has an output (logits, and the watched tensors of every token)
+        self._all_outputs = all_logits or bool(self._watch)
         self._sink = sink
         self._error: BaseException | None = None
         self._ggml = ggml_base.lib()
@@ -91,7 +94,10 @@ class LlamaRunner:
             self._cb = lc.ggml_backend_sched_eval_callback(self._eval_callback)  # kept alive on self
             cp.cb_eval = self._cb
             cp.cb_eval_user_data = None
-        with budgets.compute_buffer_log() as compute:
+        # llama's compute buffer sizes, which a budget reserves (only llama's log states them)
+        log: contextlib.AbstractContextManager[list[int]] = (
+            budgets.compute_buffer_log() if memory_budget is not None else contextlib.nullcontext([]))
+        with log as compute:
             self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -105,9 +111,8 @@ class LlamaRunner:
             try:
                 if why:
                     raise SidecarError(why)
-                # llama's compute buffers, as pi2_gguf.Llama counts them (every token of a batch has an output here
-                # when watching or with all_logits)
-                reserved = budgets.compute_reserve(compute, self.n_vocab, cp.n_ubatch, self.all_logits or bool(self._watch), 0)
+                # llama's compute buffers, as pi2_gguf.Llama counts them
+                reserved = budgets.compute_reserve(compute, self.n_vocab, cp.n_ubatch, self._all_outputs, 0)
                 plugin.set_budget(self._binding, memory_budget, reserved)
             except Pi2Error:
                 self.close()
@@ -188,7 +193,7 @@ class LlamaRunner:
             b.pos[i] = i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = 1 if (self.all_logits or self._watch) else int(i == n - 1)
+            b.logits[i] = 1 if self._all_outputs else int(i == n - 1)
         b.n_tokens = n
         rc = lc.llama_decode(self.ctx, b)
         if self._error is not None:

@@ -35,3 +35,7 @@ bool pi2_ffn_region_elementwise(const struct ggml_tensor * t);
 // to a product before the GLU, which keeps the GLU's inputs the model's gate and up, so the activation the
 // model states still applies to them (an unpatched llama.cpp spells every GLU SwiGLU).
 const struct ggml_tensor * pi2_ffn_product_weight(const struct ggml_tensor * t, int depth, bool through_add);
+
+// how far a GLU's input may be from its product (a bias ADD, a scale MUL, a patched graph's relu): the claim
+// that takes the GLU and the dispatch that finds its stated activation walk the same way
+#define PI2_GLU_INPUT_DEPTH 3

@@ -15,8 +15,8 @@
 #include "model/weight_buffer.h"
 
 static bool pi2_is_own_buffer(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
-    return t != NULL && t->buffer != NULL && pi2_is_pi2_buft(t->buffer->buft);
     GGML_UNUSED(dev);
+    return t != NULL && t->buffer != NULL && pi2_is_pi2_buft(t->buffer->buft);
 }
 
 // llama's weight-placement probe (a zero-size buffer of PI2's in-RAM type): does PI2 hold this layer of the
@@ -149,8 +149,8 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
     if (pi2_expert_product_weight(dev, a) != NULL) {
         return pi2_supports_expert_glu(dev, op);
     }
-    const struct ggml_tensor * wa = pi2_own_product_weight(dev, a, 3, true);
-    if (b == NULL || wa == NULL || pi2_own_product_weight(dev, b, 3, true) == NULL) {
+    const struct ggml_tensor * wa = pi2_own_product_weight(dev, a, PI2_GLU_INPUT_DEPTH, true);
+    if (b == NULL || wa == NULL || pi2_own_product_weight(dev, b, PI2_GLU_INPUT_DEPTH, true) == NULL) {
         return false;
     }
     const struct pi2_stated_act sa = pi2_weight_act(wa);

@@ -73,7 +73,7 @@ static int pi2_run_node(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgrap
         case GGML_OP_GLU: {
             // alone (its products ran on the CPU, a prompt batch, or a bias or LoRA term sits between): the model's
             // activation if it states one
-            const struct pi2_stated_act sa = pi2_weight_act(pi2_ffn_product_weight(node->src[0], 3, true));
+            const struct pi2_stated_act sa = pi2_weight_act(pi2_ffn_product_weight(node->src[0], PI2_GLU_INPUT_DEPTH, true));
             struct pi2_ffn_act act;
             if (!pi2_act_for_glu(&sa, ggml_get_glu_op(node), &act)) {
                 PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(node)));
