@@ -74,9 +74,9 @@ ROWS: dict[str, Row] = {
     "gpt_oss": Row("routed experts' products; their biases and SwiGLU-OAI in ggml-cpu", "gate up down",
                    "routed experts carry biases", "no", _NO),
     "deepseek2": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
-                     "gate up down glu", "dense FFN layers (blk.0) and routed-expert layers (blk.1-26)", "no", _NO),
+                     "gate up down glu", "yes", "approximate", "dense and routed layers; shared experts in RAM"),
     "glm4moe": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
-                   "gate up down glu", "dense FFN layers (blk.0) and routed-expert layers (blk.1-2)", "no", _NO),
+                   "gate up down glu", "yes", "approximate", "dense and routed layers; shared experts in RAM"),
     "smallthinker": Row("routed experts: products and ReGLU; routing in ggml-cpu", "gate up down glu", "yes", "exact",
                         "yes"),
 }
@@ -167,7 +167,10 @@ def test_modes_with_the_sidecar_in_ram_and_under_a_budget(built: dict[tuple[str,
         assert run.pi2_matmuls > 0 and len(run.tokens) == N_TOKENS, mode
         ram[mode] = run.tokens
         if mode == "dense":
-            assert run.tokens == stock.tokens and _relative(run.logits_first, stock.logits_first) <= 1e-4
+            # stock's tokens, and exactly the logits of PI2 without a sidecar on the same settings: prompt tokens in
+            # PI2's kernels, whose sums differ from ggml-cpu's batched ones by rounding (27-layer deepseek2: 1.6e-3)
+            alone = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, settings=RAM)[0]
+            assert run.tokens == stock.tokens and run.logits_first == alone.logits_first
         flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
                                      memory_budget=2 << 30, settings=FLASH)[0]
         assert flash.tokens == run.tokens, mode

@@ -254,7 +254,7 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align,
-        n_expert=model.n_expert)
+        n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None)
 
 
 def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool) -> None:
@@ -371,9 +371,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     routed_share: list[float] | None = None
     reuse: list[float] | None = None
     if model.n_expert:
-        if prof.n_layer != model.moe_layers:
-            raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {model.moe_layers} MoE layers")
-        prof = prof.experts(model.n_expert)  # one profile per (layer, expert), as the sidecar's layers
+        if prof.n_layer != len(model.layer_experts):
+            raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {len(model.layer_experts)} FFN layers")
+        prof = prof.experts(model.layer_experts)  # one profile per sidecar layer: (layer, expert), or a dense layer
         routed_share = prof.expert_share  # how often each expert was routed: inspect's expert hotness
         reuse = prof.expert_reuse  # and how often again on the next token: its routing's locality
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:

@@ -77,26 +77,24 @@ class ModelFfn:
         if why is not None:
             raise ModelFileError(f"{self.path}: {why}")
         self.layers: list[dict[str, FfnTensor]] = []
-        # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, numbered layer * n_expert +
-        # expert; 0 for a dense model
+        # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, and a dense FFN layer among
+        # them one more (the DeepSeek-V2 / GLM-4.5 layout), in model-layer order (FORMAT.md, "MoE sidecars");
+        # layer_experts: per model layer 0 (dense FFN) or n_expert. n_expert 0: a dense model
         self.n_expert = 0
         self.moe_layers = 0
-        if "blk.0.ffn_gate_exps.weight" in tensors:
-            self._read_experts(tensors)
-        while not self.n_expert and f"blk.{len(self.layers)}.ffn_gate.weight" in tensors:
-            il = len(self.layers)
-            layer: dict[str, FfnTensor] = {}
-            for m in MATRICES:
-                name = f"blk.{il}.ffn_{m}.weight"
-                t = tensors.get(name)
-                if t is None:
-                    raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate.weight but no {name}")
-                ne = [int(x) for x in t.shape]
-                if len(ne) != 2:
-                    raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
-                layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
-            self._check_shapes(layer, f"layer {il} FFN")
-            self.layers.append(layer)
+        self.layer_experts: list[int] = []
+        il = 0
+        while True:
+            if f"blk.{il}.ffn_gate_exps.weight" in tensors:
+                self._read_experts(tensors, il)
+                self.layer_experts.append(self.n_expert)
+                self.moe_layers += 1
+            elif f"blk.{il}.ffn_gate.weight" in tensors:
+                self.layers.append(self._read_dense(tensors, il))
+                self.layer_experts.append(0)
+            else:
+                break
+            il += 1
         if not self.layers:
             raise ModelFileError(f"{self.path} has no gated FFN layers (blk.N.ffn_gate/up/down.weight, or routed "
                                  "experts blk.N.ffn_gate/up/down_exps.weight)")
@@ -114,29 +112,45 @@ class ModelFfn:
             raise ModelFileError(f"{self.path}: {what} shapes disagree: gate {g.ne0}x{g.ne1}, "
                                  f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
 
-    def _read_experts(self, tensors: dict) -> None:
-        """One layer per (layer, expert), its matrices the expert's slices of the stacked *_exps tensors."""
-        while f"blk.{self.moe_layers}.ffn_gate_exps.weight" in tensors:
-            il = self.moe_layers
-            stacked: dict[str, tuple] = {}
-            for m in MATRICES:
-                name = f"blk.{il}.ffn_{m}_exps.weight"
-                t = tensors.get(name)
-                if t is None:
-                    raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate_exps.weight but no {name}")
-                ne = [int(x) for x in t.shape]
-                if len(ne) != 3:
-                    raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 3 (one matrix per expert)")
-                stacked[m] = (name, GGMLQuantizationType(int(t.tensor_type)), ne, t.data)
-            n_expert = stacked["gate"][2][2]
-            if self.n_expert not in (0, n_expert) or any(v[2][2] != n_expert for v in stacked.values()):
-                raise ModelFileError(f"{self.path}: layer {il}'s experts disagree in number")
-            self.n_expert = n_expert
-            for e in range(n_expert):
-                layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
-                self._check_shapes(layer, f"layer {il} expert FFN")
-                self.layers.append(layer)
-            self.moe_layers += 1
+    def _read_dense(self, tensors: dict, il: int) -> dict[str, FfnTensor]:
+        layer: dict[str, FfnTensor] = {}
+        for m in MATRICES:
+            name = f"blk.{il}.ffn_{m}.weight"
+            t = tensors.get(name)
+            if t is None:
+                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate.weight but no {name}")
+            ne = [int(x) for x in t.shape]
+            if len(ne) != 2:
+                raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
+            layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
+        self._check_shapes(layer, f"layer {il} FFN")
+        return layer
+
+    def _read_experts(self, tensors: dict, il: int) -> None:
+        """One layer per expert of model layer il, its matrices the expert's slices of the stacked *_exps tensors."""
+        stacked: dict[str, tuple] = {}
+        for m in MATRICES:
+            name = f"blk.{il}.ffn_{m}_exps.weight"
+            t = tensors.get(name)
+            if t is None:
+                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate_exps.weight but no {name}")
+            ne = [int(x) for x in t.shape]
+            if len(ne) != 3:
+                raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 3 (one matrix per expert)")
+            stacked[m] = (name, GGMLQuantizationType(int(t.tensor_type)), ne, t.data)
+        n_expert = stacked["gate"][2][2]
+        if self.n_expert not in (0, n_expert) or any(v[2][2] != n_expert for v in stacked.values()):
+            raise ModelFileError(f"{self.path}: layer {il}'s experts disagree in number")
+        self.n_expert = n_expert
+        for e in range(n_expert):
+            layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
+            self._check_shapes(layer, f"layer {il} expert FFN")
+            self.layers.append(layer)
+
+    @property
+    def mixed(self) -> bool:
+        """Dense FFN layers and routed-expert layers in one model (pi2.moe.layer_experts says which is which)."""
+        return bool(self.n_expert) and 0 in self.layer_experts
 
     @property
     def n_layer(self) -> int:
@@ -191,9 +205,6 @@ def layout_refusal(arch: str, tensors: Mapping[str, Any]) -> str | None:
         return sorted(int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.endswith(suffix))
 
     dense, routed = layers(".ffn_gate.weight"), layers(".ffn_gate_exps.weight")
-    if dense and routed:
-        return (f"dense FFN layers ({_span(dense)}) and routed-expert layers ({_span(routed)}) in one model ({arch}, "
-                "the DeepSeek-V2/GLM-4.5 layout); a sidecar describes one kind, so convert cannot make one")
     biased = layers(".ffn_gate_exps.bias") or layers(".ffn_up_exps.bias")
     if biased:
         return (f"blk.{biased[0]}'s routed experts carry biases ({arch}; gpt-oss's are biased and computed with "
@@ -215,11 +226,6 @@ def gguf_layout_refusal(path: Path) -> str | None:
     reader = GGUFReader(path, "r")
     arch = _string(reader, "general.architecture", path) or "?"
     return layout_refusal(arch, {t.name: t for t in reader.tensors})
-
-
-def _span(layers: list[int]) -> str:
-    """'blk.3' or 'blk.1-26' (the layers, which callers give sorted)"""
-    return f"blk.{layers[0]}" if len(layers) == 1 else f"blk.{layers[0]}-{layers[-1]}"
 
 
 def activation_values(kind: str, g: np.ndarray, threshold: float = 0.0) -> np.ndarray:

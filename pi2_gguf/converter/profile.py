@@ -19,10 +19,13 @@ from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
 from ..errors import OutputWriteError, Pi2Error
-from ..gguf_file import check_context, check_model_file, expert_used_count
+from ..gguf_file import check_context, check_model_file, expert_used_count, gguf_architecture
 from ..paths import read_head
 
 FFN_INPUT = "ffn_norm"
+# architectures whose graph names the FFN input otherwise (llama.cpp's src/models/*.cpp, the cb() of the norm
+# the FFN multiplies): GLM-4.5's post-attention norm, gpt-oss's
+FFN_INPUT_OF_ARCH = {"glm4moe": "post_attn_norm", "gpt-oss": "attn_post_norm"}
 ROUTER_LOGITS = "ffn_moe_logits"  # MoE: the router's logits, whose top n_expert_used are the routed experts
 DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
 
@@ -128,25 +131,35 @@ class Profile:
             raise ProfileError(f"{p} holds no layers")
         return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held, train_r, held_r)
 
-    def experts(self, n_expert: int) -> Profile:
-        """The profile of an MoE model's (layer, expert) FFNs, numbered layer * n_expert + expert: each gets the
-        inputs of the tokens routed to it (all the layer's tokens where fewer than MIN_ROUTED were)."""
+    def experts(self, layer_experts: list[int]) -> Profile:
+        """The profile of an MoE model's sidecar layers (FORMAT.md, "MoE sidecars"): per model layer with
+        layer_experts[il] routed experts one layer per expert, which gets the inputs of the tokens routed to it (all
+        the layer's tokens where fewer than MIN_ROUTED were); a dense FFN layer (0) stays one layer of every
+        token, its routed share and reuse 1."""
         if not self.train_routes:
             raise ProfileError("the profile has no routing (made before MoE support, or of a dense model): profile again")
+        for il, (n_expert, r) in enumerate(zip(layer_experts, self.train_routes)):
+            if n_expert and r.shape[0] != self.train[il].shape[0]:
+                raise ProfileError(f"the profile has no routing for layer {il}, which routes to {n_expert} experts")
 
         def pick(xs: list[np.ndarray], routes: list[np.ndarray]) -> list[np.ndarray]:
             out = []
-            for x, r in zip(xs, routes):
+            for x, r, n_expert in zip(xs, routes, layer_experts):
+                if not n_expert:
+                    out.append(x)
                 for e in range(n_expert):
                     rows = (r == e).any(axis=1)
                     out.append(x[rows] if rows.sum() >= MIN_ROUTED else x)
             return out
 
+        share: list[float] = []
+        reuse: list[float] = []
+        for r, n_expert in zip(self.train_routes, layer_experts):
+            share += [float((r == e).any(axis=1).mean()) for e in range(n_expert)] if n_expert else [1.0]
+            reuse += expert_reuse(r, n_expert, self.window) if n_expert else [1.0]
         return Profile(self.model_file, self.model_size, self.corpus, self.corpus_sha256, self.window,
                        pick(self.train, self.train_routes), pick(self.heldout, self.heldout_routes),
-                       routed_from=(self.n_train, self.n_heldout),
-                       expert_share=[float((r == e).any(axis=1).mean()) for r in self.train_routes for e in range(n_expert)],
-                       expert_reuse=[x for r in self.train_routes for x in expert_reuse(r, n_expert, self.window)])
+                       routed_from=(self.n_train, self.n_heldout), expert_share=share, expert_reuse=reuse)
 
     def check_model(self, model_path: Path) -> None:
         size = model_path.stat().st_size
@@ -161,8 +174,9 @@ def routed_experts(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 class _Recorder:
-    """Receives ffn_norm-N tensors and stores them in preallocated per-layer arrays; for an MoE model also the
-    routed experts of each token (the top n_expert_used of ffn_moe_logits-N)."""
+    """Receives the FFN inputs (ffn_norm-N, or the architecture's name for them) and stores them in preallocated
+    per-layer arrays; for an MoE model also the routed experts of each token (the top n_expert_used of
+    ffn_moe_logits-N; none on a dense FFN layer among routed ones)."""
 
     def __init__(self, n_layer: int, n_embd: int, capacity: int, n_expert_used: int = 0) -> None:
         self.arrays = [np.empty((capacity, n_embd), dtype=np.float16) for _ in range(n_layer)]
@@ -195,10 +209,13 @@ class _Recorder:
         return [a[:n] for a in self.arrays]
 
     def routes_result(self) -> list[np.ndarray]:
+        """Per layer the routed experts of each token; [0, k] for a layer without a router (a dense FFN layer)."""
         n = min(self.filled)
-        if self.k and self.routed != self.filled:
+        if self.k and any(r not in (0, n) for r in self.routed):
             raise Pi2Error(f"router logits were seen for {min(self.routed)}..{max(self.routed)} tokens, FFN inputs for {n}")
-        return [r[:n] for r in self.routes]
+        if self.k and not any(self.routed):
+            raise Pi2Error("the model has routed experts, but no layer's router logits were seen")
+        return [r[:n] if at else r[:0] for r, at in zip(self.routes, self.routed)]
 
 
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int | None = None,
@@ -217,6 +234,7 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
     routes: dict[str, list[np.ndarray]] = {}
     current: list[_Recorder] = []
     k = expert_used_count(path)  # from the header: gguf-py's reader would build the whole vocabulary first
+    ffn_input = FFN_INPUT_OF_ARCH.get(gguf_architecture(path) or "", FFN_INPUT)
     if k:
         # the plugin computes the activation the model states: llama.cpp's MoE graph alone computes SwiGLU for
         # llama/qwen3moe experts, so a ReLU-family model's later layers would see other inputs
@@ -225,7 +243,7 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
         register()
     # without repacked weights: prompt windows of the 1.5B dReLU model (Q4_K) ran at 120 tok/s against 74
     # with them (tools/bench_sparse.py, 2026-11-24), and profiling is all prompt windows
-    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(FFN_INPUT, ROUTER_LOGITS) if k else (FFN_INPUT,),
+    runner = LlamaRunner(path, n_ctx=window, n_threads=threads, watch=(ffn_input, ROUTER_LOGITS) if k else (ffn_input,),
                          repack=False,
                          sink=lambda layer, name, x: current[-1](layer, name, x))
     if train_tokens is None:

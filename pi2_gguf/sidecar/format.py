@@ -88,6 +88,7 @@ class Key:
     MOE_EXPERT_COUNT = "pi2.moe.expert_count"
     MOE_ROUTED_SHARE = "pi2.moe.routed_share"
     MOE_REUSE = "pi2.moe.reuse"
+    MOE_LAYER_EXPERTS = "pi2.moe.layer_experts"
 
 
 KEYS: dict[str, KT] = {
@@ -141,7 +142,28 @@ OPTIONAL_KEYS: dict[str, KT] = {
     Key.MOE_EXPERT_COUNT: KT.U32,
     Key.MOE_ROUTED_SHARE: KT.F32_ARR,
     Key.MOE_REUSE: KT.F32_ARR,
+    Key.MOE_LAYER_EXPERTS: KT.U32_ARR,
 }
+
+
+def moe_layer_first(layer_experts: list[int] | None, n_expert: int, n_layer: int) -> list[int]:
+    """An MoE sidecar's first sidecar layer of each model layer, and n_layer after the last (FORMAT.md, "MoE
+    sidecars"): layer_experts is pi2.moe.layer_experts (None: every model layer has n_expert routed experts).
+    ValueError naming the problem where the key does not describe n_layer sidecar layers."""
+    if n_expert <= 0 or (layer_experts is None and n_layer % n_expert):
+        raise ValueError(f"{Key.MOE_EXPERT_COUNT} {n_expert} does not divide the {n_layer} layers")
+    counts = [n_expert] * (n_layer // n_expert) if layer_experts is None else list(layer_experts)
+    if any(c not in (0, n_expert) for c in counts) or n_expert not in counts:
+        raise ValueError(f"{Key.MOE_LAYER_EXPERTS} holds values other than 0 (a dense FFN layer) and "
+                         f"{Key.MOE_EXPERT_COUNT} {n_expert}, or no MoE layer")
+    first = [0]
+    for c in counts:
+        first.append(first[-1] + max(c, 1))
+    if first[-1] != n_layer:
+        raise ValueError(f"{Key.MOE_LAYER_EXPERTS} describes {first[-1]} sidecar layers, not {n_layer}")
+    return first
+
+
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)
 MAX_OUTPUT_ROWS = 4096
 # pi2.budget.output_copy's values: PI2_OUTPUT_COPY's (ggml-backend/src/config.c)

@@ -11,29 +11,48 @@ from gguf import GGMLQuantizationType
 from ..errors import MissingExtraError, OutputWriteError
 from ..paths import check_output
 from ..runtime import native
-from .format import RELU_FAMILY, Key
+from .format import RELU_FAMILY, Key, moe_layer_first
 from .reader import Sidecar
 
 HOTNESS_BINS = 1024
 
 
 def _expert_hotness(kv: dict) -> list[str]:
-    """MoE: per layer, each expert's share of the layer's tokens on the training text (the router's choices)."""
+    """MoE: per routed-expert layer, each expert's share of the layer's tokens on the training text (the router's
+    choices)."""
     share = kv.get(Key.MOE_ROUTED_SHARE)
     n = kv.get(Key.MOE_EXPERT_COUNT)
     if share is None or not n:
         return []
     reuse = kv.get(Key.MOE_REUSE)
+    first = moe_layer_first(kv.get(Key.MOE_LAYER_EXPERTS), n, len(share))
     rows = [f"experts        share of each layer's tokens routed to each expert (training text), experts 0-{n - 1}"
             + ("; reuse: of a token's routed experts, the share the next token routes to again" if reuse else "") + ":"]
-    for il in range(len(share) // n):
-        part = share[il * n:(il + 1) * n]
+    for il in range(len(first) - 1):
+        a, b = first[il], first[il + 1]
+        if b - a != n:
+            rows.append(f"  layer {il:3d}   dense FFN (sidecar layer {a})")
+            continue
+        part = share[a:b]
         again = ""
         if reuse:
             w = np.asarray(part, dtype=np.float64)
-            again = f", reuse {float(np.dot(w, reuse[il * n:(il + 1) * n]) / max(w.sum(), 1e-12)):.2f}"
+            again = f", reuse {float(np.dot(w, reuse[a:b]) / max(w.sum(), 1e-12)):.2f}"
         rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part) + f"   (hottest {int(np.argmax(part))}{again})")
     return rows
+
+
+def _moe_line(kv: dict, n_layer: int) -> str:
+    """How an MoE sidecar's layers map to the model's (FORMAT.md, "MoE sidecars")."""
+    n = kv.get(Key.MOE_EXPERT_COUNT)
+    if not n:
+        return ""
+    counts = kv.get(Key.MOE_LAYER_EXPERTS)
+    if counts is None:
+        return f"; MoE: {n_layer // n} layers of {n} routed experts, sidecar layer = layer * {n} + expert"
+    dense = [il for il, c in enumerate(counts) if c == 0]
+    return (f"; MoE: {len(counts) - len(dense)} layers of {n} routed experts and {len(dense)} dense FFN layers "
+            f"({', '.join(map(str, dense))}), each expert and each dense layer one sidecar layer, in model order")
 
 
 def summary(sc: Sidecar) -> str:
@@ -45,8 +64,7 @@ def summary(sc: Sidecar) -> str:
         f"model          {kv[Key.SOURCE_NAME] or '(unnamed)'} ({kv[Key.SOURCE_ARCHITECTURE]}, "
         f"{kv[Key.SOURCE_FILE_SIZE] / 1e6:.1f} MB), fingerprint {kv[Key.SOURCE_FINGERPRINT]:016x}",
         f"FFN            {sc.n_layer} layers, n_embd {kv[Key.N_EMBD]}, activation {kv[Key.ACTIVATION]}"
-        + (f"; MoE: {sc.n_layer // kv[Key.MOE_EXPERT_COUNT]} layers of {kv[Key.MOE_EXPERT_COUNT]} routed experts, "
-           f"sidecar layer = layer * {kv[Key.MOE_EXPERT_COUNT]} + expert" if Key.MOE_EXPERT_COUNT in kv else ""),
+        + _moe_line(kv, sc.n_layer),
         *_expert_hotness(kv),
         f"sparsity       {kv[Key.SPARSITY_METHOD]}"
         + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")

@@ -105,9 +105,14 @@ def read(path: str | Path) -> Sidecar:
             raise SidecarError(f"sidecar {p}: key {Key.MOE_EXPERT_COUNT} has type {[t.name for t in f.types]}, "
                                "expected u32")
         n_layer = len(kv[Key.N_FF])
-        if n_expert == 0 or n_layer % n_expert:
-            raise SidecarError(f"sidecar {p}: key {Key.MOE_EXPERT_COUNT} is {n_expert}, which does not divide its "
-                               f"{n_layer} layers")
+        g = reader.get_field(Key.MOE_LAYER_EXPERTS)
+        if g is not None and Key.MOE_LAYER_EXPERTS not in kv:
+            raise SidecarError(f"sidecar {p}: key {Key.MOE_LAYER_EXPERTS} has type {[t.name for t in g.types]}, "
+                               "expected u32[]")
+        try:
+            fmt.moe_layer_first(kv.get(Key.MOE_LAYER_EXPERTS), n_expert, n_layer)
+        except ValueError as e:
+            raise SidecarError(f"sidecar {p}: {e}") from e
         for key in (Key.MOE_ROUTED_SHARE, Key.MOE_REUSE):
             values = kv.get(key)
             if values is not None and len(values) != n_layer:

@@ -85,6 +85,8 @@ class SidecarMeta:
     n_expert: int = 0  # pi2.moe.expert_count: an MoE model's experts a layer (its layers are (layer, expert)); 0: dense
     routed_share: list[float] | None = None  # pi2.moe.routed_share: per (layer, expert), its share of the layer's tokens
     reuse: list[float] | None = None  # pi2.moe.reuse: per (layer, expert), of its tokens the share whose next is too
+    # pi2.moe.layer_experts: per model layer 0 (a dense FFN, one layer here) or n_expert; None: every layer routed
+    layer_experts: list[int] | None = None
 
 
 def _f32(v: Any) -> float:
@@ -149,9 +151,10 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         if m.quality.choice:
             kv[Key.QUALITY_CHOICE] = m.quality.choice
     if m.n_expert:
-        if len(m.layers) % m.n_expert:
-            raise ValueError(f"{len(m.layers)} layers are not whole MoE layers of {m.n_expert} experts")
+        fmt.moe_layer_first(m.layer_experts, m.n_expert, len(m.layers))  # ValueError unless it describes the layers
         kv[Key.MOE_EXPERT_COUNT] = m.n_expert
+        if m.layer_experts is not None:
+            kv[Key.MOE_LAYER_EXPERTS] = m.layer_experts
         if m.routed_share is not None:
             if len(m.routed_share) != len(m.layers):
                 raise ValueError(f"{len(m.routed_share)} routed shares for {len(m.layers)} layers")

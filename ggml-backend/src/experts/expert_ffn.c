@@ -374,11 +374,11 @@ static bool pi2_expert_ahead_init(struct pi2_expert_ahead * A, struct pi2_backen
     // the next MoE layer's experts are guessed where the model's routers were read and that layer is the sidecar's
     const uint32_t n_expert = (uint32_t) o->n_expert;
     const bool guess = b->guess.routers != NULL && (uint32_t) r->layer + 1 < b->guess.routers->n_layer &&
-                       (uint64_t) (r->layer + 2) * n_expert <= b->sc->n_layer && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0;
+                       pi2_sidecar_expert_layer(b->sc, r->layer + 1, 0) >= 0 && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0;
     size_t scratch = 0;
     uint32_t n_ff = 0;
-    for (int64_t e = 0; e < (guess ? 2 : 1) * o->n_expert; ++e) {
-        const int v = r->layer * (int) o->n_expert + (int) e;
+    for (int64_t k = 0; k < (guess ? 2 : 1) * o->n_expert; ++k) { // this layer's experts, and the next one's guessed
+        const int v = pi2_sidecar_expert_layer(b->sc, r->layer + (int) (k / o->n_expert), k % o->n_expert);
         const struct pi2_sidecar_layer * L = &b->sc->layer[v];
         n_ff = L->n_ff > n_ff ? L->n_ff : n_ff;
         if (b->layer[v].pred.w1 != NULL) {
@@ -459,7 +459,7 @@ static void pi2_expert_guess(struct pi2_expert_ahead * A, int64_t i) {
     A->guessed = true;
     uint64_t n_read = 0;
     for (int32_t k = 0; k < A->n_order && max_pin > 0; ++k) {
-        const int v = (int) (next * n_expert) + A->order[k];
+        const int v = pi2_sidecar_expert_layer(b->sc, (int) next, A->order[k]);
         pi2_expert_want(A, v, (const float *) ((const char *) o->x->data + A->order_tok[k] * o->x->nb[2]));
         const uint32_t n = pi2_pipeline_read_ahead(b, v, A->want, (uint32_t) (A->n_pairs - i), max_pin, false);
         A->pinned[A->n_pairs - 1] += n;
@@ -487,7 +487,7 @@ static void pi2_expert_ahead_before(struct pi2_expert_ahead * A, const int64_t *
         }
         const uint32_t max_pin = q == i ? UINT32_MAX : (uint32_t) (A->room - later);
         const int64_t p0 = g0 != NULL ? g0[q] : q, p1 = g0 != NULL ? g0[q + 1] : q + 1;
-        const int v = A->r->layer * (int) o->n_expert + pi2_pair_expert(o, p0);
+        const int v = pi2_sidecar_expert_layer(A->b->sc, A->r->layer, pi2_pair_expert(o, p0));
         const uint8_t * want = A->want;
         pi2_expert_want(A, v, pi2_pair_x(o, p0));
         if (p1 - p0 > 1) {
@@ -516,7 +516,9 @@ struct pi2_pair_ffn {
     struct pi2_ffn_region region;
 };
 
-static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_id_operands * o, const struct pi2_expert_region * r, int64_t i) {
+// pair i of the region as one FFN: the expert's matrices, the token's columns, and the sidecar layer of sc it is
+static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_sidecar * sc, const struct pi2_id_operands * o,
+                         const struct pi2_expert_region * r, int64_t i) {
     const int64_t q = pi2_pair_at(o, i), s = q % o->n_used, t = q / o->n_used;
     const int32_t e = pi2_id_at(o, s, t);
     f->wg = pi2_expert_matrix(r->gate->src[0], e);
@@ -531,7 +533,7 @@ static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_id_operands *
     f->up.src[0]   = &f->wu;  f->up.src[1]   = &f->x;
     f->glu.src[0]  = &f->gate; f->glu.src[1] = &f->up;
     f->down.src[0] = &f->wd;  f->down.src[1] = &f->glu;
-    f->region = (struct pi2_ffn_region) { .n_nodes = 4, .layer = r->layer * (int) o->n_expert + e, .gate = &f->gate,
+    f->region = (struct pi2_ffn_region) { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(sc, r->layer, e), .gate = &f->gate,
                                           .up = &f->up, .out = &f->glu, .down = &f->down, .act = r->act };
 }
 
@@ -594,7 +596,7 @@ static bool pi2_expert_pairs_parallel(struct pi2_backend_ctx * ctx, struct pi2_b
                 break;
             }
             struct pi2_pair_ffn f;
-            pi2_pair_ffn(&f, o, r, i);
+            pi2_pair_ffn(&f, b->sc, o, r, i);
             pi2_pair_ffn_scratch(&f, own);
             f.down.data = (float *) w + (size_t) i * (size_t) n_embd;
             const enum ggml_status s = pi2_exec_sparse_ffn_split(mine, b, &f.region, NULL, nth);
@@ -695,7 +697,7 @@ static enum ggml_status pi2_expert_pairs_in_turn(struct pi2_backend_ctx * ctx, s
             pi2_expert_ahead_before(&ahead, NULL, n_pairs, i, NULL);
         }
         struct pi2_pair_ffn f;
-        pi2_pair_ffn(&f, o, r, i);
+        pi2_pair_ffn(&f, b->sc, o, r, i);
         if (rows != NULL) {
             pi2_pair_ffn_scratch(&f, rows);
         }
@@ -760,7 +762,7 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
         up.src[0]   = &wu;   up.src[1]   = &x;
         glu.src[0]  = &gate; glu.src[1]  = &up;
         down.src[0] = &wd;   down.src[1] = &glu;
-        const struct pi2_ffn_region region = { .n_nodes = 4, .layer = r->layer * (int) o->n_expert + e, .gate = &gate, .up = &up,
+        const struct pi2_ffn_region region = { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(b->sc, r->layer, e), .gate = &gate, .up = &up,
                                                .out = &glu, .down = &down, .act = r->act, .batch = true };
         struct pi2_cache_token_stats io = { 0 };
         st = pi2_exec_sparse_ffn(ctx, b, &region, &io);
@@ -796,10 +798,10 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
     if (r->down == NULL || b->sc->n_expert == 0 || route == PI2_ROUTE_DENSE) {
         return 0;
     }
-    if ((int64_t) b->sc->n_expert != o.n_expert || (uint32_t) ((r->layer + 1) * o.n_expert) > b->sc->n_layer) {
-        snprintf(b->error, sizeof(b->error), "sidecar %s describes %u layers of %u experts, but the model's layer %d has %lld "
-                 "experts: the sidecar was made for another model", b->sc->path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert,
-                 r->layer, (long long) o.n_expert);
+    if ((int64_t) b->sc->n_expert != o.n_expert || pi2_sidecar_expert_layer(b->sc, r->layer, 0) < 0) {
+        snprintf(b->error, sizeof(b->error), "sidecar %s describes no routed experts of the model's layer %d (%lld experts; the "
+                 "sidecar's layers have %u): the sidecar was made for another model", b->sc->path, r->layer,
+                 (long long) o.n_expert, b->sc->n_expert);
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
         return 4;
@@ -817,7 +819,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
     const int64_t n_pairs = o.n_used * o.n_tokens;
     for (int64_t i = 0; i < n_pairs; ++i) { // every pair's expert verified before any computes
         struct pi2_pair_ffn f;
-        pi2_pair_ffn(&f, &o, r, i);
+        pi2_pair_ffn(&f, b->sc, &o, r, i);
         if (!pi2_binding_verify_layer(b, f.region.layer, &f.wg, &f.wu, &f.wd)) {
             PI2_LOG_REFUSAL("pi2: %s\n", b->error);
             *st = GGML_STATUS_FAILED;

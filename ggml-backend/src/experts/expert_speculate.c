@@ -24,7 +24,7 @@ static const struct ggml_tensor * pi2_router_tensor(const struct pi2_gguf_file *
     *id = gguf_find_tensor(f->gguf, name);
     const struct ggml_tensor * t = *id >= 0 ? ggml_get_tensor(f->meta, name) : NULL;
     if (t == NULL || ggml_n_dims(t) != 2 || t->ne[0] != n_embd || t->ne[1] != (int64_t) n_expert ||
-        (il > 0 && t->type != *type)) {
+        (*type != GGML_TYPE_COUNT && t->type != *type)) {
         return NULL;
     }
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(t->type);
@@ -36,8 +36,8 @@ static const struct ggml_tensor * pi2_router_tensor(const struct pi2_gguf_file *
     return t;
 }
 
-int pi2_routers_open(const char * model_path, uint32_t n_layer, uint32_t n_expert, int64_t n_embd, struct pi2_routers ** out,
-                     char * err, size_t errlen) {
+int pi2_routers_open(const char * model_path, uint32_t n_layer, const uint8_t * routed, uint32_t n_expert, int64_t n_embd,
+                     struct pi2_routers ** out, char * err, size_t errlen) {
     *out = NULL;
     if (n_layer == 0 || n_expert == 0) {
         return 0;
@@ -47,10 +47,10 @@ int pi2_routers_open(const char * model_path, uint32_t n_layer, uint32_t n_exper
         pi2_gguf_file_close(&f);
         return -1;
     }
-    enum ggml_type type = GGML_TYPE_F32;
+    enum ggml_type type = GGML_TYPE_COUNT; // the first router's
     int64_t id = -1;
     for (uint32_t il = 0; il < n_layer; ++il) {
-        if (pi2_router_tensor(&f, il, n_expert, n_embd, &type, &id) == NULL) {
+        if (routed[il] && pi2_router_tensor(&f, il, n_expert, n_embd, &type, &id) == NULL) {
             pi2_gguf_file_close(&f);
             return 0;
         }
@@ -72,6 +72,10 @@ int pi2_routers_open(const char * model_path, uint32_t n_layer, uint32_t n_exper
     };
     const uint64_t data = gguf_get_data_offset(f.gguf);
     for (uint32_t il = 0; il < n_layer; ++il) {
+        if (!routed[il]) { // a dense FFN layer: no router, nothing guessed for it
+            memset(r->w + (size_t) il * per_layer, 0, per_layer);
+            continue;
+        }
         pi2_router_tensor(&f, il, n_expert, n_embd, &type, &id);
         // pi2_gguf_file_open checked that every tensor lies within the file
         uint64_t off = data + gguf_get_tensor_offset(f.gguf, id);
@@ -139,12 +143,12 @@ void pi2_expert_guess_free(struct pi2_expert_guess * g) {
     g->set     = NULL;
 }
 
-int pi2_expert_guess_open(struct pi2_expert_guess * g, const char * model_path, uint32_t n_layer, uint32_t n_expert,
-                          int64_t n_embd, char * err, size_t errlen) {
+int pi2_expert_guess_open(struct pi2_expert_guess * g, const char * model_path, uint32_t n_layer, const uint8_t * routed,
+                          uint32_t n_expert, int64_t n_embd, char * err, size_t errlen) {
     if (g->tried) {
         return 0;
     }
-    if (pi2_routers_open(model_path, n_layer, n_expert, n_embd, &g->routers, err, errlen) < 0) {
+    if (pi2_routers_open(model_path, n_layer, routed, n_expert, n_embd, &g->routers, err, errlen) < 0) {
         return -1;
     }
     g->layer = -1;

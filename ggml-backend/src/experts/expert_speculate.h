@@ -28,11 +28,11 @@ struct pi2_routers {
     uint8_t *         w;                 // [n_layer][n_expert] rows, blk.N.ffn_gate_inp.weight
 };
 
-// Reads every layer's blk.N.ffn_gate_inp.weight ([n_embd, n_expert]) from the model file. 1 with *out set;
-// 0 when the model has no such router of that shape for every layer (nothing to guess with); -1 with err set
-// when the file cannot be read.
-int  pi2_routers_open(const char * model_path, uint32_t n_layer, uint32_t n_expert, int64_t n_embd, struct pi2_routers ** out,
-                      char * err, size_t errlen);
+// Reads blk.N.ffn_gate_inp.weight ([n_embd, n_expert]) of every layer N < n_layer where routed[N] (the others are
+// dense FFN layers: no router) from the model file. 1 with *out set; 0 when some routed layer has no such router of
+// the first's type and shape (nothing to guess with); -1 with err set when the file cannot be read.
+int  pi2_routers_open(const char * model_path, uint32_t n_layer, const uint8_t * routed, uint32_t n_expert, int64_t n_embd,
+                      struct pi2_routers ** out, char * err, size_t errlen);
 void pi2_routers_free(struct pi2_routers * r);
 
 // bytes of scratch pi2_routers_top needs
@@ -52,10 +52,10 @@ struct pi2_expert_guess {
 
 void pi2_expert_guess_init(struct pi2_expert_guess * g);
 void pi2_expert_guess_free(struct pi2_expert_guess * g);
-// Reads the routers of the model's n_layer MoE layers once (before the resident memory is measured, which then
+// Reads the routers of the model's n_layer layers where routed[layer] once (before the resident memory is measured, which then
 // counts them). Guessing is an optimization: a model without routers, or too little memory, goes without. 0, or
 // -1 with err set when the model file cannot be read.
-int  pi2_expert_guess_open(struct pi2_expert_guess * g, const char * model_path, uint32_t n_layer, uint32_t n_expert,
-                           int64_t n_embd, char * err, size_t errlen);
+int  pi2_expert_guess_open(struct pi2_expert_guess * g, const char * model_path, uint32_t n_layer, const uint8_t * routed,
+                           uint32_t n_expert, int64_t n_embd, char * err, size_t errlen);
 // The layer guessed for was routed to `right` of the guessed experts (expert_speculate.c says what follows).
 void pi2_expert_guess_scored(struct pi2_expert_guess * g, uint32_t n_expert, uint64_t right);

@@ -50,7 +50,7 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
         return;
     }
     if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse(tensor->name, &layer, &m)) {
-        // routed experts: each expert's slice is the sidecar layer layer * n_expert + expert (FORMAT.md, "MoE sidecars")
+        // routed experts: each expert's slice is one sidecar layer (FORMAT.md, "MoE sidecars")
         const int64_t n_expert = tensor->ne[2];
         const size_t  slice    = tensor->nb[2];
         for (int64_t e = 0; e < n_expert; ++e) {
@@ -58,8 +58,9 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
             one.ne[2] = 1;
             one.nb[3] = one.nb[2];
             const bool whole = offset == 0 && size == ggml_nbytes(tensor);
-            pi2_binding_check_upload(bc->binding, layer * (int) n_expert + (int) e, m, &one, (const char *) data + (size_t) e * slice,
-                                     whole ? slice : 0);
+            const struct pi2_sidecar * sc = bc->binding->sc;
+            const int sl = n_expert == (int64_t) sc->n_expert ? pi2_sidecar_expert_layer(sc, layer, e) : -1;
+            pi2_binding_check_upload(bc->binding, sl, m, &one, (const char *) data + (size_t) e * slice, whole ? slice : 0);
         }
         return;
     }
@@ -67,5 +68,5 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
         PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
         return;
     }
-    pi2_binding_check_upload(bc->binding, layer, m, tensor, data, offset == 0 ? size : 0);
+    pi2_binding_check_upload(bc->binding, pi2_sidecar_dense_layer(bc->binding->sc, layer), m, tensor, data, offset == 0 ? size : 0);
 }

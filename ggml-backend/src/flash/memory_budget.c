@@ -221,7 +221,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     // the routers for guessing the next layer's experts, read before the resident memory counts them
     if (b->sc->n_expert > 0 && b->model_path != NULL && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 &&
         pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 &&
-        pi2_expert_guess_open(&b->guess, b->model_path, b->sc->n_layer / b->sc->n_expert, b->sc->n_expert, b->sc->n_embd,
+        pi2_expert_guess_open(&b->guess, b->model_path, b->sc->n_model_layer, b->sc->routed, b->sc->n_expert, b->sc->n_embd,
                               err, errlen) < 0) {
         pthread_mutex_unlock(&b->cache_lock);
         return -1;

@@ -29,9 +29,10 @@ static bool pi2_probe_holds(struct pi2_device_ctx * d, int layer) {
         return true;
     }
     struct pi2_binding * b = d->pending;
-    const bool holds = pi2_placement_holds(b, d->pending_act, &d->config.defaults, layer);
-    if (!holds && b != NULL && layer >= 0 && (uint32_t) layer < b->sc->n_layer) {
-        atomic_store(&b->layer[layer].left, true);
+    const int sl = b != NULL ? pi2_sidecar_dense_layer(b->sc, layer) : -1; // the layer as the sidecar numbers it
+    const bool holds = pi2_placement_holds(b, d->pending_act, &d->config.defaults, sl);
+    if (!holds && sl >= 0) {
+        atomic_store(&b->layer[sl].left, true);
     }
     pthread_mutex_unlock(&d->lock);
     return holds;
@@ -95,9 +96,9 @@ static bool pi2_supports_expert_mul_mat_id(ggml_backend_dev_t dev, const struct 
         struct pi2_binding * b = d->pending;
         const bool holds = d->config.error[0] != '\0' ||
                            pi2_placement_holds_experts(b, d->pending_act, &d->config.defaults, layer);
-        if (!holds && b != NULL && b->sc->n_expert > 0 && (uint64_t) (layer + 1) * b->sc->n_expert <= b->sc->n_layer) {
+        if (!holds && b != NULL && pi2_sidecar_expert_layer(b->sc, layer, 0) >= 0) {
             for (uint32_t e = 0; e < b->sc->n_expert; ++e) { // the layer's experts, as the sidecar numbers them
-                atomic_store(&b->layer[(uint32_t) layer * b->sc->n_expert + e].left, true);
+                atomic_store(&b->layer[pi2_sidecar_expert_layer(b->sc, layer, e)].left, true);
             }
         }
         pthread_mutex_unlock(&d->lock);
@@ -290,13 +291,14 @@ void pi2_claim_check_graph(struct ggml_cgraph * cgraph) {
         }
         struct pi2_ffn_region r;
         const struct pi2_stated_act sa = pi2_weight_act(node->src[0]);
+        const int sl = pi2_sidecar_dense_layer(b->sc, layer);
         if (pi2_ffn_region_find(cgraph, i, &sa, &r, &why)) {
             if (r.down == NULL) {
-                pi2_binding_unfit_layer(b, layer, "its down product does not take act(gate) * up directly");
+                pi2_binding_unfit_layer(b, sl, "its down product does not take act(gate) * up directly");
             }
             i += r.n_nodes - 1;
         } else if (m != PI2_MATRIX_DOWN) { // a down product alone follows a region reported above
-            pi2_binding_unfit_layer(b, layer, why);
+            pi2_binding_unfit_layer(b, sl, why);
         }
     }
 }

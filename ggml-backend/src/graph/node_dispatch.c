@@ -25,14 +25,16 @@ static int pi2_compute_ffn_region(struct pi2_backend_ctx * ctx, struct ggml_cgra
     struct pi2_binding * b = pi2_weight_binding(w);
     struct pi2_ffn_region r;
     const char * why = NULL;
+    const int sl = b != NULL ? pi2_sidecar_dense_layer(b->sc, layer) : -1; // the layer as the sidecar numbers it
     if (pi2_ffn_region_find(cgraph, i, &sa, &r, &why)) {
         if (b != NULL) {
+            r.layer = sl;
             return pi2_sparse_ffn_compute(ctx, b, &r, st);
         }
         *st = pi2_exec_gate_up_act(ctx, &r);
         return r.n_nodes - (r.down != NULL); // down runs next, alone
     }
-    if (b != NULL && m != PI2_MATRIX_DOWN && pi2_binding_unfit_layer(b, layer, why)) {
+    if (b != NULL && m != PI2_MATRIX_DOWN && pi2_binding_unfit_layer(b, sl, why)) {
         *st = GGML_STATUS_FAILED;
         return 1;
     }

@@ -95,13 +95,13 @@ bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated
         return forced == 1;
     }
     const uint32_t n = b->sc->n_expert;
-    if (layer < 0 || (uint64_t) (layer + 1) * n > b->sc->n_layer) {
+    if (pi2_sidecar_expert_layer(b->sc, layer, 0) < 0) {
         return true; // not the sidecar's layer: held, so the region's check refuses the sidecar by name
     }
     // the expected cost of a routed expert: the mean over the layer's experts (FORMAT.md, "MoE sidecars")
     double sum = 0.0;
     for (uint32_t e = 0; e < n; ++e) {
-        sum += pi2_layer_cost(b, defaults, (uint32_t) layer * n + e);
+        sum += pi2_layer_cost(b, defaults, (uint32_t) pi2_sidecar_expert_layer(b->sc, layer, e));
     }
     return sum / n < 1.0;
 }

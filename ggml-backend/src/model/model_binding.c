@@ -189,8 +189,8 @@ void pi2_binding_unref(struct pi2_binding * b) {
 bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct ggml_tensor * w_gate,
                               const struct ggml_tensor * w_up, const struct ggml_tensor * w_down) {
     if (layer < 0 || (uint32_t) layer >= b->sc->n_layer) {
-        snprintf(b->error, sizeof(b->error), "sidecar %s has %u layers, but the model has a layer %d: "
-                 "the sidecar was made for another model", b->sc->path, b->sc->n_layer, layer);
+        snprintf(b->error, sizeof(b->error), "sidecar %s describes no FFN of %s (its layers: %u): "
+                 "the sidecar was made for another model", b->sc->path, w_gate->name, b->sc->n_layer);
         return false;
     }
     struct pi2_binding_layer * B = &b->layer[layer];
@@ -230,8 +230,8 @@ bool pi2_binding_verify_layer(struct pi2_binding * b, int layer, const struct gg
 void pi2_binding_check_upload(struct pi2_binding * b, int layer, int matrix, const struct ggml_tensor * w, const void * data,
                               size_t nbytes) {
     if (layer < 0 || (uint32_t) layer >= b->sc->n_layer) {
-        snprintf(b->error, sizeof(b->error), "sidecar %s has %u layers, but the model has a layer %d: "
-                 "the sidecar was made for another model", b->sc->path, b->sc->n_layer, layer);
+        snprintf(b->error, sizeof(b->error), "sidecar %s describes no FFN of %s (its layers: %u): "
+                 "the sidecar was made for another model", b->sc->path, w->name, b->sc->n_layer);
         return; // verify_layer refuses the layer at the first compute
     }
     atomic_store(&b->uploading, true);

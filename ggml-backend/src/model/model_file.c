@@ -55,52 +55,48 @@ static int pi2_file_tensor_fingerprint(const struct pi2_gguf_file * f, const cha
     return 0;
 }
 
-// An MoE model's routed experts: one FFN per (layer, expert), numbered layer * n_expert + expert as the sidecar
-// numbers them (FORMAT.md, "MoE sidecars"), each fingerprinted over its expert's slice of the stacked tensors
-static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * path, uint64_t * fps, uint32_t * n_out,
-                                 uint64_t * ffn_bytes, char * err, size_t errlen) {
+// Model layer il's routed experts: one FFN per expert, numbered from *n on in the order the sidecar numbers its
+// layers (FORMAT.md, "MoE sidecars"), each fingerprinted over its expert's slice of the stacked tensors. 0 with
+// *n advanced; 1 when the layer has no routed experts; -1 with err.
+static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * path, uint32_t il, uint64_t * fps, uint32_t * n,
+                                 int64_t * n_expert, uint64_t * ffn_bytes, char * err, size_t errlen) {
     const uint64_t data = gguf_get_data_offset(f->gguf);
     static const char * const suffix[PI2_N_MATRIX] = { "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight" };
-    uint32_t n = 0;
-    int64_t n_expert = -1;
-    for (uint32_t il = 0;; ++il) {
-        char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
-        const struct ggml_tensor * t[PI2_N_MATRIX];
+    char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
+    const struct ggml_tensor * t[PI2_N_MATRIX];
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        snprintf(name[m], sizeof(name[m]), "blk.%" PRIu32 ".%s", il, suffix[m]);
+    }
+    if (gguf_find_tensor(f->gguf, name[0]) < 0) {
+        return 1;
+    }
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        t[m] = ggml_get_tensor(f->meta, name[m]);
+        if (t[m] == NULL) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", name[0], name[m]);
+        }
+        if (ggml_n_dims(t[m]) != 3 || (*n_expert >= 0 && t[m]->ne[2] != *n_expert)) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not [*, *, n_expert] like the other expert tensors", name[m]);
+        }
+        *n_expert = t[m]->ne[2];
+    }
+    if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " expert shapes disagree", il);
+    }
+    if ((uint64_t) *n + (uint64_t) *n_expert > PI2_MAX_LAYERS) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d (layer, expert) FFNs", PI2_MAX_LAYERS);
+    }
+    for (int64_t e = 0; e < *n_expert; ++e, ++*n) {
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            snprintf(name[m], sizeof(name[m]), "blk.%" PRIu32 ".%s", il, suffix[m]);
-        }
-        if (gguf_find_tensor(f->gguf, name[0]) < 0) {
-            break;
-        }
-        for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            t[m] = ggml_get_tensor(f->meta, name[m]);
-            if (t[m] == NULL) {
-                return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", name[0], name[m]);
+            const int64_t id    = gguf_find_tensor(f->gguf, name[m]);
+            const size_t  slice = gguf_get_tensor_size(f->gguf, id) / (size_t) *n_expert;
+            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id) + (uint64_t) e * slice, slice,
+                                            &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
+                return -1;
             }
-            if (ggml_n_dims(t[m]) != 3 || (n_expert >= 0 && t[m]->ne[2] != n_expert)) {
-                return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not [*, *, n_expert] like the other expert tensors", name[m]);
-            }
-            n_expert = t[m]->ne[2];
-        }
-        if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " expert shapes disagree", il);
-        }
-        if ((uint64_t) n + (uint64_t) n_expert > PI2_MAX_LAYERS) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d (layer, expert) FFNs", PI2_MAX_LAYERS);
-        }
-        for (int64_t e = 0; e < n_expert; ++e, ++n) {
-            for (int m = 0; m < PI2_N_MATRIX; ++m) {
-                const int64_t id    = gguf_find_tensor(f->gguf, name[m]);
-                const size_t  slice = gguf_get_tensor_size(f->gguf, id) / (size_t) n_expert;
-                if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id) + (uint64_t) e * slice, slice,
-                                                &fps[PI2_N_MATRIX * n + m], err, errlen) != 0) {
-                    return -1;
-                }
-                *ffn_bytes += slice;
-            }
+            *ffn_bytes += slice;
         }
     }
-    *n_out = n;
     return 0;
 }
 
@@ -121,12 +117,17 @@ static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, stru
 
 static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t data, uint64_t * fps,
                                 struct pi2_model_summary * out, char * err, size_t errlen) {
-    uint32_t il = 0;
-    const bool moe = gguf_find_tensor(f->gguf, "blk.0.ffn_gate_exps.weight") >= 0;
-    if (moe && pi2_summarize_experts(f, path, fps, &il, &out->ffn_bytes, err, errlen) != 0) {
-        return -1;
-    }
-    for (; !moe; ++il) { // dense layers
+    // FFN layers in model order: routed experts (one FFN each) or a dense FFN, as the sidecar numbers them
+    uint32_t n = 0; // FFNs so far
+    int64_t n_expert = -1;
+    for (uint32_t il = 0;; ++il) {
+        const int rc = pi2_summarize_experts(f, path, il, fps, &n, &n_expert, &out->ffn_bytes, err, errlen);
+        if (rc < 0) {
+            return -1;
+        }
+        if (rc == 0) {
+            continue;
+        }
         char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
             pi2_ffn_weight_name((int) il, (enum pi2_matrix) m, name[m], sizeof(name[m]));
@@ -134,7 +135,7 @@ static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * pat
         if (gguf_find_tensor(f->gguf, name[0]) < 0) {
             break;
         }
-        if (il == PI2_MAX_LAYERS) {
+        if (n == PI2_MAX_LAYERS) {
             return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
         }
         const struct ggml_tensor * t[PI2_N_MATRIX];
@@ -150,16 +151,17 @@ static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * pat
         }
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
             const int64_t id = gguf_find_tensor(f->gguf, name[m]);
-            const size_t  n  = gguf_get_tensor_size(f->gguf, id);
-            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), n, &fps[PI2_N_MATRIX * il + m],
-                                            err, errlen) != 0) {
+            const size_t  bytes = gguf_get_tensor_size(f->gguf, id);
+            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), bytes,
+                                            &fps[PI2_N_MATRIX * n + m], err, errlen) != 0) {
                 return -1;
             }
-            out->ffn_bytes += n;
+            out->ffn_bytes += bytes;
         }
+        ++n;
     }
-    out->n_layer     = il;
-    out->fingerprint = il > 0 ? pi2_fingerprint_model(fps, PI2_N_MATRIX * (size_t) il) : 0;
+    out->n_layer     = n;
+    out->fingerprint = n > 0 ? pi2_fingerprint_model(fps, PI2_N_MATRIX * (size_t) n) : 0;
     const int64_t embd = gguf_find_tensor(f->gguf, "token_embd.weight");
     const int64_t output = gguf_find_tensor(f->gguf, PI2_OUTPUT_NAME);
     if (embd >= 0 && output >= 0) {

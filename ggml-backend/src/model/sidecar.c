@@ -333,6 +333,51 @@ static int pi2_recorded_setting(struct pi2_reader * rd, const char * key, enum g
     return 0;
 }
 
+// Which sidecar layers each model layer's FFN is (FORMAT.md, "MoE sidecars"): first[il] .. first[il + 1] - 1.
+// A dense sidecar: layer il is model layer il. An MoE one: pi2.moe.layer_experts says per model layer 0 (a dense
+// FFN, one sidecar layer) or pi2.moe.expert_count (one per expert); absent, every model layer routes.
+static int pi2_read_layer_map(struct pi2_reader * rd, struct pi2_sidecar * sc) {
+    const int64_t id = pi2_find(rd, PI2_KEY_MOE_LAYER_EXPERTS);
+    if (id >= 0 && sc->n_expert == 0) {
+        return pi2_fail(rd, "has key %s but no %s", PI2_KEY_MOE_LAYER_EXPERTS, PI2_KEY_MOE_EXPERT_COUNT);
+    }
+    if (id >= 0 && (gguf_get_kv_type(rd->file.gguf, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(rd->file.gguf, id) != GGUF_TYPE_UINT32)) {
+        return pi2_fail(rd, "key %s is not a u32 array", PI2_KEY_MOE_LAYER_EXPERTS);
+    }
+    const uint32_t n_model = id >= 0 ? (uint32_t) gguf_get_arr_n(rd->file.gguf, id)
+                                     : sc->n_expert > 0 ? sc->n_layer / sc->n_expert : sc->n_layer;
+    if (n_model == 0 || n_model > sc->n_layer) {
+        return pi2_fail(rd, "key %s has %" PRIu32 " model layers for %" PRIu32 " sidecar layers", PI2_KEY_MOE_LAYER_EXPERTS, n_model,
+                        sc->n_layer);
+    }
+    sc->first  = malloc(sizeof(uint32_t) * ((size_t) n_model + 1));
+    sc->routed = malloc((size_t) n_model);
+    if (sc->first == NULL || sc->routed == NULL) {
+        return pi2_fail(rd, "out of memory");
+    }
+    sc->n_model_layer = n_model;
+    const uint32_t * counts = id >= 0 ? gguf_get_arr_data(rd->file.gguf, id) : NULL;
+    uint64_t at = 0;
+    bool routed = false;
+    for (uint32_t il = 0; il < n_model; ++il) {
+        const uint32_t c = counts != NULL ? counts[il] : sc->n_expert;
+        if (counts != NULL && c != 0 && c != sc->n_expert) {
+            return pi2_fail(rd, "key %s[%" PRIu32 "] is %" PRIu32 ", neither 0 (a dense FFN layer) nor %s %" PRIu32,
+                            PI2_KEY_MOE_LAYER_EXPERTS, il, c, PI2_KEY_MOE_EXPERT_COUNT, sc->n_expert);
+        }
+        routed = routed || c > 0;
+        sc->first[il]  = (uint32_t) at;
+        sc->routed[il] = c > 0;
+        at += c > 0 ? c : 1;
+    }
+    if (at != sc->n_layer || (sc->n_expert > 0 && !routed)) {
+        return pi2_fail(rd, "key %s describes %" PRIu64 " sidecar layers%s, not its %" PRIu32, PI2_KEY_MOE_LAYER_EXPERTS, at,
+                        routed ? "" : " and no routed layer", sc->n_layer);
+    }
+    sc->first[n_model] = (uint32_t) at;
+    return 0;
+}
+
 static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     static const char * const method_names[] = {
         [PI2_SPARSITY_METHOD_CATS] = PI2_SPARSITY_CATS, [PI2_SPARSITY_METHOD_RELU] = PI2_SPARSITY_RELU,
@@ -389,11 +434,14 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             return -1;
         }
         const uint32_t v = gguf_get_val_u32(rd->file.gguf, nexp);
-        if (v == 0 || sc->n_layer % v != 0) {
+        if (v == 0 || (pi2_find(rd, PI2_KEY_MOE_LAYER_EXPERTS) < 0 && sc->n_layer % v != 0)) {
             return pi2_fail(rd, "key %s is %" PRIu32 ", which does not divide its %" PRIu32 " layers", PI2_KEY_MOE_EXPERT_COUNT, v,
                             sc->n_layer);
         }
         sc->n_expert = v;
+    }
+    if (pi2_read_layer_map(rd, sc) != 0) {
+        return -1;
     }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));
@@ -620,6 +668,8 @@ void pi2_sidecar_free(struct pi2_sidecar * sc) {
         }
     }
     free(sc->layer);
+    free(sc->first);
+    free(sc->routed);
     free(sc->source_arch);
     free(sc->source_name);
     free(sc->path);

@@ -77,13 +77,29 @@ struct pi2_sidecar {
     char *   source_name;
     int32_t  output_rows; // pi2.budget.output_rows, -1 where the sidecar records none
     int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
-    uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert), layer * n_expert + expert; 0: dense
+    uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert) and dense FFN layers; 0: dense
+    // model layer il's FFN is sidecar layers first[il] .. first[il + 1] - 1: one for a dense FFN, n_expert for
+    // routed experts (pi2.moe.layer_experts; FORMAT.md, "MoE sidecars"); use the functions below
+    uint32_t   n_model_layer;
+    uint32_t * first;  // [n_model_layer + 1]
+    uint8_t *  routed; // [n_model_layer] 1: routed experts, 0: a dense FFN
 
     struct pi2_ffn_act       activation;
     enum pi2_sparsity_method sparsity_method;
 
     struct pi2_sidecar_layer * layer; // [n_layer]
 };
+
+// The sidecar layer of model layer il's dense FFN, or -1 where it has none (routed experts, or no such layer).
+static inline int pi2_sidecar_dense_layer(const struct pi2_sidecar * sc, int il) {
+    return il >= 0 && (uint32_t) il < sc->n_model_layer && !sc->routed[il] ? (int) sc->first[il] : -1;
+}
+
+// The sidecar layer of expert e of model layer il's routed experts, or -1 where the layer has none.
+static inline int pi2_sidecar_expert_layer(const struct pi2_sidecar * sc, int il, int64_t e) {
+    return il >= 0 && (uint32_t) il < sc->n_model_layer && sc->routed[il] && e >= 0 && e < (int64_t) sc->n_expert
+               ? (int) (sc->first[il] + (uint32_t) e) : -1;
+}
 
 // 0 and *out set on success; -1 with err filled ("sidecar PATH: problem") otherwise. err may be NULL.
 int  pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, size_t errlen);

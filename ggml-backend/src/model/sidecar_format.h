@@ -52,6 +52,7 @@
 #define PI2_KEY_BUDGET_OUTPUT_ROWS         "pi2.budget.output_rows"         // u32
 #define PI2_KEY_BUDGET_OUTPUT_COPY         "pi2.budget.output_copy"         // string
 #define PI2_KEY_MOE_EXPERT_COUNT           "pi2.moe.expert_count"           // u32
+#define PI2_KEY_MOE_LAYER_EXPERTS          "pi2.moe.layer_experts"          // u32[]
 
 // values of the string keys pi2.activation and pi2.sparsity.method
 #define PI2_ACTIVATION_SILU     "silu"
