@@ -335,6 +335,34 @@ def test_per_layer_array_of_wrong_length(tmp_path: Path, key: str, length: int, 
     assert expected in _refused(factory.write(sc, tmp_path / "len.pi2.gguf"))
 
 
+@pytest.mark.parametrize(("count", "layer_experts", "expected"), [
+    (1, [0, 1], None),  # dense layer 0, then one routed layer of one expert: the two sidecar layers
+    (2, None, None),    # without the map: every model layer routes, here one layer of two experts
+    (1, [0, 2], "pi2.moe.layer_experts[1] is 2, neither 0 (a dense FFN layer) nor pi2.moe.expert_count 1"),
+    (1, [0, 0], "describes 2 sidecar layers and no routed layer, not its 2"),
+    (1, [1, 1, 1], "describes 3 sidecar layers, not its 2"),
+    (None, [0, 1], "has key pi2.moe.layer_experts but no pi2.moe.expert_count"),
+    (3, None, "pi2.moe.expert_count is 3, which does not divide its 2 layers"),
+])
+def test_moe_layer_map(tmp_path: Path, count: int | None, layer_experts: list[int] | None, expected: str | None) -> None:
+    """pi2.moe.layer_experts (FORMAT.md, "MoE sidecars"): dense FFN layers among routed ones, or refused by name in
+    both readers."""
+    sc = factory.build()
+    if count is not None:
+        sc.set_raw(sf.Key.MOE_EXPERT_COUNT, count, GGUFValueType.UINT32)
+    if layer_experts is not None:
+        sc.set_raw(sf.Key.MOE_LAYER_EXPERTS, layer_experts, GGUFValueType.ARRAY, GGUFValueType.UINT32)
+    path = factory.write(sc, tmp_path / "moe.pi2.gguf")
+    if expected is None:
+        validate_sidecar_c(path)
+        read_sidecar(path)
+        return
+    assert expected in _refused(path)
+    with pytest.raises(SidecarError) as e:
+        read_sidecar(path)
+    assert expected in str(e.value)
+
+
 def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
     sc = factory.build(bundle_size=[4096, 4000])
     msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))

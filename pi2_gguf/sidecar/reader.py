@@ -117,6 +117,8 @@ def read(path: str | Path) -> Sidecar:
             values = kv.get(key)
             if values is not None and len(values) != n_layer:
                 raise SidecarError(f"sidecar {p}: key {key} has {len(values)} values for {n_layer} layers")
+    elif reader.get_field(Key.MOE_LAYER_EXPERTS) is not None:
+        raise SidecarError(f"sidecar {p}: has key {Key.MOE_LAYER_EXPERTS} but no {Key.MOE_EXPERT_COUNT}")
     f = reader.get_field(Key.BUDGET_OUTPUT_ROWS)
     if f is not None:
         rows = kv.get(Key.BUDGET_OUTPUT_ROWS)

@@ -346,12 +346,8 @@ static int pi2_read_layer_map(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     }
     const uint32_t n_model = id >= 0 ? (uint32_t) gguf_get_arr_n(rd->file.gguf, id)
                                      : sc->n_expert > 0 ? sc->n_layer / sc->n_expert : sc->n_layer;
-    if (n_model == 0 || n_model > sc->n_layer) {
-        return pi2_fail(rd, "key %s has %" PRIu32 " model layers for %" PRIu32 " sidecar layers", PI2_KEY_MOE_LAYER_EXPERTS, n_model,
-                        sc->n_layer);
-    }
     sc->first  = malloc(sizeof(uint32_t) * ((size_t) n_model + 1));
-    sc->routed = malloc((size_t) n_model);
+    sc->routed = malloc((size_t) n_model + 1); // + 1: an empty array is refused below, not as out of memory
     if (sc->first == NULL || sc->routed == NULL) {
         return pi2_fail(rd, "out of memory");
     }
