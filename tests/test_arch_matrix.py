@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 for _module in ("torch", "transformers", "sentencepiece", "safetensors"):  # the `import` extra
     pytest.importorskip(_module)
@@ -27,6 +28,8 @@ import pi2_gguf  # noqa: E402
 from pi2_gguf.converter.convert import convert  # noqa: E402
 from pi2_gguf.errors import MemoryBudgetError, ModelFileError  # noqa: E402
 from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
+from pi2_gguf.sidecar.format import Key, moe_layer_first  # noqa: E402
+from pi2_gguf.sidecar.reader import read as read_sidecar  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 import tiny_families as tf  # noqa: E402
@@ -65,18 +68,18 @@ ROWS: dict[str, Row] = {
                    "approximate", "yes"),
     "qwen3moe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
                     "approximate", "yes"),
-    "qwen2moe": Row("routed experts: products and SwiGLU; the shared expert and its sigmoid gate in ggml-cpu",
-                    "gate up down glu", "yes", "approximate", "routed experts; the shared expert in RAM"),
+    "qwen2moe": Row("routed and shared experts: products and SwiGLU; routing and the shared expert's sigmoid gate in "
+                    "ggml-cpu", "gate up down glu", "yes", "approximate", "yes"),
     "olmoe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
                  "approximate", "yes"),
     "granitemoe": Row("routed experts: products and SwiGLU; routing in ggml-cpu", "gate up down glu", "yes",
                       "approximate", "yes"),
     "gpt_oss": Row("routed experts' products; their biases and SwiGLU-OAI in ggml-cpu", "gate up down",
                    "routed experts carry biases", "no", _NO),
-    "deepseek2": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
-                     "gate up down glu", "yes", "approximate", "dense and routed layers; shared experts in RAM"),
-    "glm4moe": Row("dense first layer and routed experts: products and SwiGLU; shared experts in ggml-cpu",
-                   "gate up down glu", "yes", "approximate", "dense and routed layers; shared experts in RAM"),
+    "deepseek2": Row("dense first layer, routed and shared experts: products and SwiGLU; routing in ggml-cpu",
+                     "gate up down glu", "yes", "approximate", "yes"),
+    "glm4moe": Row("dense first layer, routed and shared experts: products and SwiGLU; routing in ggml-cpu",
+                   "gate up down glu", "yes", "approximate", "yes"),
     "smallthinker": Row("routed experts: products and ReGLU; routing in ggml-cpu", "gate up down glu", "yes", "exact",
                         "yes"),
 }
@@ -177,6 +180,45 @@ def test_modes_with_the_sidecar_in_ram_and_under_a_budget(built: dict[tuple[str,
         assert flash.io["bundle_bytes"] > 0 and flash.io["misses"] > 0, (mode, flash.io)
     if ROWS[name].sparse == "exact":  # ReLU family: the oracle's neurons are exactly the active ones
         assert ram["oracle"] == ram["dense"]
+
+
+def _shared_expert_layers(model: Path) -> list[int]:
+    return sorted(int(t.name.split(".")[1]) for t in GGUFReader(model, "r").tensors if t.name.endswith("ffn_gate_shexp.weight"))
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "deepseek2", "glm4moe"])
+def test_shared_experts_in_pi2(built: dict[tuple[str, str], Path], sidecars: dict[str, Path | ModelFileError],
+                               name: str) -> None:
+    """A layer's shared expert is PI2's: in RAM its three products run beside the routed experts' (each layer's
+    counters: the experts' product once and the shared expert's once), and under a budget it is one more sidecar layer
+    whose bundles the cache holds or reads."""
+    model, sidecar = built[(name, "f32")], sidecars[name]
+    shared = _shared_expert_layers(model)
+    assert shared
+    llm = pi2_gguf.Llama(str(model), sidecar=False, n_ctx=128, n_threads=2, verbose=False)
+    try:
+        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+        pi2_gguf.reset_counters()
+        llm.eval([5])
+        c = pi2_gguf.read_counters()
+    finally:
+        llm.close()
+    assert all(c.matmul_calls[il].tolist() == [2, 2, 2] for il in shared), c.matmul_calls[: max(shared) + 1]
+    assert isinstance(sidecar, Path)
+    kv = read_sidecar(sidecar).kv
+    n_expert = kv[Key.MOE_EXPERT_COUNT]
+    first = moe_layer_first(kv[Key.MOE_LAYER_EXPERTS], n_expert, len(kv[Key.N_FF]))
+    assert [il for il in range(len(first) - 1) if first[il + 1] - first[il] == n_expert + 1] == shared
+    llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", memory_budget=2 << 30, settings=FLASH, n_ctx=128,
+                         n_threads=2, verbose=False)
+    try:
+        pi2_gguf.reset_counters()
+        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+        c = pi2_gguf.read_counters()
+    finally:
+        llm.close()
+    found = c.hot_hits + c.cold_hits + c.misses
+    assert all(found[first[il] + n_expert] > 0 for il in shared), found
 
 
 @pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar != "yes"])

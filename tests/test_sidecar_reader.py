@@ -338,7 +338,9 @@ def test_per_layer_array_of_wrong_length(tmp_path: Path, key: str, length: int, 
 @pytest.mark.parametrize(("count", "layer_experts", "expected"), [
     (1, [0, 1], None),  # dense layer 0, then one routed layer of one expert: the two sidecar layers
     (2, None, None),    # without the map: every model layer routes, here one layer of two experts
-    (1, [0, 2], "pi2.moe.layer_experts[1] is 2, neither 0 (a dense FFN layer) nor pi2.moe.expert_count 1"),
+    (1, [2], None),     # one routed layer of one expert and its shared expert
+    (1, [0, 3], "pi2.moe.layer_experts[1] is 3, not 0 (a dense FFN layer), pi2.moe.expert_count 1 (routed experts) or "
+                "one more (and a shared expert)"),
     (1, [0, 0], "describes 2 sidecar layers and no routed layer, not its 2"),
     (1, [1, 1, 1], "describes 3 sidecar layers, not its 2"),
     (None, [0, 1], "has key pi2.moe.layer_experts but no pi2.moe.expert_count"),

@@ -373,7 +373,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     if model.n_expert:
         if prof.n_layer != len(model.layer_experts):
             raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {len(model.layer_experts)} FFN layers")
-        prof = prof.experts(model.layer_experts)  # one profile per sidecar layer: (layer, expert), or a dense layer
+        prof = prof.experts(model.layer_experts, model.n_expert)  # one profile per sidecar layer
         routed_share = prof.expert_share  # how often each expert was routed: inspect's expert hotness
         reuse = prof.expert_reuse  # and how often again on the next token: its routing's locality
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:

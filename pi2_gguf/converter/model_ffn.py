@@ -77,9 +77,10 @@ class ModelFfn:
         if why is not None:
             raise ModelFileError(f"{self.path}: {why}")
         self.layers: list[dict[str, FfnTensor]] = []
-        # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, and a dense FFN layer among
-        # them one more (the DeepSeek-V2 / GLM-4.5 layout), in model-layer order (FORMAT.md, "MoE sidecars");
-        # layer_experts: per model layer 0 (dense FFN) or n_expert. n_expert 0: a dense model
+        # routed experts (MoE): each (layer, expert) is one of the sidecar's layers, a layer's shared expert one
+        # more after them, and so is a dense FFN layer among them (the DeepSeek-V2 / GLM-4.5 layout), in model-layer
+        # order (FORMAT.md, "MoE sidecars"); layer_experts: per model layer 0 (dense FFN), n_expert, or n_expert + 1
+        # (and a shared expert). n_expert 0: a dense model
         self.n_expert = 0
         self.moe_layers = 0
         self.layer_experts: list[int] = []
@@ -87,7 +88,10 @@ class ModelFfn:
         while True:
             if f"blk.{il}.ffn_gate_exps.weight" in tensors:
                 self._read_experts(tensors, il)
-                self.layer_experts.append(self.n_expert)
+                shared = f"blk.{il}.ffn_gate_shexp.weight" in tensors
+                if shared:
+                    self.layers.append(self._read_dense(tensors, il, "_shexp"))
+                self.layer_experts.append(self.n_expert + shared)
                 self.moe_layers += 1
             elif f"blk.{il}.ffn_gate.weight" in tensors:
                 self.layers.append(self._read_dense(tensors, il))
@@ -112,18 +116,19 @@ class ModelFfn:
             raise ModelFileError(f"{self.path}: {what} shapes disagree: gate {g.ne0}x{g.ne1}, "
                                  f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
 
-    def _read_dense(self, tensors: dict, il: int) -> dict[str, FfnTensor]:
+    def _read_dense(self, tensors: dict, il: int, kind: str = "") -> dict[str, FfnTensor]:
+        """Layer il's dense FFN, or with kind "_shexp" the shared expert beside its routed ones."""
         layer: dict[str, FfnTensor] = {}
         for m in MATRICES:
-            name = f"blk.{il}.ffn_{m}.weight"
+            name = f"blk.{il}.ffn_{m}{kind}.weight"
             t = tensors.get(name)
             if t is None:
-                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate.weight but no {name}")
+                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate{kind}.weight but no {name}")
             ne = [int(x) for x in t.shape]
             if len(ne) != 2:
                 raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
             layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
-        self._check_shapes(layer, f"layer {il} FFN")
+        self._check_shapes(layer, f"layer {il} {'shared expert' if kind else 'FFN'}")
         return layer
 
     def _read_experts(self, tensors: dict, il: int) -> None:
@@ -149,8 +154,9 @@ class ModelFfn:
 
     @property
     def mixed(self) -> bool:
-        """Dense FFN layers and routed-expert layers in one model (pi2.moe.layer_experts says which is which)."""
-        return bool(self.n_expert) and 0 in self.layer_experts
+        """An MoE model whose layers are not all routed experts alone: dense FFN layers among them, or shared experts
+        (pi2.moe.layer_experts says which layer is which)."""
+        return bool(self.n_expert) and any(c != self.n_expert for c in self.layer_experts)
 
     @property
     def n_layer(self) -> int:

@@ -131,32 +131,36 @@ class Profile:
             raise ProfileError(f"{p} holds no layers")
         return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held, train_r, held_r)
 
-    def experts(self, layer_experts: list[int]) -> Profile:
-        """The profile of an MoE model's sidecar layers (FORMAT.md, "MoE sidecars"): per model layer with
-        layer_experts[il] routed experts one layer per expert, which gets the inputs of the tokens routed to it (all
-        the layer's tokens where fewer than MIN_ROUTED were); a dense FFN layer (0) stays one layer of every
-        token, its routed share and reuse 1."""
+    def experts(self, layer_experts: list[int], n_expert: int) -> Profile:
+        """The profile of an MoE model's sidecar layers (FORMAT.md, "MoE sidecars"): per model layer of n_expert
+        routed experts (layer_experts[il] n_expert, or n_expert + 1 with a shared expert) one layer per expert, which
+        gets the inputs of the tokens routed to it (all the layer's tokens where fewer than MIN_ROUTED were); a
+        dense FFN layer (0) and a shared expert are one layer of every token, their routed share and reuse 1."""
         if not self.train_routes:
             raise ProfileError("the profile has no routing (made before MoE support, or of a dense model): profile again")
-        for il, (n_expert, r) in enumerate(zip(layer_experts, self.train_routes)):
-            if n_expert and r.shape[0] != self.train[il].shape[0]:
+        for il, (count, r) in enumerate(zip(layer_experts, self.train_routes)):
+            if count and r.shape[0] != self.train[il].shape[0]:
                 raise ProfileError(f"the profile has no routing for layer {il}, which routes to {n_expert} experts")
 
         def pick(xs: list[np.ndarray], routes: list[np.ndarray]) -> list[np.ndarray]:
             out = []
-            for x, r, n_expert in zip(xs, routes, layer_experts):
-                if not n_expert:
-                    out.append(x)
-                for e in range(n_expert):
+            for x, r, count in zip(xs, routes, layer_experts):
+                for e in range(n_expert if count else 0):
                     rows = (r == e).any(axis=1)
                     out.append(x[rows] if rows.sum() >= MIN_ROUTED else x)
+                if count != n_expert:  # a dense FFN layer, or the shared expert after the routed ones
+                    out.append(x)
             return out
 
         share: list[float] = []
         reuse: list[float] = []
-        for r, n_expert in zip(self.train_routes, layer_experts):
-            share += [float((r == e).any(axis=1).mean()) for e in range(n_expert)] if n_expert else [1.0]
-            reuse += expert_reuse(r, n_expert, self.window) if n_expert else [1.0]
+        for r, count in zip(self.train_routes, layer_experts):
+            if count:
+                share += [float((r == e).any(axis=1).mean()) for e in range(n_expert)]
+                reuse += expert_reuse(r, n_expert, self.window)
+            if count != n_expert:
+                share.append(1.0)
+                reuse.append(1.0)
         return Profile(self.model_file, self.model_size, self.corpus, self.corpus_sha256, self.window,
                        pick(self.train, self.train_routes), pick(self.heldout, self.heldout_routes),
                        routed_from=(self.n_train, self.n_heldout), expert_share=share, expert_reuse=reuse)

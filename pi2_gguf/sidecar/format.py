@@ -148,20 +148,21 @@ OPTIONAL_KEYS: dict[str, KT] = {
 
 def moe_layer_first(layer_experts: list[int] | None, n_expert: int, n_layer: int) -> list[int]:
     """An MoE sidecar's first sidecar layer of each model layer, and n_layer after the last (FORMAT.md, "MoE
-    sidecars"): layer_experts is pi2.moe.layer_experts (None: every model layer has n_expert routed experts).
+    sidecars"): layer_experts is pi2.moe.layer_experts (None: every model layer has n_expert routed experts alone).
     ValueError naming the problem, in the C reader's words, where the keys do not describe n_layer sidecar layers."""
     if n_expert <= 0 or (layer_experts is None and n_layer % n_expert):
         raise ValueError(f"key {Key.MOE_EXPERT_COUNT} is {n_expert}, which does not divide its {n_layer} layers")
     counts = [n_expert] * (n_layer // n_expert) if layer_experts is None else list(layer_experts)
     first = [0]
     for il, c in enumerate(counts):
-        if c not in (0, n_expert):
-            raise ValueError(f"key {Key.MOE_LAYER_EXPERTS}[{il}] is {c}, neither 0 (a dense FFN layer) nor "
-                             f"{Key.MOE_EXPERT_COUNT} {n_expert}")
+        if c not in (0, n_expert, n_expert + 1):
+            raise ValueError(f"key {Key.MOE_LAYER_EXPERTS}[{il}] is {c}, not 0 (a dense FFN layer), {Key.MOE_EXPERT_COUNT} "
+                             f"{n_expert} (routed experts) or one more (and a shared expert)")
         first.append(first[-1] + max(c, 1))
-    if first[-1] != n_layer or n_expert not in counts:
+    routed = any(counts)
+    if first[-1] != n_layer or not routed:
         raise ValueError(f"key {Key.MOE_LAYER_EXPERTS} describes {first[-1]} sidecar layers"
-                         f"{'' if n_expert in counts else ' and no routed layer'}, not its {n_layer}")
+                         f"{'' if routed else ' and no routed layer'}, not its {n_layer}")
     return first
 
 

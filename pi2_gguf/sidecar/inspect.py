@@ -30,15 +30,17 @@ def _expert_hotness(kv: dict) -> list[str]:
             + ("; reuse: of a token's routed experts, the share the next token routes to again" if reuse else "") + ":"]
     for il in range(len(first) - 1):
         a, b = first[il], first[il + 1]
-        if b - a != n:
+        if b - a == 1 and n != 1:
             rows.append(f"  layer {il:3d}   dense FFN (sidecar layer {a})")
             continue
-        part = share[a:b]
+        part = share[a:a + n]
         again = ""
         if reuse:
             w = np.asarray(part, dtype=np.float64)
-            again = f", reuse {float(np.dot(w, reuse[a:b]) / max(w.sum(), 1e-12)):.2f}"
-        rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part) + f"   (hottest {int(np.argmax(part))}{again})")
+            again = f", reuse {float(np.dot(w, reuse[a:a + n]) / max(w.sum(), 1e-12)):.2f}"
+        shared = f"; shared expert: sidecar layer {a + n}" if b - a == n + 1 else ""
+        rows.append(f"  layer {il:3d}   " + " ".join(f"{x:.2f}" for x in part)
+                    + f"   (hottest {int(np.argmax(part))}{again}{shared})")
     return rows
 
 
@@ -51,8 +53,10 @@ def _moe_line(kv: dict, n_layer: int) -> str:
     if counts is None:
         return f"; MoE: {n_layer // n} layers of {n} routed experts, sidecar layer = layer * {n} + expert"
     dense = [il for il, c in enumerate(counts) if c == 0]
-    return (f"; MoE: {len(counts) - len(dense)} layers of {n} routed experts and {len(dense)} dense FFN layers "
-            f"({', '.join(map(str, dense))}), each expert and each dense layer one sidecar layer, in model order")
+    shared = sum(1 for c in counts if c == n + 1)
+    return (f"; MoE: {len(counts) - len(dense)} layers of {n} routed experts ({shared} with a shared expert) and "
+            f"{len(dense)} dense FFN layers{' (' + ', '.join(map(str, dense)) + ')' if dense else ''}, each expert, "
+            "shared expert and dense layer one sidecar layer, in model order")
 
 
 def summary(sc: Sidecar) -> str:

@@ -11,6 +11,12 @@ static const char * const pi2_ffn_suffix[PI2_N_MATRIX] = {
     [PI2_MATRIX_DOWN] = "ffn_down.weight",
 };
 
+static const char * const pi2_shexp_suffix[PI2_N_MATRIX] = {
+    [PI2_MATRIX_GATE] = "ffn_gate_shexp.weight",
+    [PI2_MATRIX_UP]   = "ffn_up_shexp.weight",
+    [PI2_MATRIX_DOWN] = "ffn_down_shexp.weight",
+};
+
 static const char * const pi2_expert_suffix[PI2_N_MATRIX] = {
     [PI2_MATRIX_GATE] = "ffn_gate_exps.weight",
     [PI2_MATRIX_UP]   = "ffn_up_exps.weight",
@@ -41,8 +47,17 @@ static bool pi2_weight_parse(const char * name, const char * const suffix[PI2_N_
     return false;
 }
 
+bool pi2_ffn_weight_parse_kind(const char * name, int * layer, enum pi2_matrix * matrix, bool * shared) {
+    const bool dense = pi2_weight_parse(name, pi2_ffn_suffix, layer, matrix);
+    const bool shexp = !dense && pi2_weight_parse(name, pi2_shexp_suffix, layer, matrix);
+    if (shared != NULL) {
+        *shared = shexp;
+    }
+    return dense || shexp;
+}
+
 bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
-    return pi2_weight_parse(name, pi2_ffn_suffix, layer, matrix);
+    return pi2_ffn_weight_parse_kind(name, layer, matrix, NULL);
 }
 
 bool pi2_expert_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
@@ -51,4 +66,8 @@ bool pi2_expert_weight_parse(const char * name, int * layer, enum pi2_matrix * m
 
 void pi2_ffn_weight_name(int layer, enum pi2_matrix matrix, char * buf, size_t size) {
     snprintf(buf, size, "blk.%d.%s", layer, pi2_ffn_suffix[matrix]);
+}
+
+void pi2_shexp_weight_name(int layer, enum pi2_matrix matrix, char * buf, size_t size) {
+    snprintf(buf, size, "blk.%d.%s", layer, pi2_shexp_suffix[matrix]);
 }

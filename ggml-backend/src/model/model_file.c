@@ -100,65 +100,79 @@ static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * pa
     return 0;
 }
 
-static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t data, uint64_t * fps,
+static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t * fps,
                                 struct pi2_model_summary * out, char * err, size_t errlen);
 
 static int pi2_summarize(const struct pi2_gguf_file * f, const char * path, struct pi2_model_summary * out, char * err,
                          size_t errlen) {
-    const uint64_t data = gguf_get_data_offset(f->gguf);
     uint64_t * fps = malloc(sizeof(uint64_t) * PI2_N_MATRIX * PI2_MAX_LAYERS); // 384 KiB: not on the stack
     if (fps == NULL) {
         return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "out of memory for its fingerprints");
     }
-    const int rc = pi2_summarize_layers(f, path, data, fps, out, err, errlen);
+    const int rc = pi2_summarize_layers(f, path, fps, out, err, errlen);
     free(fps);
     return rc;
 }
 
-static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t data, uint64_t * fps,
+// Model layer il's 2-D FFN (its dense FFN, or with `shared` the shared expert beside its routed ones) as FFN *n,
+// fingerprinted whole. 0 with *n advanced; 1 when the layer has none; -1 with err.
+static int pi2_summarize_ffn(const struct pi2_gguf_file * f, const char * path, uint32_t il, bool shared, uint64_t * fps,
+                             uint32_t * n, uint64_t * ffn_bytes, char * err, size_t errlen) {
+    const uint64_t data = gguf_get_data_offset(f->gguf);
+    char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        (shared ? pi2_shexp_weight_name : pi2_ffn_weight_name)((int) il, (enum pi2_matrix) m, name[m], sizeof(name[m]));
+    }
+    if (gguf_find_tensor(f->gguf, name[0]) < 0) {
+        return 1;
+    }
+    if (*n == PI2_MAX_LAYERS) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
+    }
+    const struct ggml_tensor * t[PI2_N_MATRIX];
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        if (pi2_ffn_tensor(f, path, name[0], name[m], &t[m], err, errlen) != 0) {
+            return -1;
+        }
+    }
+    if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
+        return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " %s shapes disagree: gate %" PRId64 "x%" PRId64
+                             ", up %" PRId64 "x%" PRId64 ", down %" PRId64 "x%" PRId64, il, shared ? "shared expert" : "FFN",
+                             t[0]->ne[0], t[0]->ne[1], t[1]->ne[0], t[1]->ne[1], t[2]->ne[0], t[2]->ne[1]);
+    }
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        const int64_t id    = gguf_find_tensor(f->gguf, name[m]);
+        const size_t  bytes = gguf_get_tensor_size(f->gguf, id);
+        if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), bytes,
+                                        &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
+            return -1;
+        }
+        *ffn_bytes += bytes;
+    }
+    ++*n;
+    return 0;
+}
+
+static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * path, uint64_t * fps,
                                 struct pi2_model_summary * out, char * err, size_t errlen) {
-    // FFN layers in model order: routed experts (one FFN each) or a dense FFN, as the sidecar numbers them
+    // FFN layers in model order, as the sidecar numbers them (FORMAT.md, "MoE sidecars"): routed experts (one FFN
+    // each) and after them their shared expert, or a dense FFN
     uint32_t n = 0; // FFNs so far
     int64_t n_expert = -1;
     for (uint32_t il = 0;; ++il) {
-        const int rc = pi2_summarize_experts(f, path, il, fps, &n, &n_expert, &out->ffn_bytes, err, errlen);
+        int rc = pi2_summarize_experts(f, path, il, fps, &n, &n_expert, &out->ffn_bytes, err, errlen);
+        if (rc == 0) {
+            rc = pi2_summarize_ffn(f, path, il, true, fps, &n, &out->ffn_bytes, err, errlen);
+            rc = rc > 0 ? 0 : rc;
+        } else if (rc > 0) {
+            rc = pi2_summarize_ffn(f, path, il, false, fps, &n, &out->ffn_bytes, err, errlen);
+        }
         if (rc < 0) {
             return -1;
         }
-        if (rc == 0) {
-            continue;
-        }
-        char name[PI2_N_MATRIX][PI2_FFN_NAME_MAX];
-        for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            pi2_ffn_weight_name((int) il, (enum pi2_matrix) m, name[m], sizeof(name[m]));
-        }
-        if (gguf_find_tensor(f->gguf, name[0]) < 0) {
+        if (rc > 0) {
             break;
         }
-        if (n == PI2_MAX_LAYERS) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
-        }
-        const struct ggml_tensor * t[PI2_N_MATRIX];
-        for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            if (pi2_ffn_tensor(f, path, name[0], name[m], &t[m], err, errlen) != 0) {
-                return -1;
-            }
-        }
-        if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
-            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " FFN shapes disagree: gate %" PRId64 "x%" PRId64
-                                 ", up %" PRId64 "x%" PRId64 ", down %" PRId64 "x%" PRId64, il, t[0]->ne[0], t[0]->ne[1],
-                                 t[1]->ne[0], t[1]->ne[1], t[2]->ne[0], t[2]->ne[1]);
-        }
-        for (int m = 0; m < PI2_N_MATRIX; ++m) {
-            const int64_t id = gguf_find_tensor(f->gguf, name[m]);
-            const size_t  bytes = gguf_get_tensor_size(f->gguf, id);
-            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), bytes,
-                                            &fps[PI2_N_MATRIX * n + m], err, errlen) != 0) {
-                return -1;
-            }
-            out->ffn_bytes += bytes;
-        }
-        ++n;
     }
     out->n_layer     = n;
     out->fingerprint = n > 0 ? pi2_fingerprint_model(fps, PI2_N_MATRIX * (size_t) n) : 0;

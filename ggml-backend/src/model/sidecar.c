@@ -335,7 +335,8 @@ static int pi2_recorded_setting(struct pi2_reader * rd, const char * key, enum g
 
 // Which sidecar layers each model layer's FFN is (FORMAT.md, "MoE sidecars"): first[il] .. first[il + 1] - 1.
 // A dense sidecar: layer il is model layer il. An MoE one: pi2.moe.layer_experts says per model layer 0 (a dense
-// FFN, one sidecar layer) or pi2.moe.expert_count (one per expert); absent, every model layer routes.
+// FFN, one sidecar layer), pi2.moe.expert_count (one per expert) or one more (the shared expert after them);
+// absent, every model layer routes.
 static int pi2_read_layer_map(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const int64_t id = pi2_find(rd, PI2_KEY_MOE_LAYER_EXPERTS);
     if (id >= 0 && sc->n_expert == 0) {
@@ -357,9 +358,10 @@ static int pi2_read_layer_map(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     bool routed = false;
     for (uint32_t il = 0; il < n_model; ++il) {
         const uint32_t c = counts != NULL ? counts[il] : sc->n_expert;
-        if (counts != NULL && c != 0 && c != sc->n_expert) {
-            return pi2_fail(rd, "key %s[%" PRIu32 "] is %" PRIu32 ", neither 0 (a dense FFN layer) nor %s %" PRIu32,
-                            PI2_KEY_MOE_LAYER_EXPERTS, il, c, PI2_KEY_MOE_EXPERT_COUNT, sc->n_expert);
+        if (counts != NULL && c != 0 && c != sc->n_expert && c != sc->n_expert + 1) {
+            return pi2_fail(rd, "key %s[%" PRIu32 "] is %" PRIu32 ", not 0 (a dense FFN layer), %s %" PRIu32 " (routed experts) "
+                            "or one more (and a shared expert)", PI2_KEY_MOE_LAYER_EXPERTS, il, c, PI2_KEY_MOE_EXPERT_COUNT,
+                            sc->n_expert);
         }
         routed = routed || c > 0;
         sc->first[il]  = (uint32_t) at;

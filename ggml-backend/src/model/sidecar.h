@@ -79,7 +79,8 @@ struct pi2_sidecar {
     int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
     uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert) and dense FFN layers; 0: dense
     // model layer il's FFN is sidecar layers first[il] .. first[il + 1] - 1: one for a dense FFN, n_expert for
-    // routed experts (pi2.moe.layer_experts; FORMAT.md, "MoE sidecars"); use the functions below
+    // routed experts, n_expert + 1 for routed experts and their shared expert (pi2.moe.layer_experts; FORMAT.md,
+    // "MoE sidecars"); use the functions below
     uint32_t   n_model_layer;
     uint32_t * first;  // [n_model_layer + 1]
     uint8_t *  routed; // [n_model_layer] 1: routed experts, 0: a dense FFN
@@ -90,9 +91,16 @@ struct pi2_sidecar {
     struct pi2_sidecar_layer * layer; // [n_layer]
 };
 
-// The sidecar layer of model layer il's dense FFN, or -1 where it has none (routed experts, or no such layer).
+// The sidecar layer of model layer il's 2-D FFN: its dense FFN, or the shared expert beside its routed ones
+// (blk.il.ffn_*.weight or blk.il.ffn_*_shexp.weight: a layer has one or the other); -1 where it has none.
 static inline int pi2_sidecar_dense_layer(const struct pi2_sidecar * sc, int il) {
-    return il >= 0 && (uint32_t) il < sc->n_model_layer && !sc->routed[il] ? (int) sc->first[il] : -1;
+    if (il < 0 || (uint32_t) il >= sc->n_model_layer) {
+        return -1;
+    }
+    if (!sc->routed[il]) {
+        return (int) sc->first[il];
+    }
+    return sc->first[il + 1] - sc->first[il] == sc->n_expert + 1 ? (int) (sc->first[il] + sc->n_expert) : -1;
 }
 
 // The sidecar layer of expert e of model layer il's routed experts, or -1 where the layer has none.
