@@ -93,7 +93,7 @@ class ModelFfn:
                     self.layers.append(self._read_dense(tensors, il, "_shexp"))
                 self.layer_experts.append(self.n_expert + shared)
                 self.moe_layers += 1
-            elif f"blk.{il}.ffn_gate.weight" in tensors:
+            elif f"blk.{il}.ffn_gate.weight" in tensors or _fused_gate_up(tensors, il):
                 self.layers.append(self._read_dense(tensors, il))
                 self.layer_experts.append(0)
             else:
@@ -117,8 +117,20 @@ class ModelFfn:
                                  f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
 
     def _read_dense(self, tensors: dict, il: int, kind: str = "") -> dict[str, FfnTensor]:
-        """Layer il's dense FFN, or with kind "_shexp" the shared expert beside its routed ones."""
+        """Layer il's dense FFN, or with kind "_shexp" the shared expert beside its routed ones. A fused gate+up
+        (phi3's ffn_up: the gate's rows, then the up's) is read as its two halves, each fingerprinted as a tensor of
+        its own (FORMAT.md, "Fingerprint")."""
         layer: dict[str, FfnTensor] = {}
+        if not kind and _fused_gate_up(tensors, il):
+            t = tensors[f"blk.{il}.ffn_up.weight"]
+            ne0, ne1 = (int(x) for x in t.shape)
+            qt, half = GGMLQuantizationType(int(t.tensor_type)), ne1 // 2
+            layer["gate"] = FfnTensor(t.name, qt, ne0, half, t.data[:half])
+            layer["up"] = FfnTensor(t.name, qt, ne0, half, t.data[half:])
+            d = tensors[f"blk.{il}.ffn_down.weight"]
+            layer["down"] = FfnTensor(d.name, GGMLQuantizationType(int(d.tensor_type)), *(int(x) for x in d.shape), d.data)
+            self._check_shapes(layer, f"layer {il} FFN")
+            return layer
         for m in MATRICES:
             name = f"blk.{il}.ffn_{m}{kind}.weight"
             t = tensors.get(name)
@@ -215,16 +227,18 @@ def layout_refusal(arch: str, tensors: Mapping[str, Any]) -> str | None:
     if biased:
         return (f"blk.{biased[0]}'s routed experts carry biases ({arch}; gpt-oss's are biased and computed with "
                 "SwiGLU-OAI), which PI2 does not compute; convert cannot make a sidecar")
-    ungated = [il for il in layers(".ffn_up.weight") if il not in dense]
+    ungated = [il for il in layers(".ffn_up.weight") if il not in dense and not _fused_gate_up(tensors, il)]
     if ungated and not routed:
-        il = ungated[0]
-        up, down = tensors[f"blk.{il}.ffn_up.weight"], tensors.get(f"blk.{il}.ffn_down.weight")
-        if down is not None and int(up.shape[1]) == 2 * int(down.shape[0]):
-            return (f"blk.{il}.ffn_up.weight holds gate and up fused ({arch}; the phi3 layout), which convert does not "
-                    "split; convert cannot make a sidecar")
-        return (f"blk.{il}'s FFN has no gate ({arch}: up, activation, down), and PowerInfer-2's sparse decode "
+        return (f"blk.{ungated[0]}'s FFN has no gate ({arch}: up, activation, down), and PowerInfer-2's sparse decode "
                 "predicts a gated FFN's neurons; convert cannot make a sidecar")
     return None
+
+
+def _fused_gate_up(tensors: Mapping[str, Any], il: int) -> bool:
+    """Layer il's ffn_up holds gate and up fused (phi3: 2 n_ff rows, the gate's first) and it has no ffn_gate."""
+    up, down = tensors.get(f"blk.{il}.ffn_up.weight"), tensors.get(f"blk.{il}.ffn_down.weight")
+    return (f"blk.{il}.ffn_gate.weight" not in tensors and up is not None and down is not None and len(up.shape) == 2
+            and int(up.shape[1]) == 2 * int(down.shape[0]))
 
 
 def gguf_layout_refusal(path: Path) -> str | None:

@@ -174,7 +174,18 @@ static enum ggml_status pi2_exec_act(struct pi2_backend_ctx * ctx, const struct 
 }
 
 enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor * node, const struct pi2_ffn_act * act) {
-    const enum ggml_status st = pi2_exec_act(ctx, act, node, node->src[0], node->src[1]);
+    const struct ggml_tensor * a = node->src[0], * b = node->src[1];
+    struct ggml_tensor halves[2];
+    if (b == NULL) { // one fused gate+up input (phi3): act(first half) * second half; swapped ones are not claimed
+        for (int k = 0; k < 2; ++k) {
+            halves[k] = *a;
+            halves[k].ne[0] = node->ne[0];
+            halves[k].data  = (char *) a->data + (size_t) k * (size_t) node->ne[0] * a->nb[0];
+        }
+        a = &halves[0];
+        b = &halves[1];
+    }
+    const enum ggml_status st = pi2_exec_act(ctx, act, node, a, b);
     if (st == GGML_STATUS_SUCCESS) {
         pi2_count_glu(&ctx->dev->counters, node->src[0]->src[0], node);
     }

@@ -68,5 +68,19 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
         PI2_LOG_ERROR("pi2: tensor %s cannot be held by a flash weight buffer (only FFN weights live on flash)\n", tensor->name);
         return;
     }
-    pi2_binding_check_upload(bc->binding, pi2_sidecar_dense_layer(bc->binding->sc, layer), m, tensor, data, offset == 0 ? size : 0);
+    const int sl = pi2_sidecar_dense_layer(bc->binding->sc, layer);
+    if (sl >= 0 && m == PI2_MATRIX_UP && tensor->ne[1] == 2 * (int64_t) bc->binding->sc->layer[sl].n_ff) {
+        // a fused gate+up (phi3's ffn_up): the gate's rows, then the up's, each checked as the sidecar's
+        const size_t half = ggml_nbytes(tensor) / 2;
+        const bool whole = offset == 0 && size == ggml_nbytes(tensor);
+        for (int k = 0; k < 2; ++k) {
+            struct ggml_tensor one = *tensor;
+            one.ne[1] = tensor->ne[1] / 2;
+            one.nb[2] = one.nb[3] = half;
+            pi2_binding_check_upload(bc->binding, sl, k == 0 ? PI2_MATRIX_GATE : PI2_MATRIX_UP, &one,
+                                     (const char *) data + (size_t) k * half, whole ? half : 0);
+        }
+        return;
+    }
+    pi2_binding_check_upload(bc->binding, sl, m, tensor, data, offset == 0 ? size : 0);
 }

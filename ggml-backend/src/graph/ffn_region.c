@@ -53,6 +53,66 @@ static bool pi2_sources_members(struct ggml_tensor * const * m, int n, const str
     return true;
 }
 
+bool pi2_ffn_fused_glu(const struct ggml_tensor * glu) {
+    const struct ggml_tensor * p = glu->src[0];
+    int layer = 0;
+    enum pi2_matrix m;
+    return glu->op == GGML_OP_GLU && glu->src[1] == NULL && ((const int32_t *) glu->op_params)[1] == 0 && p != NULL &&
+           p->op == GGML_OP_MUL_MAT && pi2_ffn_weight_parse(p->src[0]->name, &layer, &m) && m == PI2_MATRIX_UP &&
+           p->ne[0] % 2 == 0 && glu->ne[0] * 2 == p->ne[0];
+}
+
+// half k (0 gate, 1 up) of a fused product t (and its weight w): rows [k n_ff, (k + 1) n_ff) of w, the same columns of t
+static void pi2_fused_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k) {
+    const struct ggml_tensor * w = t->src[0];
+    const int64_t n_ff = t->ne[0] / 2;
+    *hw = *w;
+    hw->ne[1] = n_ff;
+    hw->nb[2] = hw->nb[3] = (size_t) n_ff * w->nb[1];
+    hw->data  = w->data != NULL ? (char *) w->data + (size_t) k * (size_t) n_ff * w->nb[1] : NULL;
+    *hp = *t;
+    hp->ne[0] = n_ff;
+    hp->data  = t->data != NULL ? (char *) t->data + (size_t) k * (size_t) n_ff * t->nb[0] : NULL;
+    hp->src[0] = hw;
+}
+
+// phi3's FFN: the fused gate+up product, one GLU of it (act(first half) * second half), the down product of that
+static bool pi2_ffn_region_fused(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_ffn_region * r,
+                                 const char ** why) {
+    const int n = ggml_graph_n_nodes(g);
+    struct ggml_tensor * first = ggml_graph_node(g, i);
+    struct ggml_tensor * glu = i + 1 < n ? ggml_graph_node(g, i + 1) : NULL;
+    if (glu == NULL || (glu->flags & GGML_TENSOR_FLAG_COMPUTE) == 0 || glu->src[0] != first || !pi2_ffn_fused_glu(glu)) {
+        *why = "its fused gate+up product does not feed one GLU directly";
+        return false;
+    }
+    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &r->act)) {
+        *why = "its GLU is not ReGLU, SwiGLU or GeGLU";
+        return false;
+    }
+    if (first->type != GGML_TYPE_F32 || glu->type != GGML_TYPE_F32 || first->nb[0] != sizeof(float) ||
+        !ggml_is_contiguous_1(glu)) {
+        *why = "its fused product or GLU rows are not contiguous f32 rows";
+        return false;
+    }
+    for (int k = 0; k < 2; ++k) {
+        pi2_fused_half(&r->fused_w[k], &r->fused_p[k], first, k);
+    }
+    r->gate = &r->fused_p[0];
+    r->up   = &r->fused_p[1];
+    r->out  = glu;
+    r->n_nodes = 2;
+    struct ggml_tensor * down = i + 2 < n ? ggml_graph_node(g, i + 2) : NULL;
+    int layer = -1;
+    enum pi2_matrix m;
+    if (down != NULL && (down->flags & GGML_TENSOR_FLAG_COMPUTE) != 0 && down->op == GGML_OP_MUL_MAT && down->src[1] == glu &&
+        pi2_ffn_weight_parse(down->src[0]->name, &layer, &m) && layer == r->layer && m == PI2_MATRIX_DOWN) {
+        r->down = down;
+        r->n_nodes = 3;
+    }
+    return true;
+}
+
 bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_ffn_region * r,
                          const char ** why) {
     const int n = ggml_graph_n_nodes(g);
@@ -62,6 +122,10 @@ bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_
     if (first->op != GGML_OP_MUL_MAT || !pi2_ffn_weight_parse(first->src[0]->name, &r->layer, &m0) || m0 == PI2_MATRIX_DOWN) {
         *why = "it does not start with the layer's gate or up product";
         return false;
+    }
+    if (m0 == PI2_MATRIX_UP && i + 1 < n && ggml_graph_node(g, i + 1)->src[0] == first &&
+        ggml_graph_node(g, i + 1)->op == GGML_OP_GLU && ggml_graph_node(g, i + 1)->src[1] == NULL) {
+        return pi2_ffn_region_fused(g, i, stated, r, why);
     }
     const struct ggml_tensor * x = first->src[1];
     struct ggml_tensor * members[PI2_FFN_REGION_MAX];

@@ -15,17 +15,23 @@
 struct pi2_ffn_region {
     int                  n_nodes;  // graph nodes from the first product through `out`, or through down
     int                  layer;
-    struct ggml_tensor * gate, * up; // the products, f32 [n_ff, n_tokens]
+    struct ggml_tensor * gate, * up; // the products, f32 [n_ff, n_tokens]: graph nodes, or the halves below
     struct ggml_tensor * out;        // the node down reads: act(gate) * up
     struct ggml_tensor * down;       // down's product of `out`, or NULL when it does not follow directly
     struct pi2_ffn_act   act;        // what PI2 computes into `out`
     bool                 batch;      // a routed expert's tokens of a prompt: computed as a batch on flash (batch_ffn.h)
+    // a fused gate+up weight (phi3's ffn_up: gate rows, then up rows) and its product, split into their gate and up
+    // halves, which gate and up point at: a region holding them is used where it was found, never copied
+    struct ggml_tensor   fused_w[2], fused_p[2];
 };
 
 // true when node i of g starts a layer's FFN PI2 can compute, given what the model states (the gate weight's
 // buffer keeps it); else false with *why saying what differs
 bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_ffn_region * r,
                          const char ** why);
+
+// a GLU of one fused gate+up product (phi3's ffn_up: gate rows, then up rows): act(first half) * second half
+bool pi2_ffn_fused_glu(const struct ggml_tensor * glu);
 
 // an elementwise op a patched llama.cpp uses to spell a ReLU-family activation (relu, step, scale, mul)
 bool pi2_ffn_region_elementwise(const struct ggml_tensor * t);

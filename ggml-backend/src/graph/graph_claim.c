@@ -150,6 +150,15 @@ static bool pi2_supports_ffn_glu(ggml_backend_dev_t dev, const struct ggml_tenso
     if (pi2_expert_product_weight(dev, a) != NULL) {
         return pi2_supports_expert_glu(dev, op);
     }
+    if (b == NULL) { // one fused gate+up product (phi3's ffn_up), split by the GLU itself
+        const struct ggml_tensor * w = pi2_own_product_weight(dev, a, 0, false);
+        if (w == NULL || !pi2_ffn_fused_glu(op)) {
+            return false;
+        }
+        const struct pi2_stated_act sa = pi2_weight_act(w);
+        return (pi2_glu_supported(ggml_get_glu_op(op)) || pi2_act_overrides_glu(&sa)) && a->type == GGML_TYPE_F32 &&
+               op->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) && ggml_is_contiguous_1(op);
+    }
     const struct ggml_tensor * wa = pi2_own_product_weight(dev, a, PI2_GLU_INPUT_DEPTH, true);
     if (b == NULL || wa == NULL || pi2_own_product_weight(dev, b, PI2_GLU_INPUT_DEPTH, true) == NULL) {
         return false;

@@ -123,14 +123,28 @@ static int pi2_summarize_ffn(const struct pi2_gguf_file * f, const char * path, 
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
         (shared ? pi2_shexp_weight_name : pi2_ffn_weight_name)((int) il, (enum pi2_matrix) m, name[m], sizeof(name[m]));
     }
+    const struct ggml_tensor * t[PI2_N_MATRIX];
+    struct ggml_tensor half[2]; // a fused gate+up (phi3's ffn_up, no ffn_gate): its gate rows, then its up rows
+    int64_t fused_id = -1;
     if (gguf_find_tensor(f->gguf, name[0]) < 0) {
-        return 1;
+        const struct ggml_tensor * up = shared ? NULL : ggml_get_tensor(f->meta, name[PI2_MATRIX_UP]);
+        const struct ggml_tensor * dn = shared ? NULL : ggml_get_tensor(f->meta, name[PI2_MATRIX_DOWN]);
+        if (up == NULL || dn == NULL || ggml_n_dims(up) != 2 || ggml_n_dims(dn) != 2 || up->ne[1] != 2 * dn->ne[0]) {
+            return 1;
+        }
+        for (int k = 0; k < 2; ++k) {
+            half[k] = *up;
+            half[k].ne[1] = dn->ne[0];
+            half[k].nb[2] = half[k].nb[3] = (size_t) dn->ne[0] * up->nb[1];
+            t[k] = &half[k];
+        }
+        t[PI2_MATRIX_DOWN] = dn;
+        fused_id = gguf_find_tensor(f->gguf, name[PI2_MATRIX_UP]);
     }
     if (*n == PI2_MAX_LAYERS) {
         return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has more than %d FFN layers", PI2_MAX_LAYERS);
     }
-    const struct ggml_tensor * t[PI2_N_MATRIX];
-    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+    for (int m = 0; fused_id < 0 && m < PI2_N_MATRIX; ++m) {
         if (pi2_ffn_tensor(f, path, name[0], name[m], &t[m], err, errlen) != 0) {
             return -1;
         }
@@ -141,10 +155,11 @@ static int pi2_summarize_ffn(const struct pi2_gguf_file * f, const char * path, 
                              t[0]->ne[0], t[0]->ne[1], t[1]->ne[0], t[1]->ne[1], t[2]->ne[0], t[2]->ne[1]);
     }
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        const int64_t id    = gguf_find_tensor(f->gguf, name[m]);
-        const size_t  bytes = gguf_get_tensor_size(f->gguf, id);
-        if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id), bytes,
-                                        &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
+        const bool    in_fused = fused_id >= 0 && m != PI2_MATRIX_DOWN;
+        const int64_t id    = in_fused ? fused_id : gguf_find_tensor(f->gguf, name[m]);
+        const size_t  bytes = in_fused ? gguf_get_tensor_size(f->gguf, id) / 2 : gguf_get_tensor_size(f->gguf, id);
+        const uint64_t at   = data + gguf_get_tensor_offset(f->gguf, id) + (in_fused && m == PI2_MATRIX_UP ? bytes : 0);
+        if (pi2_file_tensor_fingerprint(f, path, t[m], at, bytes, &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
             return -1;
         }
         *ffn_bytes += bytes;
