@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 for _module in ("torch", "transformers", "sentencepiece", "safetensors"):  # the `import` extra
     pytest.importorskip(_module)
@@ -219,6 +219,59 @@ def test_shared_experts_in_pi2(built: dict[tuple[str, str], Path], sidecars: dic
         llm.close()
     found = c.hot_hits + c.cold_hits + c.misses
     assert all(found[first[il] + n_expert] > 0 for il in shared), found
+
+
+def _fuse_gate_up_exps(src: Path, dst: Path) -> Path:
+    """src (an f32 MoE GGUF) with each layer's ffn_gate_exps and ffn_up_exps as one ffn_gate_up_exps, each expert's gate
+    rows then its up rows, as llama.cpp's converter writes them with --fuse-gate-up-exps (its pinned gguf-py lists
+    that tensor for other architectures only; llama.cpp loads it for deepseek2)."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
+    tensors = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        if t.name.endswith("ffn_up_exps.weight"):
+            continue
+        if t.name.endswith("ffn_gate_exps.weight"):
+            up = tensors[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
+            w.add_tensor(t.name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([t.data, up.data], axis=1))
+            continue
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type if t.tensor_type > 1 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_fused_expert_gate_up(built: dict[tuple[str, str], Path], sidecars: dict[str, Path | ModelFileError],
+                              tmp_path: Path) -> None:
+    """deepseek2 with ffn_gate_up_exps (--fuse-gate-up-exps): llama.cpp computes the function of the split model; PI2
+    takes the fused product and its two views as the experts' gate and up, and the split model's sidecar describes
+    the fused one (each half is fingerprinted as the tensor it replaces): dense equals stock, and each mode gives
+    the tokens of the split model's run, in RAM and under a budget."""
+    split = built[("deepseek2", "f32")]
+    fused = _fuse_gate_up_exps(split, tmp_path / "deepseek2-fused.gguf")
+    assert any(t.name.endswith("ffn_gate_up_exps.weight") for t in GGUFReader(fused).tensors)
+    stock = greedy_in_subprocess(split, [PROMPT], N_TOKENS, pi2=False, repack=False)[0]
+    stock_fused = greedy_in_subprocess(fused, [PROMPT], N_TOKENS, pi2=False, repack=False)[0]
+    assert stock_fused.tokens == stock.tokens and _relative(stock_fused.logits_first, stock.logits_first) <= 1e-5
+    held = greedy_in_subprocess(fused, [PROMPT], N_TOKENS, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
+    assert _relative(held.logits_first, stock_fused.logits_first) <= 1e-4
+    sidecar = sidecars["deepseek2"]
+    assert isinstance(sidecar, Path)
+    for mode in ("dense", "predicted"):
+        want = greedy_in_subprocess(split, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
+                                    settings=RAM)[0]
+        ram = greedy_in_subprocess(fused, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
+                                   settings=RAM)[0]
+        flash = greedy_in_subprocess(fused, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
+                                     memory_budget=2 << 30, settings=FLASH)[0]
+        assert ram.tokens == want.tokens and flash.tokens == want.tokens, mode
+        assert flash.io["expert_misses"] > 0, flash.io
 
 
 @pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar != "yes"])

@@ -86,7 +86,7 @@ class ModelFfn:
         self.layer_experts: list[int] = []
         il = 0
         while True:
-            if f"blk.{il}.ffn_gate_exps.weight" in tensors:
+            if f"blk.{il}.ffn_gate_exps.weight" in tensors or f"blk.{il}.ffn_gate_up_exps.weight" in tensors:
                 self._read_experts(tensors, il)
                 shared = f"blk.{il}.ffn_gate_shexp.weight" in tensors
                 if shared:
@@ -128,7 +128,8 @@ class ModelFfn:
             layer["gate"] = FfnTensor(t.name, qt, ne0, half, t.data[:half])
             layer["up"] = FfnTensor(t.name, qt, ne0, half, t.data[half:])
             d = tensors[f"blk.{il}.ffn_down.weight"]
-            layer["down"] = FfnTensor(d.name, GGMLQuantizationType(int(d.tensor_type)), *(int(x) for x in d.shape), d.data)
+            dne0, dne1 = (int(x) for x in d.shape)
+            layer["down"] = FfnTensor(d.name, GGMLQuantizationType(int(d.tensor_type)), dne0, dne1, d.data)
             self._check_shapes(layer, f"layer {il} FFN")
             return layer
         for m in MATRICES:
@@ -146,7 +147,19 @@ class ModelFfn:
     def _read_experts(self, tensors: dict, il: int) -> None:
         """One layer per expert of model layer il, its matrices the expert's slices of the stacked *_exps tensors."""
         stacked: dict[str, tuple] = {}
+        fused = tensors.get(f"blk.{il}.ffn_gate_up_exps.weight")
+        if fused is not None and f"blk.{il}.ffn_gate_exps.weight" not in tensors:
+            # --fuse-gate-up-exps: each expert's gate rows, then its up rows, read as its gate and up
+            ne = [int(x) for x in fused.shape]
+            if len(ne) != 3 or ne[1] % 2:
+                raise ModelFileError(f"{fused.name} in {self.path} is not [n_embd, 2 n_ff, n_expert]")
+            half = ne[1] // 2
+            qt = GGMLQuantizationType(int(fused.tensor_type))
+            stacked["gate"] = (fused.name, qt, [ne[0], half, ne[2]], fused.data[:, :half])
+            stacked["up"] = (fused.name, qt, [ne[0], half, ne[2]], fused.data[:, half:])
         for m in MATRICES:
+            if m in stacked:
+                continue
             name = f"blk.{il}.ffn_{m}_exps.weight"
             t = tensors.get(name)
             if t is None:
@@ -222,7 +235,7 @@ def layout_refusal(arch: str, tensors: Mapping[str, Any]) -> str | None:
     def layers(suffix: str) -> list[int]:
         return sorted(int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.endswith(suffix))
 
-    dense, routed = layers(".ffn_gate.weight"), layers(".ffn_gate_exps.weight")
+    dense, routed = layers(".ffn_gate.weight"), layers(".ffn_gate_exps.weight") + layers(".ffn_gate_up_exps.weight")
     biased = layers(".ffn_gate_exps.bias") or layers(".ffn_up_exps.bias")
     if biased:
         return (f"blk.{biased[0]}'s routed experts carry biases ({arch}; gpt-oss's are biased and computed with "

@@ -229,10 +229,72 @@ static bool pi2_is_expert_product(const struct ggml_tensor * t, int layer, enum 
     return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_expert_weight_parse(t->src[0]->name, &l, &m) && l == layer && m == want;
 }
 
+// half k (0 gate, 1 up) of the fused product t: rows [k n_ff, (k + 1) n_ff) of each expert's matrix of its weight
+// (into hw), the same rows of t (into hp)
+static void pi2_fused_expert_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k) {
+    const struct ggml_tensor * w = t->src[0];
+    const int64_t n_ff = t->ne[0] / 2;
+    *hw = *w;
+    hw->ne[1] = n_ff;
+    hw->data  = w->data != NULL ? (char *) w->data + (size_t) k * (size_t) n_ff * w->nb[1] : NULL;
+    *hp = *t;
+    hp->ne[0] = n_ff;
+    hp->data  = t->data != NULL ? (char *) t->data + (size_t) k * (size_t) n_ff * t->nb[0] : NULL;
+    hp->src[0] = hw;
+}
+
+// a view of t's half k (as build_moe_ffn makes them: [n_ff, n_used, n_tokens] at offset k n_ff floats)
+static bool pi2_is_half_view(const struct ggml_tensor * v, const struct ggml_tensor * t, int k) {
+    return v != NULL && v->op == GGML_OP_VIEW && v->view_src == t && v->ne[0] * 2 == t->ne[0] && v->ne[1] == t->ne[1] &&
+           v->ne[2] == t->ne[2] && v->nb[1] == t->nb[1] && v->nb[2] == t->nb[2] &&
+           v->view_offs == (size_t) k * (size_t) v->ne[0] * sizeof(float);
+}
+
+// ffn_gate_up_exps' product at node i, then its gate and up views and their GLU (build_moe_ffn's merged path)
+static bool pi2_expert_region_fused(struct ggml_cgraph * g, int i, int layer, const struct pi2_stated_act * stated,
+                                    struct pi2_expert_region * r) {
+    const int n = ggml_graph_n_nodes(g);
+    struct ggml_tensor * t = ggml_graph_node(g, i);
+    if (i + 3 >= n || t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float) || t->ne[0] % 2 != 0) {
+        return false;
+    }
+    struct ggml_tensor * vg = ggml_graph_node(g, i + 1), * vu = ggml_graph_node(g, i + 2), * glu = ggml_graph_node(g, i + 3);
+    if (!pi2_is_half_view(vg, t, 0) || !pi2_is_half_view(vu, t, 1) || glu->op != GGML_OP_GLU || glu->src[0] != vg ||
+        glu->src[1] != vu || ((const int32_t *) glu->op_params)[1] != 0 || !ggml_are_same_shape(glu, vg) ||
+        !ggml_is_contiguous(glu)) {
+        return false;
+    }
+    struct pi2_ffn_act act;
+    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &act)) {
+        return false;
+    }
+    struct ggml_tensor * down = i + 4 < n ? ggml_graph_node(g, i + 4) : NULL;
+    if (down != NULL && !(pi2_is_expert_product(down, layer, PI2_MATRIX_DOWN) && down->src[1] == glu && down->src[2] == t->src[2] &&
+                          ggml_is_contiguous(down))) {
+        down = NULL;
+    }
+    *r = (struct pi2_expert_region) { .layer = layer, .n_nodes = 4, .glu = glu, .down = down, .act = act };
+    for (int k = 0; k < 2; ++k) {
+        pi2_fused_expert_half(&r->fused_w[k], &r->fused_p[k], t, k);
+    }
+    r->gate = &r->fused_p[0];
+    r->up   = &r->fused_p[1];
+    return true;
+}
+
 bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_expert_region * r) {
     const int n = ggml_graph_n_nodes(g);
     if (i + 2 >= n) {
         return false;
+    }
+    {
+        const struct ggml_tensor * t = ggml_graph_node(g, i);
+        int layer = 0;
+        enum pi2_matrix m = PI2_MATRIX_GATE;
+        bool fused = false;
+        if (t->op == GGML_OP_MUL_MAT_ID && pi2_expert_weight_parse_fused(t->src[0]->name, &layer, &m, &fused) && fused) {
+            return pi2_expert_region_fused(g, i, layer, stated, r);
+        }
     }
     // ggml orders a node's sources first to last: the GLU's gate product, then its up product, then the GLU
     struct ggml_tensor * gate = ggml_graph_node(g, i);
@@ -258,7 +320,7 @@ bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stat
                           ggml_is_contiguous(down))) {
         down = NULL;
     }
-    *r = (struct pi2_expert_region) { .layer = layer, .up = up, .gate = gate, .glu = glu, .down = down, .act = act };
+    *r = (struct pi2_expert_region) { .layer = layer, .n_nodes = 3, .up = up, .gate = gate, .glu = glu, .down = down, .act = act };
     return true;
 }
 
@@ -792,7 +854,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
                                                 : "are not followed directly by their down product");
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
-        return 3;
+        return r->n_nodes;
     }
     const enum pi2_route route = pi2_route_region(b, o.n_tokens);
     if (r->down == NULL || b->sc->n_expert == 0 || route == PI2_ROUTE_DENSE) {
@@ -804,7 +866,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
                  (long long) o.n_expert, b->sc->n_expert);
         PI2_LOG_REFUSAL("pi2: %s\n", b->error);
         *st = GGML_STATUS_FAILED;
-        return 4;
+        return r->n_nodes + 1;
     }
     for (int64_t t = 0; t < o.n_tokens; ++t) {
         for (int64_t s = 0; s < o.n_used; ++s) {
@@ -812,7 +874,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
             if (e < 0 || e >= o.n_expert) {
                 PI2_LOG_ERROR("pi2: %s: token %lld routed to expert %d of %lld\n", o.w->name, (long long) t, e, (long long) o.n_expert);
                 *st = GGML_STATUS_FAILED;
-                return 4;
+                return r->n_nodes + 1;
             }
         }
     }
@@ -823,7 +885,7 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         if (!pi2_binding_verify_layer(b, f.region.layer, &f.wg, &f.wu, &f.wd)) {
             PI2_LOG_REFUSAL("pi2: %s\n", b->error);
             *st = GGML_STATUS_FAILED;
-            return 4;
+            return r->n_nodes + 1;
         }
     }
     // the distinct experts this batch routes to, and of those the ones guessed for this layer (flash)
@@ -845,13 +907,13 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
     }
     if (!b->flash && pi2_expert_pairs_parallel(ctx, b, &o, r, st)) {
         pi2_count_routing(&ctx->dev->counters, r->layer, &o);
-        return 4;
+        return r->n_nodes + 1;
     }
     struct pi2_expert_order ord;
     if (!pi2_expert_order_init(&ord, &o, r)) {
         PI2_LOG_ERROR("pi2: out of memory for the expert order of a %lld-token batch\n", (long long) o.n_tokens);
         *st = GGML_STATUS_ALLOC_FAILED;
-        return 4;
+        return r->n_nodes + 1;
     }
     uint64_t hits = 0, misses = 0;
     *st = o.order != NULL && route == PI2_ROUTE_SPARSE_BATCH
@@ -859,12 +921,12 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         : pi2_expert_pairs_in_turn(ctx, b, &o, r, ord.rows, &hits, &misses);
     pi2_expert_order_free(&ord);
     if (*st != GGML_STATUS_SUCCESS) {
-        return 4;
+        return r->n_nodes + 1;
     }
     pi2_count_routing(&ctx->dev->counters, r->layer, &o); // at the real layer, as the dense path counts it
     if (b->flash) {
         pi2_count(&ctx->dev->counters.layer[r->layer].expert_hits, hits);
         pi2_count(&ctx->dev->counters.layer[r->layer].expert_misses, misses);
     }
-    return 4;
+    return r->n_nodes + 1;
 }

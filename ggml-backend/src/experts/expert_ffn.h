@@ -16,14 +16,20 @@ struct pi2_binding;
 
 struct pi2_expert_region {
     int                  layer;
+    int                  n_nodes;    // graph nodes from the first product through glu: 3, or 4 (fused, below)
     struct ggml_tensor * up, * gate; // the MUL_MAT_ID products, f32 [n_ff, n_expert_used, n_tokens]
     struct ggml_tensor * glu;        // act(gate, up), the node down reads
     struct ggml_tensor * down;       // down's product of glu when it follows directly, else NULL
     struct pi2_ffn_act   act;        // what PI2 computes into glu
+    // ffn_gate_up_exps (each expert's gate rows, then its up rows) and its product, split into the gate and up
+    // halves gate and up point at; the graph holds the product, its two views and the GLU of them. A region
+    // holding them is used where it was found, never copied.
+    struct ggml_tensor   fused_w[2], fused_p[2];
 };
 
 // true when node i of g (a MUL_MAT_ID of ffn_gate_exps) is followed by the same layer's up product of the same
-// input and ids and their GLU; the activation is the one the model states, else the GLU op's
+// input and ids and their GLU, or (ffn_gate_up_exps) by the two halves' views and their GLU; the activation is the
+// one the model states, else the GLU op's
 bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_expert_region * r);
 
 // the region's three nodes: gate, then up (rows of fired neurons only, for a ReLU-family activation), then act

@@ -49,18 +49,26 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
                           pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_COPY) > 0, data, offset, size);
         return;
     }
-    if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse(tensor->name, &layer, &m)) {
-        // routed experts: each expert's slice is one sidecar layer (FORMAT.md, "MoE sidecars")
+    bool fused = false;
+    if (bc->binding != NULL && bc->binding->sc->n_expert > 0 && pi2_expert_weight_parse_fused(tensor->name, &layer, &m, &fused)) {
+        // routed experts: each expert's slice is one sidecar layer (FORMAT.md, "MoE sidecars"); of ffn_gate_up_exps
+        // each slice holds the expert's gate rows, then its up rows, checked as its gate and up
         const int64_t n_expert = tensor->ne[2];
         const size_t  slice    = tensor->nb[2];
+        const int     parts    = fused ? 2 : 1;
+        const bool    whole    = offset == 0 && size == ggml_nbytes(tensor);
         for (int64_t e = 0; e < n_expert; ++e) {
-            struct ggml_tensor one = *tensor;
-            one.ne[2] = 1;
-            one.nb[3] = one.nb[2];
-            const bool whole = offset == 0 && size == ggml_nbytes(tensor);
             const struct pi2_sidecar * sc = bc->binding->sc;
             const int sl = n_expert == (int64_t) sc->n_expert ? pi2_sidecar_expert_layer(sc, layer, e) : -1;
-            pi2_binding_check_upload(bc->binding, sl, m, &one, (const char *) data + (size_t) e * slice, whole ? slice : 0);
+            for (int k = 0; k < parts; ++k) {
+                struct ggml_tensor one = *tensor;
+                one.ne[1] /= parts;
+                one.ne[2] = 1;
+                one.nb[2] = one.nb[3] = slice / (size_t) parts;
+                pi2_binding_check_upload(bc->binding, sl, fused ? (k == 0 ? PI2_MATRIX_GATE : PI2_MATRIX_UP) : m, &one,
+                                         (const char *) data + (size_t) e * slice + (size_t) k * (slice / (size_t) parts),
+                                         whole ? slice / (size_t) parts : 0);
+            }
         }
         return;
     }

@@ -38,7 +38,7 @@ static bool pi2_weight_parse(const char * name, const char * const suffix[PI2_N_
         return false;
     }
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        if (strcmp(end + 1, suffix[m]) == 0) {
+        if (suffix[m] != NULL && strcmp(end + 1, suffix[m]) == 0) {
             *layer  = (int) il;
             *matrix = (enum pi2_matrix) m;
             return true;
@@ -60,8 +60,20 @@ bool pi2_ffn_weight_parse(const char * name, int * layer, enum pi2_matrix * matr
     return pi2_ffn_weight_parse_kind(name, layer, matrix, NULL);
 }
 
+// NULL: no such matrix
+static const char * const pi2_fused_expert_suffix[PI2_N_MATRIX] = { [PI2_MATRIX_GATE] = "ffn_gate_up_exps.weight" };
+
+bool pi2_expert_weight_parse_fused(const char * name, int * layer, enum pi2_matrix * matrix, bool * fused) {
+    const bool split = pi2_weight_parse(name, pi2_expert_suffix, layer, matrix);
+    const bool one   = !split && pi2_weight_parse(name, pi2_fused_expert_suffix, layer, matrix);
+    if (fused != NULL) {
+        *fused = one;
+    }
+    return split || one;
+}
+
 bool pi2_expert_weight_parse(const char * name, int * layer, enum pi2_matrix * matrix) {
-    return pi2_weight_parse(name, pi2_expert_suffix, layer, matrix);
+    return pi2_expert_weight_parse_fused(name, layer, matrix, NULL);
 }
 
 void pi2_ffn_weight_name(int layer, enum pi2_matrix matrix, char * buf, size_t size) {

@@ -116,10 +116,13 @@ static const struct ggml_tensor * pi2_own_product_weight(ggml_backend_dev_t dev,
     return w != NULL && pi2_is_own_buffer(dev, w) ? w : NULL;
 }
 
-// an own routed-expert product (MUL_MAT_ID), or NULL
+// an own routed-expert product (MUL_MAT_ID), or a view of one (the gate or up half of ffn_gate_up_exps'), or NULL
 static const struct ggml_tensor * pi2_expert_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
     int layer = 0;
     enum pi2_matrix m;
+    if (t != NULL && t->op == GGML_OP_VIEW) {
+        t = t->view_src;
+    }
     return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_is_own_buffer(dev, t->src[0]) &&
            pi2_expert_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
 }
@@ -136,8 +139,10 @@ static bool pi2_supports_expert_glu(ggml_backend_dev_t dev, const struct ggml_te
     if (!pi2_glu_supported(ggml_get_glu_op(op)) && !pi2_act_overrides_glu(&sa)) {
         return false;
     }
+    // the halves of a fused gate+up product are views with its row stride (contiguous rows)
     return a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 && ggml_are_same_shape(a, b) &&
-           ggml_is_contiguous(a) && ggml_is_contiguous(b) && ggml_is_contiguous(op);
+           ggml_is_contiguous_1(a) && ggml_is_contiguous_1(b) && a->nb[0] == sizeof(float) && b->nb[0] == sizeof(float) &&
+           ggml_is_contiguous(op);
 }
 
 static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, enum ggml_op op, bool by_id);
@@ -253,8 +258,13 @@ static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, 
 
 bool pi2_claim_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
-        const bool by_id = op->op == GGML_OP_MUL_MAT_ID || op->src[0]->op == GGML_OP_MUL_MAT_ID;
-        const struct ggml_tensor * w = op->op == GGML_OP_GLU ? op->src[0]->src[0] : op->src[0];
+        // a GLU's input product, also through the view of a fused gate+up's half
+        const struct ggml_tensor * in = op->op == GGML_OP_GLU ? op->src[0] : NULL;
+        if (in != NULL && in->op == GGML_OP_VIEW && in->view_src != NULL) {
+            in = in->view_src;
+        }
+        const bool by_id = op->op == GGML_OP_MUL_MAT_ID || (in != NULL && in->op == GGML_OP_MUL_MAT_ID);
+        const struct ggml_tensor * w = in != NULL ? in->src[0] : op->src[0];
         if (w != NULL && pi2_is_prompt_batch(w, by_id ? op->ne[2] : op->ne[1], op->op, by_id)) {
             return false;
         }
@@ -266,7 +276,9 @@ bool pi2_claim_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
         case GGML_OP_PERMUTE:
         case GGML_OP_TRANSPOSE:
             // llama checks that pre-allocated tensors in PI2 buffers can be used "by" PI2
-            return pi2_is_own_buffer(dev, op) || (op->view_src != NULL && pi2_is_own_buffer(dev, op->view_src));
+            // and a view of an own expert product (ffn_gate_up_exps' gate or up half): a region's node
+            return pi2_is_own_buffer(dev, op) || (op->view_src != NULL && pi2_is_own_buffer(dev, op->view_src)) ||
+                   (op->op == GGML_OP_VIEW && pi2_expert_product_weight(dev, op) != NULL);
         case GGML_OP_MUL_MAT:
             return pi2_supports_ffn_mul_mat(dev, op) || pi2_supports_output_mul_mat(dev, op);
         case GGML_OP_MUL_MAT_ID:

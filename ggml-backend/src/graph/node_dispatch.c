@@ -60,7 +60,7 @@ static int pi2_run_node(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgrap
                 return used;
             }
             *st = pi2_exec_expert_region(ctx, &r);
-            return 3;
+            return r.n_nodes;
         }
     }
     switch (node->op) {

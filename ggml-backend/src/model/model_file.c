@@ -67,10 +67,26 @@ static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * pa
     for (int m = 0; m < PI2_N_MATRIX; ++m) {
         snprintf(name[m], sizeof(name[m]), "blk.%" PRIu32 ".%s", il, suffix[m]);
     }
-    if (gguf_find_tensor(f->gguf, name[0]) < 0) {
+    // ffn_gate_up_exps (the converter's --fuse-gate-up-exps): each expert's gate rows, then its up rows
+    char fused_name[PI2_FFN_NAME_MAX];
+    snprintf(fused_name, sizeof(fused_name), "blk.%" PRIu32 ".ffn_gate_up_exps.weight", il);
+    const bool fused = gguf_find_tensor(f->gguf, name[0]) < 0 && gguf_find_tensor(f->gguf, fused_name) >= 0;
+    struct ggml_tensor half[2];
+    if (fused) {
+        const struct ggml_tensor * gu = ggml_get_tensor(f->meta, fused_name);
+        if (gu == NULL || ggml_n_dims(gu) != 3 || gu->ne[1] % 2 != 0) {
+            return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "%s is not [*, 2 n_ff, n_expert]", fused_name);
+        }
+        for (int k = 0; k < 2; ++k) {
+            half[k] = *gu;
+            half[k].ne[1] = gu->ne[1] / 2;
+            t[k] = &half[k];
+            snprintf(name[k], sizeof(name[k]), "%s", fused_name);
+        }
+    } else if (gguf_find_tensor(f->gguf, name[0]) < 0) {
         return 1;
     }
-    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+    for (int m = fused ? PI2_MATRIX_DOWN : 0; m < PI2_N_MATRIX; ++m) {
         t[m] = ggml_get_tensor(f->meta, name[m]);
         if (t[m] == NULL) {
             return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "has %s but no %s", name[0], name[m]);
@@ -80,7 +96,8 @@ static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * pa
         }
         *n_expert = t[m]->ne[2];
     }
-    if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0])) {
+    if (!(t[0]->ne[0] == t[1]->ne[0] && t[1]->ne[0] == t[2]->ne[1] && t[0]->ne[1] == t[1]->ne[1] && t[1]->ne[1] == t[2]->ne[0]) ||
+        t[0]->ne[2] != *n_expert) {
         return pi2_gguf_fail(err, errlen, PI2_MODEL, path, "layer %" PRIu32 " expert shapes disagree", il);
     }
     if ((uint64_t) *n + (uint64_t) *n_expert > PI2_MAX_LAYERS) {
@@ -88,10 +105,12 @@ static int pi2_summarize_experts(const struct pi2_gguf_file * f, const char * pa
     }
     for (int64_t e = 0; e < *n_expert; ++e, ++*n) {
         for (int m = 0; m < PI2_N_MATRIX; ++m) {
+            const bool    in_fused = fused && m != PI2_MATRIX_DOWN; // half m of the expert's fused slice
             const int64_t id    = gguf_find_tensor(f->gguf, name[m]);
-            const size_t  slice = gguf_get_tensor_size(f->gguf, id) / (size_t) *n_expert;
-            if (pi2_file_tensor_fingerprint(f, path, t[m], data + gguf_get_tensor_offset(f->gguf, id) + (uint64_t) e * slice, slice,
-                                            &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
+            const size_t  slice = gguf_get_tensor_size(f->gguf, id) / (size_t) *n_expert / (in_fused ? 2 : 1);
+            const uint64_t at   = data + gguf_get_tensor_offset(f->gguf, id) + (uint64_t) e * slice * (in_fused ? 2 : 1) +
+                                  (in_fused && m == PI2_MATRIX_UP ? slice : 0);
+            if (pi2_file_tensor_fingerprint(f, path, t[m], at, slice, &fps[PI2_N_MATRIX * *n + m], err, errlen) != 0) {
                 return -1;
             }
             *ffn_bytes += slice;
