@@ -27,12 +27,15 @@ for _module in ("torch", "transformers", "sentencepiece", "safetensors"):  # the
 import pi2_gguf  # noqa: E402
 from pi2_gguf.converter.convert import convert  # noqa: E402
 from pi2_gguf.errors import MemoryBudgetError, ModelFileError  # noqa: E402
+from pi2_gguf.runtime.generate import Greedy  # noqa: E402
 from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
 from pi2_gguf.sidecar.format import Key, moe_layer_first  # noqa: E402
+from pi2_gguf.sidecar.inspect import summary  # noqa: E402
 from pi2_gguf.sidecar.reader import read as read_sidecar  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 import tiny_families as tf  # noqa: E402
+from gguf_copy import copy_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire covers"
@@ -209,6 +212,9 @@ def test_shared_experts_in_pi2(built: dict[tuple[str, str], Path], sidecars: dic
     n_expert = kv[Key.MOE_EXPERT_COUNT]
     first = moe_layer_first(kv[Key.MOE_LAYER_EXPERTS], n_expert, len(kv[Key.N_FF]))
     assert [il for il in range(len(first) - 1) if first[il + 1] - first[il] == n_expert + 1] == shared
+    text = summary(read_sidecar(sidecar))  # inspect says which sidecar layer each shared expert and dense layer is
+    assert text.count("; shared expert: sidecar layer") == len(shared)
+    assert text.count("dense FFN (sidecar layer") == sum(1 for c in kv[Key.MOE_LAYER_EXPERTS] if c == 0)
     llm = pi2_gguf.Llama(str(model), sidecar=sidecar, mode="predicted", memory_budget=2 << 30, settings=FLASH, n_ctx=128,
                          n_threads=2, verbose=False)
     try:
@@ -219,6 +225,27 @@ def test_shared_experts_in_pi2(built: dict[tuple[str, str], Path], sidecars: dic
         llm.close()
     found = c.hot_hits + c.cold_hits + c.misses
     assert all(found[first[il] + n_expert] > 0 for il in shared), found
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "granitemoe", "deepseek2", "glm4moe"])
+def test_relu_stated_moe_oracle_equals_dense(built: dict[tuple[str, str], Path], tmp_path: Path, name: str) -> None:
+    """An MoE layout that states a ReLU-family activation (<arch>.ffn_activation = relu): PI2 computes it in every
+    routed expert, shared expert and dense layer, the sidecar's sparsity is exact, and oracle gives dense's tokens;
+    under a budget each mode gives its in-RAM tokens."""
+    arch = tf.FAMILIES[name].arch
+    model = copy_gguf(built[(name, "f32")], tmp_path / f"{name}-relu.gguf", set_kv={f"{arch}.ffn_activation": "relu"})
+    sidecar = convert(model, tmp_path / f"{name}-relu.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                      perplexity_budget=None).path
+    assert read_sidecar(sidecar).kv[Key.SPARSITY_METHOD] == "relu"
+    ram: dict[str, Greedy] = {}
+    for mode in ("dense", "oracle"):
+        ram[mode] = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
+                                         settings=RAM)[0]
+        flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
+                                     memory_budget=2 << 30, settings=FLASH)[0]
+        assert flash.tokens == ram[mode].tokens, mode
+    assert ram["oracle"].tokens == ram["dense"].tokens
+    assert _relative(ram["oracle"].logits_first, ram["dense"].logits_first) <= 1e-4
 
 
 def _fuse_gate_up_exps(src: Path, dst: Path) -> Path:

@@ -264,6 +264,12 @@ def test_moe_sidecar_describes_each_expert(moe_sidecar: tuple[Path, Path]) -> No
 
     text = summary(read_sc(sidecar))
     assert "3 layers of 8 routed experts" in text and text.count("(hottest ") == 3
+    # the disk the sidecar adds beside the model, and of what
+    disk = re.search(r"model ([0-9.]+) MB \+ sidecar ([0-9.]+) MB = ([0-9.]+) MB.*neuron bundles ([0-9.]+) MB", text)
+    assert disk is not None, text
+    assert float(disk[1]) == round(model.stat().st_size / 1e6, 1)
+    assert float(disk[2]) == round(sidecar.stat().st_size / 1e6, 1)
+    assert 0 < float(disk[4]) < float(disk[2])
 
 
 def test_moe_oracle_equals_dense_and_predicted_agrees(moe_sidecar: tuple[Path, Path]) -> None:

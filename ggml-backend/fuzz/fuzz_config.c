@@ -55,10 +55,11 @@ static void fuzz_line(const char * name, const char * value) {
     }
     int layer = -1;
     enum pi2_matrix matrix = PI2_N_MATRIX;
-    if (pi2_ffn_weight_parse(value, &layer, &matrix)) {
+    bool shared = false;
+    if (pi2_ffn_weight_parse_kind(value, &layer, &matrix, &shared)) {
         FUZZ_ASSERT(layer >= 0 && layer < PI2_MAX_LAYERS && matrix >= 0 && matrix < PI2_N_MATRIX);
         char back[PI2_FFN_NAME_MAX];
-        pi2_ffn_weight_name(layer, matrix, back, sizeof(back));
+        (shared ? pi2_shexp_weight_name : pi2_ffn_weight_name)(layer, matrix, back, sizeof(back));
         FUZZ_ASSERT(strcmp(back, value) == 0);
     }
 }

@@ -59,6 +59,23 @@ def _moe_line(kv: dict, n_layer: int) -> str:
             "shared expert and dense layer one sidecar layer, in model order")
 
 
+def _disk_line(sc: Sidecar) -> str:
+    """What the sidecar adds on disk beside its model, and of what: the neuron bundles (a second copy of the FFN
+    weights, laid out neuron by neuron), the predictors, and the rest (rankings, frequencies, header)."""
+    model = int(sc.kv[Key.SOURCE_FILE_SIZE])
+    size = sc.path.stat().st_size
+    by_suffix: dict[str, int] = {}
+    for name, t in sc.tensors.items():
+        suffix = name.split(".", 2)[-1]
+        by_suffix[suffix] = by_suffix.get(suffix, 0) + int(t.n_bytes)
+    bundles = by_suffix.get("pi2_bundles", 0)
+    predictors = sum(v for k, v in by_suffix.items() if k.startswith("pi2_pred_"))
+    return (f"disk           model {model / 1e6:.1f} MB + sidecar {size / 1e6:.1f} MB = {(model + size) / 1e6:.1f} MB "
+            f"(the sidecar {100 * size / max(model, 1):.0f}% of the model: neuron bundles {bundles / 1e6:.1f} MB, "
+            f"predictors {predictors / 1e6:.1f} MB, rankings, frequencies and 4 KiB alignment "
+            f"{(size - bundles - predictors) / 1e6:.1f} MB)")
+
+
 def summary(sc: Sidecar) -> str:
     kv = sc.kv
     target = kv[Key.SPARSITY_TARGET]
@@ -67,6 +84,7 @@ def summary(sc: Sidecar) -> str:
         f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv[Key.FORMAT_VERSION]}",
         f"model          {kv[Key.SOURCE_NAME] or '(unnamed)'} ({kv[Key.SOURCE_ARCHITECTURE]}, "
         f"{kv[Key.SOURCE_FILE_SIZE] / 1e6:.1f} MB), fingerprint {kv[Key.SOURCE_FINGERPRINT]:016x}",
+        _disk_line(sc),
         f"FFN            {sc.n_layer} layers, n_embd {kv[Key.N_EMBD]}, activation {kv[Key.ACTIVATION]}"
         + _moe_line(kv, sc.n_layer),
         *_expert_hotness(kv),
