@@ -10,6 +10,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "graph/ffn_names.h"
+#include "graph/ffn_region.h"
 #include "graph/route.h"
 #include "dense/glu.h"
 #include "model/model_binding.h"
@@ -229,20 +230,6 @@ static bool pi2_is_expert_product(const struct ggml_tensor * t, int layer, enum 
     return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_expert_weight_parse(t->src[0]->name, &l, &m) && l == layer && m == want;
 }
 
-// half k (0 gate, 1 up) of the fused product t: rows [k n_ff, (k + 1) n_ff) of each expert's matrix of its weight
-// (into hw), the same rows of t (into hp)
-static void pi2_fused_expert_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k) {
-    const struct ggml_tensor * w = t->src[0];
-    const int64_t n_ff = t->ne[0] / 2;
-    *hw = *w;
-    hw->ne[1] = n_ff;
-    hw->data  = w->data != NULL ? (char *) w->data + (size_t) k * (size_t) n_ff * w->nb[1] : NULL;
-    *hp = *t;
-    hp->ne[0] = n_ff;
-    hp->data  = t->data != NULL ? (char *) t->data + (size_t) k * (size_t) n_ff * t->nb[0] : NULL;
-    hp->src[0] = hw;
-}
-
 // a view of t's half k (as build_moe_ffn makes them: [n_ff, n_used, n_tokens] at offset k n_ff floats)
 static bool pi2_is_half_view(const struct ggml_tensor * v, const struct ggml_tensor * t, int k) {
     return v != NULL && v->op == GGML_OP_VIEW && v->view_src == t && v->ne[0] * 2 == t->ne[0] && v->ne[1] == t->ne[1] &&
@@ -275,7 +262,7 @@ static bool pi2_expert_region_fused(struct ggml_cgraph * g, int i, int layer, co
     }
     *r = (struct pi2_expert_region) { .layer = layer, .n_nodes = 4, .glu = glu, .down = down, .act = act };
     for (int k = 0; k < 2; ++k) {
-        pi2_fused_expert_half(&r->fused_w[k], &r->fused_p[k], t, k);
+        pi2_fused_half(&r->fused_w[k], &r->fused_p[k], t, k);
     }
     r->gate = &r->fused_p[0];
     r->up   = &r->fused_p[1];

@@ -62,13 +62,14 @@ bool pi2_ffn_fused_glu(const struct ggml_tensor * glu) {
            p->ne[0] % 2 == 0 && glu->ne[0] * 2 == p->ne[0];
 }
 
-// half k (0 gate, 1 up) of a fused product t (and its weight w): rows [k n_ff, (k + 1) n_ff) of w, the same columns of t
-static void pi2_fused_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k) {
+void pi2_fused_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k) {
     const struct ggml_tensor * w = t->src[0];
     const int64_t n_ff = t->ne[0] / 2;
     *hw = *w;
     hw->ne[1] = n_ff;
-    hw->nb[2] = hw->nb[3] = (size_t) n_ff * w->nb[1];
+    if (w->ne[2] == 1) { // a 2-D weight: the half is a matrix of its own (a stacked one keeps the experts' stride)
+        hw->nb[2] = hw->nb[3] = (size_t) n_ff * w->nb[1];
+    }
     hw->data  = w->data != NULL ? (char *) w->data + (size_t) k * (size_t) n_ff * w->nb[1] : NULL;
     *hp = *t;
     hp->ne[0] = n_ff;

@@ -30,6 +30,11 @@ struct pi2_ffn_region {
 bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_ffn_region * r,
                          const char ** why);
 
+// half k (0: gate, 1: up) of a fused gate+up product t (phi3's ffn_up, or ffn_gate_up_exps'): the weight's rows
+// [k n_ff, (k + 1) n_ff) (of each expert's matrix, for stacked experts) into hw, the same columns of t into hp,
+// whose weight is hw
+void pi2_fused_half(struct ggml_tensor * hw, struct ggml_tensor * hp, const struct ggml_tensor * t, int k);
+
 // a GLU of one fused gate+up product (phi3's ffn_up: gate rows, then up rows): act(first half) * second half
 bool pi2_ffn_fused_glu(const struct ggml_tensor * glu);
 
