@@ -116,18 +116,24 @@ def test_dense_equals_stock(built: dict[tuple[str, str], Path], name: str, outty
     assert placed.tokens == stock.tokens and placed.logits_first == stock.logits_first  # bit for bit
 
 
-@pytest.mark.parametrize("name", list(tf.FAMILIES))
-def test_what_pi2_computes(built: dict[tuple[str, str], Path], name: str) -> None:
-    """The products (and the GLU) PI2 runs for one decode step with every layer held, as ROWS says."""
-    llm = pi2_gguf.Llama(str(built[(name, "f32")]), sidecar=False, n_ctx=128, n_threads=2, verbose=False)
-    try:  # every layer held: the tests' PI2_LAYERS=all (conftest.py)
+def _decode_step_counters(model: Path) -> pi2_gguf.Counters:
+    """PI2's counters of one decode step after the prompt, without a sidecar and with every layer held (the tests'
+    PI2_LAYERS=all, conftest.py)."""
+    llm = pi2_gguf.Llama(str(model), sidecar=False, n_ctx=128, n_threads=2, verbose=False)
+    try:
         assert llm.layers_left() == []
         llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
         pi2_gguf.reset_counters()
         llm.eval([5])
-        c = pi2_gguf.read_counters()
+        return pi2_gguf.read_counters()
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("name", list(tf.FAMILIES))
+def test_what_pi2_computes(built: dict[tuple[str, str], Path], name: str) -> None:
+    """The products (and the GLU) PI2 runs for one decode step with every layer held, as ROWS says."""
+    c = _decode_step_counters(built[(name, "f32")])
     ran = [m for m, n in zip(("gate", "up", "down"), c.matmul_calls.sum(axis=0)) if n > 0]
     ran += ["glu"] if c.glu_calls.sum() > 0 else []
     assert " ".join(ran) == ROWS[name].pi2_ops
@@ -198,14 +204,7 @@ def test_shared_experts_in_pi2(built: dict[tuple[str, str], Path], sidecars: dic
     model, sidecar = built[(name, "f32")], sidecars[name]
     shared = _shared_expert_layers(model)
     assert shared
-    llm = pi2_gguf.Llama(str(model), sidecar=False, n_ctx=128, n_threads=2, verbose=False)
-    try:
-        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
-        pi2_gguf.reset_counters()
-        llm.eval([5])
-        c = pi2_gguf.read_counters()
-    finally:
-        llm.close()
+    c = _decode_step_counters(model)
     assert all(c.matmul_calls[il].tolist() == [2, 2, 2] for il in shared), c.matmul_calls[: max(shared) + 1]
     assert isinstance(sidecar, Path)
     kv = read_sidecar(sidecar).kv

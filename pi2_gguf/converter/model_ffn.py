@@ -116,6 +116,18 @@ class ModelFfn:
             raise ModelFileError(f"{self.path}: {what} shapes disagree: gate {g.ne0}x{g.ne1}, "
                                  f"up {u.ne0}x{u.ne1}, down {d.ne0}x{d.ne1}")
 
+    def _weight(self, tensors: dict, name: str, first: str, dims: int) -> tuple[str, GGMLQuantizationType, list[int], Any]:
+        """(name, type, ne, data) of FFN weight `name`, which `first` (the layer's gate) implies; ModelFileError unless
+        it is there with `dims` dimensions (3: one matrix per expert)."""
+        t = tensors.get(name)
+        if t is None:
+            raise ModelFileError(f"{self.path} has {first} but no {name}")
+        ne = [int(x) for x in t.shape]
+        if len(ne) != dims:
+            raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected {dims}"
+                                 + (" (one matrix per expert)" if dims == 3 else ""))
+        return name, GGMLQuantizationType(int(t.tensor_type)), ne, t.data
+
     def _read_dense(self, tensors: dict, il: int, kind: str = "") -> dict[str, FfnTensor]:
         """Layer il's dense FFN, or with kind "_shexp" the shared expert beside its routed ones. A fused gate+up
         (phi3's ffn_up: the gate's rows, then the up's) is read as its two halves, each fingerprinted as a tensor of
@@ -133,14 +145,8 @@ class ModelFfn:
             self._check_shapes(layer, f"layer {il} FFN")
             return layer
         for m in MATRICES:
-            name = f"blk.{il}.ffn_{m}{kind}.weight"
-            t = tensors.get(name)
-            if t is None:
-                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate{kind}.weight but no {name}")
-            ne = [int(x) for x in t.shape]
-            if len(ne) != 2:
-                raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 2")
-            layer[m] = FfnTensor(name, GGMLQuantizationType(int(t.tensor_type)), ne[0], ne[1], t.data)
+            name, qt, ne, data = self._weight(tensors, f"blk.{il}.ffn_{m}{kind}.weight", f"blk.{il}.ffn_gate{kind}.weight", 2)
+            layer[m] = FfnTensor(name, qt, ne[0], ne[1], data)
         self._check_shapes(layer, f"layer {il} {'shared expert' if kind else 'FFN'}")
         return layer
 
@@ -160,14 +166,7 @@ class ModelFfn:
         for m in MATRICES:
             if m in stacked:
                 continue
-            name = f"blk.{il}.ffn_{m}_exps.weight"
-            t = tensors.get(name)
-            if t is None:
-                raise ModelFileError(f"{self.path} has blk.{il}.ffn_gate_exps.weight but no {name}")
-            ne = [int(x) for x in t.shape]
-            if len(ne) != 3:
-                raise ModelFileError(f"{name} in {self.path} has {len(ne)} dimensions, expected 3 (one matrix per expert)")
-            stacked[m] = (name, GGMLQuantizationType(int(t.tensor_type)), ne, t.data)
+            stacked[m] = self._weight(tensors, f"blk.{il}.ffn_{m}_exps.weight", f"blk.{il}.ffn_gate_exps.weight", 3)
         n_expert = stacked["gate"][2][2]
         if self.n_expert not in (0, n_expert) or any(v[2][2] != n_expert for v in stacked.values()):
             raise ModelFileError(f"{self.path}: layer {il}'s experts disagree in number")
