@@ -37,7 +37,7 @@ def test_architecture_activation_tables_agree() -> None:
     body = text[text.index("pi2_arch_activations[] = {"):]
     body = body[:body.index("};")]
     names = {"PI2_ACT_SILU": "silu", "PI2_ACT_GELU": "gelu", "PI2_ACT_GELU_ERF": "gelu_erf", "PI2_ACT_RELU": "relu",
-             "PI2_ACT_DRELU": "drelu", "PI2_ACT_FATRELU": "fatrelu"}
+             "PI2_ACT_DRELU": "drelu", "PI2_ACT_FATRELU": "fatrelu", "PI2_ACT_SWIGLU_OAI": "swiglu_oai"}
     c_table = {arch: names[kind] for arch, kind in re.findall(r'\{\s*"([^"]+)",\s*(PI2_ACT_\w+),', body)}
     assert c_table and c_table == model_ffn.ARCH_ACTIVATION
     assert c_table["smallthinker"] == "relu"

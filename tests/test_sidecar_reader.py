@@ -508,7 +508,7 @@ def test_inconsistent_fingerprint_and_enums(tmp_path: Path) -> None:
     sc = factory.build()
     sc.set("pi2.activation", "swish")
     assert _refused(factory.write(sc, tmp_path / "a.pi2.gguf")).endswith(
-        "pi2.activation is 'swish', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu")
+        "pi2.activation is 'swish', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu, swiglu_oai")
 
     for act, t in (("silu", 0.5), ("fatrelu", -1.0), ("fatrelu", float("nan"))):  # only FATReLU has a threshold, >= 0
         sc = factory.build()

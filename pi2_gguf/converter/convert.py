@@ -135,18 +135,18 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
         gate_w = ffn["gate"].dequantized()
-        g_train = sp.gate_preactivations(gate_w, prof.train[il])
-        g_held = sp.gate_preactivations(gate_w, prof.heldout[il])
+        g_train = model.gate_values(il, gate_w, prof.train[il])
+        g_held = model.gate_values(il, gate_w, prof.heldout[il])
         a_train, a_held = act(g_train), act(g_held)
         mag_train, mag_held = np.abs(a_train), np.abs(a_held)
         tp = 0.0
         y_train = y_held = None  # the active neurons, where they are not just mag > th
         if plan.method == "product":
             up_w = ffn["up"].dequantized()
-            prod_train = np.abs(a_train * (prof.train[il] @ up_w.T))
+            prod_train = np.abs(a_train * model.up_values(il, up_w, prof.train[il]))
             th, tp = sp.product_thresholds(plan, mag_train, prod_train)
             y_train = sp.active(mag_train, th, prod_train, tp)
-            y_held = sp.active(mag_held, th, np.abs(a_held * (prof.heldout[il] @ up_w.T)), tp)
+            y_held = sp.active(mag_held, th, np.abs(a_held * model.up_values(il, up_w, prof.heldout[il])), tp)
             density = float(y_held.mean())
             del up_w, prod_train
         elif model.activation == "drelu":
@@ -178,7 +178,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
-                                    shipped=shipped.get(il))
+                                    shipped=shipped.get(il), gate_bias=model.biases.get(il, (None,))[0])
         sources.append(fitted.source)
         del g_train, g_held, y_train, y_held
         p = fitted.predictor

@@ -26,7 +26,10 @@ MATRICES = ("gate", "up", "down")
 # computes on any llama.cpp and the patch in patches/ makes llama.cpp itself compute; one that states none
 # runs SwiGLU.
 ARCH_ACTIVATION = {"smallthinker": "relu", "gemma": "gelu", "gemma2": "gelu", "gemma3": "gelu", "gemma3n": "gelu",
-                   "gemma4": "gelu", "gemma-embedding": "gelu"}
+                   "gemma4": "gelu", "gemma-embedding": "gelu", "gpt-oss": "swiglu_oai"}
+# gpt-oss's SwiGLU-OAI: min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1), with the constants
+# llama.cpp's build_moe_ffn fixes (LLM_FFN_SWIGLU_OAI_MOE) and hands the GLU node, from which the plugin reads them
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
 ACTIVATION_KEY = "{arch}.ffn_activation"
 ACTIVATION_THRESHOLD_KEY = "{arch}.ffn_activation_threshold"
 # names a model may state, as the plugin reads them ("reglu" is relu)
@@ -83,6 +86,8 @@ class ModelFfn:
         # (and a shared expert). n_expert 0: a dense model
         self.n_expert = 0
         self.moe_layers = 0
+        # gpt-oss: each routed expert's gate and up biases (added to its products before the activation), by layer
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.layer_experts: list[int] = []
         il = 0
         while True:
@@ -171,10 +176,34 @@ class ModelFfn:
         if self.n_expert not in (0, n_expert) or any(v[2][2] != n_expert for v in stacked.values()):
             raise ModelFileError(f"{self.path}: layer {il}'s experts disagree in number")
         self.n_expert = n_expert
+        n_ff = stacked["gate"][2][1]
+        biases = [self._expert_bias(tensors, f"blk.{il}.ffn_{m}_exps.bias", n_ff, n_expert) for m in ("gate", "up")]
         for e in range(n_expert):
             layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
             self._check_shapes(layer, f"layer {il} expert FFN")
+            if biases[0] is not None or biases[1] is not None:
+                self.biases[len(self.layers)] = tuple(np.zeros(n_ff, np.float32) if b is None else b[e] for b in biases)
             self.layers.append(layer)
+
+    def _expert_bias(self, tensors: dict, name: str, n_ff: int, n_expert: int) -> np.ndarray | None:
+        """An f32 expert bias [n_expert, n_ff] (gpt-oss's ffn_{gate,up}_exps.bias), or None where the model has none."""
+        t = tensors.get(name)
+        if t is None:
+            return None
+        if int(t.tensor_type) != int(GGMLQuantizationType.F32) or [int(x) for x in t.shape] != [n_ff, n_expert]:
+            raise ModelFileError(f"{name} in {self.path} is not an f32 [{n_ff}, {n_expert}] bias of the layer's experts")
+        return np.asarray(t.data, dtype=np.float32).reshape(n_expert, n_ff)
+
+    def gate_values(self, layer: int, gate_w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Sidecar layer `layer`'s gate values for inputs x [n_tokens, n_embd]: x gate^T (gate_w dequantized), plus
+        the expert's gate bias where it has one."""
+        g = np.asarray(x, dtype=np.float32) @ gate_w.T
+        return g + self.biases[layer][0] if layer in self.biases else g
+
+    def up_values(self, layer: int, up_w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """act_up of sidecar layer `layer`'s up values for inputs x: x up^T plus its up bias, through act_up."""
+        u = np.asarray(x, dtype=np.float32) @ up_w.T
+        return up_values(self.activation, u + self.biases[layer][1] if layer in self.biases else u)
 
     @property
     def mixed(self) -> bool:
@@ -235,10 +264,6 @@ def layout_refusal(arch: str, tensors: Mapping[str, Any]) -> str | None:
         return sorted(int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.endswith(suffix))
 
     dense, routed = layers(".ffn_gate.weight"), layers(".ffn_gate_exps.weight") + layers(".ffn_gate_up_exps.weight")
-    biased = layers(".ffn_gate_exps.bias") or layers(".ffn_up_exps.bias")
-    if biased:
-        return (f"blk.{biased[0]}'s routed experts carry biases ({arch}; gpt-oss's are biased and computed with "
-                "SwiGLU-OAI), which PI2 does not compute; convert cannot make a sidecar")
     ungated = [il for il in layers(".ffn_up.weight") if il not in dense and not _fused_gate_up(tensors, il)]
     if ungated and not routed:
         return (f"blk.{ungated[0]}'s FFN has no gate ({arch}: up, activation, down), and PowerInfer-2's sparse decode "
@@ -275,10 +300,15 @@ def activation_values(kind: str, g: np.ndarray, threshold: float = 0.0) -> np.nd
         return (0.5 * g * (1.0 + np.vectorize(erf, otypes=[np.float32])(g / sqrt(2.0)))).astype(np.float32)
     if kind in fmt.RELU_FAMILY:
         return np.maximum(g, 0.0)
+    if kind == "swiglu_oai":  # as ggml-cpu: x = min(g, limit); x / (1 + exp(-alpha x))
+        x = np.minimum(g, SWIGLU_OAI_LIMIT)
+        return (x / (np.float32(1.0) + np.exp(SWIGLU_OAI_ALPHA * -x))).astype(np.float32)
     raise ValueError(f"unknown activation {kind}")
 
 
 def up_values(kind: str, u: np.ndarray) -> np.ndarray:
-    """act_up(u): relu(u) for dReLU, u itself for the others."""
+    """act_up(u): relu(u) for dReLU, clamp(u, -limit, limit) + 1 for SwiGLU-OAI, u itself for the others."""
     u = np.asarray(u, dtype=np.float32)
+    if kind == "swiglu_oai":
+        return np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + np.float32(1.0)
     return np.maximum(u, 0.0) if kind == "drelu" else u

@@ -104,17 +104,19 @@ def rrr_basis(x: np.ndarray, gate_w: np.ndarray) -> np.ndarray:
     return vt.astype(np.float32)
 
 
-def rrr_init(x: np.ndarray, gate_w: np.ndarray, rank: int, basis: np.ndarray | None = None) -> Predictor:
+def rrr_init(x: np.ndarray, gate_w: np.ndarray, rank: int, basis: np.ndarray | None = None,
+             gate_bias: np.ndarray | None = None) -> Predictor:
     """Reduced-rank regression of g = x gate^T on x, as a relu MLP of width rank (= 2 k); basis: rrr_basis
-    of the same x and gate, when the caller has it."""
+    of the same x and gate, when the caller has it. gate_bias: a bias added to g (gpt-oss's experts), the
+    predictor's output bias."""
     k = max(1, rank // 2)
     vt = rrr_basis(x, gate_w) if basis is None else basis
     v = vt[:k].astype(np.float32)                      # [k, n_ff]
     a = v @ gate_w                                     # [k, n_embd]: h_j = a_j . x
     w1 = np.concatenate([a, -a])
     w2 = np.concatenate([v.T, -v.T], axis=1)
-    return Predictor(w1.astype(np.float32), np.zeros(2 * k, np.float32), w2.astype(np.float32),
-                     np.zeros(gate_w.shape[0], np.float32))
+    b2 = np.zeros(gate_w.shape[0], np.float32) if gate_bias is None else np.asarray(gate_bias, np.float32).copy()
+    return Predictor(w1.astype(np.float32), np.zeros(2 * k, np.float32), w2.astype(np.float32), b2)
 
 
 def train(x: np.ndarray, g: np.ndarray, y: np.ndarray, init: Predictor, epochs: int = EPOCHS, lr: float = LR,
@@ -195,7 +197,7 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
               x_train: np.ndarray, g_train: np.ndarray, x_held: np.ndarray, g_held: np.ndarray,
               ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS,
               y_train: np.ndarray | None = None, y_held: np.ndarray | None = None, kind: str = DEFAULT_KIND,
-              shipped: Predictor | None = None) -> Fitted:
+              shipped: Predictor | None = None, gate_bias: np.ndarray | None = None) -> Fitted:
     """Makes one predictor per candidate rank (kind svd: reduced-rank regression alone; trained: then
     `epochs` of Adam) and keeps the one with the fewest estimated bytes read
     per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
@@ -204,7 +206,8 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     passes too; for kind svd, which fits without labels, y_train may hold the last validation_rows() rows
     only). The cutoff catches `recall` of the active neurons: a neuron the threshold admits but
     that is not active costs nothing when missed. shipped: a predictor the checkpoint came with, one more
-    candidate measured the same way (source "checkpoint" when it is the cheapest)."""
+    candidate measured the same way (source "checkpoint" when it is the cheapest). gate_bias: the bias g includes
+    beyond x gate^T (gpt-oss's experts), or None."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = validation_rows(xt.shape[0])
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
@@ -234,7 +237,7 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     basis = rrr_basis(x_fit, gate_w)
     for r in ranks:
         r = max(2, min(r, 2 * basis.shape[0]))
-        pred = rrr_init(x_fit, gate_w, r, basis)
+        pred = rrr_init(x_fit, gate_w, r, basis, gate_bias)
         if kind == "trained":
             assert y_fit is not None  # only an "svd" caller labels the validation rows alone
             pred = train(x_fit, g_fit, y_fit, pred, epochs=epochs)

@@ -182,7 +182,7 @@ TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pi2_bundles": ("I8", ("bundle size", "n_bundles")),
 }
 
-ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu", "fatrelu")
+ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu", "fatrelu", "swiglu_oai")
 RELU_FAMILY = ("relu", "drelu", "fatrelu")
 SPARSITY_METHODS = ("cats", "product", "relu")
 # keys only a sidecar of one method holds

@@ -117,6 +117,7 @@ bool pi2_glu_supported(enum ggml_glu_op op) {
         case GGML_GLU_OP_GEGLU:
         case GGML_GLU_OP_SWIGLU:
         case GGML_GLU_OP_GEGLU_ERF:
+        case GGML_GLU_OP_SWIGLU_OAI:
             return true;
         default:
             return false;
@@ -134,6 +135,12 @@ bool pi2_glu_span(const struct pi2_glu_tables * t, const struct pi2_ffn_act * a,
         const float th = a->threshold;
         for (int i = 0; i < n; ++i) {
             y[i] = x[i] > th ? x[i] * g[i] : 0.f;
+        }
+        return true;
+    }
+    if (a->kind == PI2_ACT_SWIGLU_OAI) { // ggml-cpu's scalar loop (ops.cpp, swiglu_oai)
+        for (int i = 0; i < n; ++i) {
+            y[i] = pi2_act_gate(a, x[i]) * pi2_act_up(a, g[i]);
         }
         return true;
     }

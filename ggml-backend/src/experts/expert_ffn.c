@@ -224,6 +224,59 @@ enum ggml_status pi2_exec_mul_mat_id(struct pi2_backend_ctx * ctx, struct ggml_t
     return pi2_run_mul_mat_id(ctx, node, NULL, NULL);
 }
 
+bool pi2_add_id_shapes(const struct ggml_tensor * op) {
+    const struct ggml_tensor * a = op->src[0], * b = op->src[1], * ids = op->src[2];
+    return a != NULL && b != NULL && ids != NULL && op->op == GGML_OP_ADD_ID && a->type == GGML_TYPE_F32 &&
+           b->type == GGML_TYPE_F32 && ids->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) &&
+           b->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) && a->ne[0] == b->ne[0] && b->ne[2] == 1 && b->ne[3] == 1 &&
+           a->ne[3] == 1 && ggml_are_same_shape(op, a) && ids->ne[0] == a->ne[1] && ids->ne[1] == a->ne[2] && ids->ne[2] == 1 &&
+           ids->ne[3] == 1;
+}
+
+enum ggml_status pi2_exec_add_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node) {
+    const struct ggml_tensor * a = node->src[0], * b = node->src[1], * ids = node->src[2];
+    if (!pi2_add_id_shapes(node)) {
+        PI2_LOG_ERROR("pi2: ADD_ID %s of shapes PI2 does not compute\n", node->name);
+        return GGML_STATUS_FAILED;
+    }
+    const int64_t n = a->ne[0], n_used = a->ne[1], n_tokens = a->ne[2];
+    for (int64_t t = 0; t < n_tokens; ++t) { // every id checked before any row is written
+        for (int64_t s = 0; s < n_used; ++s) {
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + s * ids->nb[0]);
+            if (e < 0 || e >= b->ne[1]) {
+                PI2_LOG_ERROR("pi2: %s: token %lld routed to expert %d of %lld\n", node->name, (long long) t, e, (long long) b->ne[1]);
+                return GGML_STATUS_FAILED;
+            }
+        }
+    }
+    const int64_t nr = n_used * n_tokens;
+    const int     want = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    const int     nth = nr < want ? (int) (nr > 0 ? nr : 1) : want;
+    #pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < nr; ++r) {
+        const int64_t s = r % n_used, t = r / n_used;
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + s * ids->nb[0]);
+        const float * x = (const float *) ((const char *) a->data + t * a->nb[2] + s * a->nb[1]);
+        const float * y = (const float *) ((const char *) b->data + e * b->nb[1]);
+        float * d = (float *) ((char *) node->data + t * node->nb[2] + s * node->nb[1]);
+        for (int64_t k = 0; k < n; ++k) {
+            d[k] = x[k] + y[k]; // ggml_vec_add_f32
+        }
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
+// node, an ADD_ID of product t's rows and an expert bias (gpt-oss's experts), or false
+static bool pi2_is_bias_add(const struct ggml_tensor * node, const struct ggml_tensor * t) {
+    return node != NULL && node->op == GGML_OP_ADD_ID && node->src[0] == t && node->src[2] == t->src[2] &&
+           pi2_add_id_shapes(node) && node->src[1]->ne[1] == t->src[0]->ne[2] && ggml_is_contiguous(node);
+}
+
+// an expert's row of a bias [n, n_expert] (an ADD_ID's src[1]), or NULL without a bias
+static const float * pi2_expert_bias(const struct ggml_tensor * add, int32_t e) {
+    return add != NULL ? (const float *) ((const char *) add->src[1]->data + (size_t) e * add->src[1]->nb[1]) : NULL;
+}
+
 static bool pi2_is_expert_product(const struct ggml_tensor * t, int layer, enum pi2_matrix want) {
     int l = 0;
     enum pi2_matrix m = PI2_MATRIX_GATE;
@@ -252,7 +305,7 @@ static bool pi2_expert_region_fused(struct ggml_cgraph * g, int i, int layer, co
         return false;
     }
     struct pi2_ffn_act act;
-    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &act)) {
+    if (!pi2_act_for_glu(stated, glu, &act)) {
         return false;
     }
     struct ggml_tensor * down = i + 4 < n ? ggml_graph_node(g, i + 4) : NULL;
@@ -290,24 +343,37 @@ bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stat
     if (gate->op != GGML_OP_MUL_MAT_ID || !pi2_expert_weight_parse(gate->src[0]->name, &layer, &m) || m != PI2_MATRIX_GATE) {
         return false;
     }
-    struct ggml_tensor * up  = ggml_graph_node(g, i + 1);
-    struct ggml_tensor * glu = ggml_graph_node(g, i + 2);
+    // gpt-oss: gate, its bias added, up, its bias added, then the GLU of the two sums
+    const bool biased = pi2_is_bias_add(ggml_graph_node(g, i + 1), gate);
+    if (biased && i + 4 >= n) {
+        return false;
+    }
+    struct ggml_tensor * gate_b = biased ? ggml_graph_node(g, i + 1) : NULL;
+    struct ggml_tensor * up     = ggml_graph_node(g, i + 1 + biased);
+    struct ggml_tensor * up_b   = biased ? ggml_graph_node(g, i + 3) : NULL;
+    struct ggml_tensor * glu    = ggml_graph_node(g, i + 2 + 2 * biased);
+    if (biased && !pi2_is_bias_add(up_b, up)) {
+        return false;
+    }
     if (!pi2_is_expert_product(up, layer, PI2_MATRIX_UP) || gate->src[1] != up->src[1] || gate->src[2] != up->src[2] ||
-        !ggml_are_same_shape(gate, up) || glu->op != GGML_OP_GLU || glu->src[0] != gate || glu->src[1] != up ||
+        !ggml_are_same_shape(gate, up) || glu->op != GGML_OP_GLU || glu->src[0] != (biased ? gate_b : gate) ||
+        glu->src[1] != (biased ? up_b : up) ||
         ((const int32_t *) glu->op_params)[1] != 0 || !ggml_are_same_shape(glu, gate) ||
         !ggml_is_contiguous(glu) || !ggml_is_contiguous(gate) || !ggml_is_contiguous(up)) {
         return false;
     }
     struct pi2_ffn_act act;
-    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &act)) {
+    if (!pi2_act_for_glu(stated, glu, &act)) {
         return false;
     }
-    struct ggml_tensor * down = i + 3 < n ? ggml_graph_node(g, i + 3) : NULL;
+    const int n_nodes = 3 + 2 * biased;
+    struct ggml_tensor * down = i + n_nodes < n ? ggml_graph_node(g, i + n_nodes) : NULL;
     if (down != NULL && !(pi2_is_expert_product(down, layer, PI2_MATRIX_DOWN) && down->src[1] == glu && down->src[2] == gate->src[2] &&
                           ggml_is_contiguous(down))) {
         down = NULL;
     }
-    *r = (struct pi2_expert_region) { .layer = layer, .n_nodes = 3, .up = up, .gate = gate, .glu = glu, .down = down, .act = act };
+    *r = (struct pi2_expert_region) { .layer = layer, .n_nodes = n_nodes, .up = up, .gate = gate, .gate_biased = gate_b,
+                                      .up_biased = up_b, .glu = glu, .down = down, .act = act };
     return true;
 }
 
@@ -321,8 +387,10 @@ static enum ggml_status pi2_expert_act(struct pi2_backend_ctx * ctx, const struc
     #pragma omp parallel for num_threads(nth > 0 ? nth : 1) schedule(static)
     for (int64_t row = 0; row < nr; ++row) {
         float * y = (float *) ((char *) r->glu->data + row * r->glu->nb[1]);
-        const float * xg = (const float *) ((const char *) r->gate->data + row * r->gate->nb[1]);
-        const float * xu = (const float *) ((const char *) r->up->data + row * r->up->nb[1]);
+        const struct ggml_tensor * gate = r->gate_biased != NULL ? r->gate_biased : r->gate;
+        const struct ggml_tensor * up   = r->up_biased != NULL ? r->up_biased : r->up;
+        const float * xg = (const float *) ((const char *) gate->data + row * gate->nb[1]);
+        const float * xu = (const float *) ((const char *) up->data + row * up->nb[1]);
         if (!pi2_glu_span(&ctx->dev->glu, &r->act, (int) nc, y, xg, xu)) {
             atomic_store(&failed, 1);
         }
@@ -339,8 +407,15 @@ static enum ggml_status pi2_expert_act(struct pi2_backend_ctx * ctx, const struc
 
 enum ggml_status pi2_exec_expert_region(struct pi2_backend_ctx * ctx, const struct pi2_expert_region * r) {
     enum ggml_status st = pi2_run_mul_mat_id(ctx, r->gate, NULL, NULL);
+    if (st == GGML_STATUS_SUCCESS && r->gate_biased != NULL) { // the graph's order: the sum before up's product
+        st = pi2_exec_add_id(ctx, r->gate_biased);
+    }
     if (st == GGML_STATUS_SUCCESS) {
+        // up's rows only where the gate fires: a ReLU family has no biases (a biased region's act is SwiGLU-OAI)
         st = pi2_run_mul_mat_id(ctx, r->up, r->gate, &r->act);
+    }
+    if (st == GGML_STATUS_SUCCESS && r->up_biased != NULL) {
+        st = pi2_exec_add_id(ctx, r->up_biased);
     }
     if (st == GGML_STATUS_SUCCESS) {
         st = pi2_expert_act(ctx, r);
@@ -583,7 +658,8 @@ static void pi2_pair_ffn(struct pi2_pair_ffn * f, const struct pi2_sidecar * sc,
     f->glu.src[0]  = &f->gate; f->glu.src[1] = &f->up;
     f->down.src[0] = &f->wd;  f->down.src[1] = &f->glu;
     f->region = (struct pi2_ffn_region) { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(sc, r->layer, e), .gate = &f->gate,
-                                          .up = &f->up, .out = &f->glu, .down = &f->down, .act = r->act };
+                                          .up = &f->up, .out = &f->glu, .down = &f->down, .act = r->act,
+                                          .bias_gate = pi2_expert_bias(r->gate_biased, e), .bias_up = pi2_expert_bias(r->up_biased, e) };
 }
 
 // the pair's gate, up and GLU rows into rows[3 * n_ff] instead of the graph's products (which llama's allocator may
@@ -812,7 +888,9 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
         glu.src[0]  = &gate; glu.src[1]  = &up;
         down.src[0] = &wd;   down.src[1] = &glu;
         const struct pi2_ffn_region region = { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(b->sc, r->layer, e), .gate = &gate, .up = &up,
-                                               .out = &glu, .down = &down, .act = r->act, .batch = true };
+                                               .out = &glu, .down = &down, .act = r->act, .batch = true,
+                                               .bias_gate = pi2_expert_bias(r->gate_biased, e),
+                                               .bias_up = pi2_expert_bias(r->up_biased, e) };
         struct pi2_cache_token_stats io = { 0 };
         st = pi2_exec_sparse_ffn(ctx, b, &region, &io);
         for (int64_t i = i0; i < i1 && st == GGML_STATUS_SUCCESS; ++i) {

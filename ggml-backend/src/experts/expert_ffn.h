@@ -16,8 +16,10 @@ struct pi2_binding;
 
 struct pi2_expert_region {
     int                  layer;
-    int                  n_nodes;    // graph nodes from the first product through glu: 3, or 4 (fused, below)
+    int                  n_nodes;    // graph nodes from the first product through glu: 3, 4 (fused, below) or 5 (biased)
     struct ggml_tensor * up, * gate; // the MUL_MAT_ID products, f32 [n_ff, n_expert_used, n_tokens]
+    // gpt-oss: ADD_ID(product, the experts' bias [n_ff, n_expert], ids) of gate and of up, the GLU's inputs; else NULL
+    struct ggml_tensor * gate_biased, * up_biased;
     struct ggml_tensor * glu;        // act(gate, up), the node down reads
     struct ggml_tensor * down;       // down's product of glu when it follows directly, else NULL
     struct pi2_ffn_act   act;        // what PI2 computes into glu
@@ -28,8 +30,8 @@ struct pi2_expert_region {
 };
 
 // true when node i of g (a MUL_MAT_ID of ffn_gate_exps) is followed by the same layer's up product of the same
-// input and ids and their GLU, or (ffn_gate_up_exps) by the two halves' views and their GLU; the activation is the
-// one the model states, else the GLU op's
+// input and ids and their GLU (gpt-oss: each product with its bias added by an ADD_ID first), or (ffn_gate_up_exps)
+// by the two halves' views and their GLU; the activation is the one the model states, else the GLU op's
 bool pi2_expert_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_act * stated, struct pi2_expert_region * r);
 
 // the region's three nodes: gate, then up (rows of fired neurons only, for a ReLU-family activation), then act
@@ -43,6 +45,12 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
 
 // one MUL_MAT_ID of an expert weight alone (down, or products whose region did not match)
 enum ggml_status pi2_exec_mul_mat_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node);
+
+// ADD_ID: out[:, s, t] = a[:, s, t] + b[:, ids[s, t]] (an expert's bias added to its product, as ggml-cpu adds it)
+enum ggml_status pi2_exec_add_id(struct pi2_backend_ctx * ctx, struct ggml_tensor * node);
+
+// shapes PI2 computes for ADD_ID: f32 a [n, n_used, n_tokens] (contiguous rows), f32 b [n, n_expert], i32 ids
+bool pi2_add_id_shapes(const struct ggml_tensor * op);
 
 // shapes PI2 computes: an own expert weight [k, rows, n_expert] by f32 columns [k, n_b, n_tokens] with i32 ids
 // [n_used, n_tokens] into f32 [rows, n_used, n_tokens]

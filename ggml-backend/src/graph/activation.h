@@ -19,12 +19,16 @@ enum pi2_activation {
     PI2_ACT_RELU,    // ReGLU: relu(gate) * up
     PI2_ACT_DRELU,   // relu(gate) * relu(up) (TurboSparse, Bamboo)
     PI2_ACT_FATRELU, // (gate > t ? gate : 0) * up (ProSparse)
+    // gpt-oss: g = min(gate, limit), g sigmoid(alpha g) * (clamp(up, -limit, limit) + 1), gate and up with the
+    // experts' biases added (llama.cpp's graph fixes alpha 1.702 and limit 7 and puts them in the GLU node)
+    PI2_ACT_SWIGLU_OAI,
     PI2_ACT_COUNT,
 };
 
 struct pi2_ffn_act {
     enum pi2_activation kind;
     float               threshold; // FATReLU's t; 0 for the others
+    float               alpha, limit; // SwiGLU-OAI's, from the graph's GLU node (a sidecar names the kind only)
 };
 
 // What a model states: its activation, or nothing (stated false: the GLU its graph holds applies).
@@ -39,6 +43,7 @@ struct pi2_stated_act {
 static const char * const pi2_activation_names[PI2_ACT_COUNT] = {
     [PI2_ACT_SILU] = PI2_ACTIVATION_SILU, [PI2_ACT_GELU] = PI2_ACTIVATION_GELU, [PI2_ACT_GELU_ERF] = PI2_ACTIVATION_GELU_ERF,
     [PI2_ACT_RELU] = PI2_ACTIVATION_RELU, [PI2_ACT_DRELU] = PI2_ACTIVATION_DRELU, [PI2_ACT_FATRELU] = PI2_ACTIVATION_FATRELU,
+    [PI2_ACT_SWIGLU_OAI] = PI2_ACTIVATION_SWIGLU_OAI,
 };
 
 // the activation named s, or PI2_ACT_COUNT
@@ -65,6 +70,10 @@ static inline bool pi2_act_equal(const struct pi2_ffn_act * a, const struct pi2_
 
 static inline float pi2_act_gate(const struct pi2_ffn_act * a, float g) {
     switch (a->kind) {
+        case PI2_ACT_SWIGLU_OAI: { // as ggml-cpu's swiglu_oai, operation for operation
+            const float x = g < a->limit ? g : a->limit;
+            return x / (1.f + expf(a->alpha * (-x)));
+        }
         case PI2_ACT_SILU:     return g / (1.0f + expf(-g));
         case PI2_ACT_GELU:     return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
         case PI2_ACT_GELU_ERF: return 0.5f * g * (1.0f + erff(g * 0.70710678f));
@@ -76,6 +85,9 @@ static inline float pi2_act_gate(const struct pi2_ffn_act * a, float g) {
 }
 
 static inline float pi2_act_up(const struct pi2_ffn_act * a, float u) {
+    if (a->kind == PI2_ACT_SWIGLU_OAI) {
+        return (u < -a->limit ? -a->limit : (u > a->limit ? a->limit : u)) + 1.f;
+    }
     return a->kind == PI2_ACT_DRELU ? (u > 0.0f ? u : 0.0f) : u;
 }
 
@@ -96,6 +108,7 @@ static const struct pi2_arch_act pi2_arch_activations[] = {
     { "gemma3n",      PI2_ACT_GELU, false },
     { "gemma4",       PI2_ACT_GELU, false },
     { "gemma-embedding", PI2_ACT_GELU, false },
+    { "gpt-oss",      PI2_ACT_SWIGLU_OAI, true }, // build_moe_ffn(..., LLM_FFN_SWIGLU_OAI_MOE, ...), biased experts
 };
 
 // the activation architecture arch's graph builds, or NULL when the graph's GLU (or a statement) decides
@@ -108,13 +121,19 @@ static inline const struct pi2_arch_act * pi2_arch_activation(const char * arch)
     return NULL;
 }
 
-// the activation a graph's GLU op computes; false for ops PI2 does not compute
-static inline bool pi2_act_from_glu(enum ggml_glu_op op, struct pi2_ffn_act * out) {
-    switch (op) {
-        case GGML_GLU_OP_REGLU:     *out = (struct pi2_ffn_act) { PI2_ACT_RELU, 0.0f };     return true;
-        case GGML_GLU_OP_SWIGLU:    *out = (struct pi2_ffn_act) { PI2_ACT_SILU, 0.0f };     return true;
-        case GGML_GLU_OP_GEGLU:     *out = (struct pi2_ffn_act) { PI2_ACT_GELU, 0.0f };     return true;
-        case GGML_GLU_OP_GEGLU_ERF: *out = (struct pi2_ffn_act) { PI2_ACT_GELU_ERF, 0.0f }; return true;
+// the activation a graph's GLU node computes; false for ops PI2 does not compute
+static inline bool pi2_act_from_glu(const struct ggml_tensor * glu, struct pi2_ffn_act * out) {
+    switch (ggml_get_glu_op(glu)) {
+        case GGML_GLU_OP_REGLU:     *out = (struct pi2_ffn_act) { PI2_ACT_RELU, 0.0f, 0.0f, 0.0f };     return true;
+        case GGML_GLU_OP_SWIGLU:    *out = (struct pi2_ffn_act) { PI2_ACT_SILU, 0.0f, 0.0f, 0.0f };     return true;
+        case GGML_GLU_OP_GEGLU:     *out = (struct pi2_ffn_act) { PI2_ACT_GELU, 0.0f, 0.0f, 0.0f };     return true;
+        case GGML_GLU_OP_GEGLU_ERF: *out = (struct pi2_ffn_act) { PI2_ACT_GELU_ERF, 0.0f, 0.0f, 0.0f }; return true;
+        case GGML_GLU_OP_SWIGLU_OAI: {
+            float p[2];
+            memcpy(p, (const char *) glu->op_params + 2 * sizeof(int32_t), sizeof(p)); // ggml_swiglu_oai's slots 2, 3
+            *out = (struct pi2_ffn_act) { PI2_ACT_SWIGLU_OAI, 0.0f, p[0], p[1] };
+            return isfinite(p[0]) && isfinite(p[1]) && p[1] > 0.0f;
+        }
         default:                    return false;
     }
 }
@@ -122,17 +141,17 @@ static inline bool pi2_act_from_glu(enum ggml_glu_op op, struct pi2_ffn_act * ou
 // The one rule for what PI2 computes at a GLU node op of a model that states sa: a ReLU-family statement (which an
 // unmodified llama.cpp's graph cannot spell, so it holds a SwiGLU there) is the model's activation; otherwise
 // exactly the GLU the graph holds, never a sidecar's or a statement's other name for it. False where PI2 does not
-// compute that op (SwiGLU-OAI, swiglu with limits): the region is left to ggml-cpu, which computes it right.
+// compute that op (swiglu with a clamp): the region is left to ggml-cpu, which computes it right.
 static inline bool pi2_act_overrides_glu(const struct pi2_stated_act * sa) {
     return sa->stated && pi2_act_relu_family(sa->act.kind);
 }
 
-static inline bool pi2_act_for_glu(const struct pi2_stated_act * sa, enum ggml_glu_op op, struct pi2_ffn_act * out) {
+static inline bool pi2_act_for_glu(const struct pi2_stated_act * sa, const struct ggml_tensor * glu, struct pi2_ffn_act * out) {
     if (pi2_act_overrides_glu(sa)) {
         *out = sa->act;
         return true;
     }
-    return pi2_act_from_glu(op, out);
+    return pi2_act_from_glu(glu, out);
 }
 
 // the GLU op of ggml that computes a (ggml's own numerics), GGML_GLU_OP_COUNT for dReLU and FATReLU

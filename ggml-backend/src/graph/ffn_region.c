@@ -87,7 +87,7 @@ static bool pi2_ffn_region_fused(struct ggml_cgraph * g, int i, const struct pi2
         *why = "its fused gate+up product does not feed one GLU directly";
         return false;
     }
-    if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &r->act)) {
+    if (!pi2_act_for_glu(stated, glu, &r->act)) {
         *why = "its GLU is not ReGLU, SwiGLU or GeGLU";
         return false;
     }
@@ -182,7 +182,7 @@ bool pi2_ffn_region_find(struct ggml_cgraph * g, int i, const struct pi2_stated_
             *why = "its GLU does not take gate and up in that order";
             return false;
         }
-        if (!pi2_act_for_glu(stated, ggml_get_glu_op(glu), &r->act)) {
+        if (!pi2_act_for_glu(stated, glu, &r->act)) {
             *why = "its GLU is not ReGLU, SwiGLU or GeGLU";
             return false;
         }

@@ -20,6 +20,9 @@ struct pi2_ffn_region {
     struct ggml_tensor * down;       // down's product of `out`, or NULL when it does not follow directly
     struct pi2_ffn_act   act;        // what PI2 computes into `out`
     bool                 batch;      // a routed expert's tokens of a prompt: computed as a batch on flash (batch_ffn.h)
+    // per neuron (model order), added to the gate and up products before the activation (gpt-oss's experts'
+    // biases, which llama adds with ADD_ID), or NULL
+    const float *        bias_gate, * bias_up;
     // a fused gate+up weight (phi3's ffn_up: gate rows, then up rows) and its product, split into their gate and up
     // halves, which gate and up point at: a region holding them is used where it was found, never copied
     struct ggml_tensor   fused_w[2], fused_p[2];

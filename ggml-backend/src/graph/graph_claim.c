@@ -116,12 +116,15 @@ static const struct ggml_tensor * pi2_own_product_weight(ggml_backend_dev_t dev,
     return w != NULL && pi2_is_own_buffer(dev, w) ? w : NULL;
 }
 
-// an own routed-expert product (MUL_MAT_ID), or a view of one (the gate or up half of ffn_gate_up_exps'), or NULL
+// an own routed-expert product (MUL_MAT_ID), a view of one (the gate or up half of ffn_gate_up_exps'), or one with
+// an expert bias added (gpt-oss's ADD_ID): its weight, or NULL
 static const struct ggml_tensor * pi2_expert_product_weight(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
     int layer = 0;
     enum pi2_matrix m;
     if (t != NULL && t->op == GGML_OP_VIEW) {
         t = t->view_src;
+    } else if (t != NULL && t->op == GGML_OP_ADD_ID) {
+        t = t->src[0];
     }
     return t != NULL && t->op == GGML_OP_MUL_MAT_ID && pi2_is_own_buffer(dev, t->src[0]) &&
            pi2_expert_weight_parse(t->src[0]->name, &layer, &m) ? t->src[0] : NULL;
@@ -256,12 +259,21 @@ static bool pi2_is_prompt_batch(const struct ggml_tensor * w, int64_t n_tokens, 
     return pi2_route_to_cpu(b != NULL ? &b->settings : NULL, &d->config.defaults, &act, gate_or_up, n_tokens);
 }
 
+// an expert bias added to an own expert product (gpt-oss: before the GLU, and to down's product)
+static bool pi2_supports_expert_bias(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    return op->src[0] != NULL && op->src[0]->op == GGML_OP_MUL_MAT_ID && pi2_expert_product_weight(dev, op->src[0]) != NULL &&
+           pi2_add_id_shapes(op);
+}
+
 bool pi2_claim_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
-    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID || op->op == GGML_OP_GLU) && op->src[0] != NULL) {
-        // a GLU's input product, also through the view of a fused gate+up's half
-        const struct ggml_tensor * in = op->op == GGML_OP_GLU ? op->src[0] : NULL;
+    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID || op->op == GGML_OP_GLU || op->op == GGML_OP_ADD_ID) &&
+        op->src[0] != NULL) {
+        // a GLU's or a bias sum's input product, also through the view of a fused gate+up's half or a bias sum
+        const struct ggml_tensor * in = op->op == GGML_OP_GLU || op->op == GGML_OP_ADD_ID ? op->src[0] : NULL;
         if (in != NULL && in->op == GGML_OP_VIEW && in->view_src != NULL) {
             in = in->view_src;
+        } else if (in != NULL && in->op == GGML_OP_ADD_ID) {
+            in = in->src[0];
         }
         const bool by_id = op->op == GGML_OP_MUL_MAT_ID || (in != NULL && in->op == GGML_OP_MUL_MAT_ID);
         const struct ggml_tensor * w = in != NULL ? in->src[0] : op->src[0];
@@ -287,6 +299,8 @@ bool pi2_claim_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
             return pi2_supports_embedding_rows(dev, op);
         case GGML_OP_GLU:
             return pi2_supports_ffn_glu(dev, op);
+        case GGML_OP_ADD_ID:
+            return pi2_supports_expert_bias(dev, op);
         case GGML_OP_UNARY:
         case GGML_OP_SCALE:
         case GGML_OP_MUL:

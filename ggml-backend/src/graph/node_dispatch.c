@@ -77,13 +77,16 @@ static int pi2_run_node(struct pi2_backend_ctx * ctx, struct ggml_cgraph * cgrap
             // activation if it states one
             const struct pi2_stated_act sa = pi2_weight_act(pi2_ffn_product_weight(node->src[0], PI2_GLU_INPUT_DEPTH, true));
             struct pi2_ffn_act act;
-            if (!pi2_act_for_glu(&sa, ggml_get_glu_op(node), &act)) {
+            if (!pi2_act_for_glu(&sa, node, &act)) {
                 PI2_LOG_ERROR("pi2: GLU op %s is not implemented\n", ggml_glu_op_name(ggml_get_glu_op(node)));
                 *st = GGML_STATUS_FAILED;
                 return 1;
             }
             *st = pi2_exec_glu(ctx, node, &act);
         } break;
+        case GGML_OP_ADD_ID: // an expert's bias added to down's product (gpt-oss), after its region
+            *st = pi2_exec_add_id(ctx, node);
+            break;
         case GGML_OP_GET_ROWS:
             *st = pi2_exec_embedding_rows(ctx, pi2_weight_binding(node->src[0]), node);
             break;

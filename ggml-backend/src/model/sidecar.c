@@ -384,7 +384,7 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const char * act = pi2_str(rd, PI2_KEY_ACTIVATION);
     const int a = pi2_parse_enum(act, pi2_activation_names, PI2_ACT_COUNT);
     if (a < 0) {
-        return pi2_fail(rd, "%s is '%s', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu", PI2_KEY_ACTIVATION, act);
+        return pi2_fail(rd, "%s is '%s', not one of silu, gelu, gelu_erf, relu, drelu, fatrelu, swiglu_oai", PI2_KEY_ACTIVATION, act);
     }
     const float t = gguf_get_val_f32(rd->file.gguf, pi2_find(rd, PI2_KEY_ACTIVATION_THRESHOLD));
     if (!(isfinite(t) && t >= 0.0f) || (a != PI2_ACT_FATRELU && t != 0.0f)) {
@@ -402,7 +402,7 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             return pi2_fail(rd, "key %s (%s) is missing: method %s needs it", k->key, k->desc, method);
         }
     }
-    sc->activation      = (struct pi2_ffn_act) { (enum pi2_activation) a, t };
+    sc->activation      = (struct pi2_ffn_act) { .kind = (enum pi2_activation) a, .threshold = t };
     sc->sparsity_method = (enum pi2_sparsity_method) m;
 
     const uint32_t align = gguf_get_val_u32(rd->file.gguf, pi2_find(rd, PI2_KEY_BUNDLE_ALIGN));

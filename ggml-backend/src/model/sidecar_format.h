@@ -61,6 +61,7 @@
 #define PI2_ACTIVATION_RELU     "relu"
 #define PI2_ACTIVATION_DRELU    "drelu"
 #define PI2_ACTIVATION_FATRELU  "fatrelu"
+#define PI2_ACTIVATION_SWIGLU_OAI "swiglu_oai"
 #define PI2_SPARSITY_CATS       "cats"
 #define PI2_SPARSITY_PRODUCT    "product"
 #define PI2_SPARSITY_RELU       "relu"

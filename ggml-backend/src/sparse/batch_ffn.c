@@ -48,10 +48,12 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
                 struct pi2_token_rows r = pi2_token_rows(p, ith, t);
                 float g = 0.0f, u = 0.0f, a = 0.0f;
                 p->gate_dot((int) n_embd, &g, 0, gate_row, 0, r.xq, 0, 1);
+                g = pi2_plan_gate(p, g, neuron);
                 r.gate_out[neuron] = g;
                 const float act = pi2_act_gate(&p->act, g);
                 if (pi2_fires(p, g, act)) {
                     p->up_dot((int) n_embd, &u, 0, up_row, 0, r.xqu, 0, 1);
+                    u = pi2_plan_up(p, u, neuron);
                     r.up_out[neuron] = u;
                     st->admitted++;
                     const float v = act * pi2_act_up(&p->act, u);

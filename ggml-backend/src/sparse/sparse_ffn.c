@@ -31,7 +31,7 @@ static const char * pi2_sparse_ffn_unfit(const struct pi2_ffn_region * r) {
         return "its down product does not take act(gate) * up directly (a bias or a scale between them?)";
     }
     if (r->act.kind != PI2_ACT_SILU && r->act.kind != PI2_ACT_GELU && r->act.kind != PI2_ACT_GELU_ERF &&
-        !pi2_act_relu_family(r->act.kind)) {
+        r->act.kind != PI2_ACT_SWIGLU_OAI && !pi2_act_relu_family(r->act.kind)) {
         return "its activation is not one sparse decode computes";
     }
     return NULL;
@@ -154,7 +154,7 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     const struct pi2_sidecar_layer * L = &b->sc->layer[layer];
     struct pi2_sparse_plan p = {
         .x = gate->src[1], .gate = gate, .up = r->up, .glu = r->out, .down = r->down, .w_down = r->down->src[0],
-        .act = r->act, .L = L, .B = &b->layer[layer], .layer = layer, .prefetch_layer = -1,
+        .act = r->act, .bias_gate = r->bias_gate, .bias_up = r->bias_up, .L = L, .B = &b->layer[layer], .layer = layer, .prefetch_layer = -1,
         .n_embd = b->sc->n_embd, .n_ff = L->n_ff, .rank = L->rank,
         .n_clusters = (L->n_ff + PI2_CLUSTER - 1) / PI2_CLUSTER, .n_tokens = gate->src[1]->ne[1],
     };

@@ -60,6 +60,7 @@ struct pi2_fired {
 static void pi2_fired_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, const struct pi2_fired * f) {
     float u = 0.0f;
     p->up_dot((int) p->n_embd, &u, 0, f->up, 0, r->xqu, 0, 1);
+    u = pi2_plan_up(p, u, f->neuron);
     r->up_out[f->neuron] = u;
     r->st->admitted++;
     const float a = f->act * pi2_act_up(&p->act, u);
@@ -95,8 +96,10 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
         if (bundle == NULL) {
             return;
         }
+        const int32_t neuron = L->order[s];
         float g = 0.0f;
         p->gate_dot((int) p->n_embd, &g, 0, bundle, 0, r->xq, 0, 1);
+        g = pi2_plan_gate(p, g, neuron);
         const float act    = pi2_act_gate(&p->act, g);
         const bool  active = pi2_fires(p, g, act);
         if (!pred) { // recall check: the gate was computed only to count what the predictor missed
@@ -104,7 +107,6 @@ void pi2_kernel_gate_up(struct pi2_sparse_plan * p, struct pi2_token_rows * r, c
             continue;
         }
         r->st->predicted++;
-        const int32_t neuron = L->order[s];
         r->gate_out[neuron] = g;
         if (!active) {
             continue;
@@ -142,6 +144,7 @@ void pi2_kernel_gate_up_model_rows(struct pi2_sparse_plan * p, struct pi2_token_
         for (int64_t n = c0; n < c1; ++n) {
             float g = 0.0f;
             p->gate_dot((int) p->n_embd, &g, 0, (const char *) wg->data + n * wg->nb[1], 0, r->xq, 0, 1);
+            g = pi2_plan_gate(p, g, n);
             r->gate_out[n] = g;
             const float act = pi2_act_gate(&p->act, g);
             if (pi2_fires(p, g, act)) {

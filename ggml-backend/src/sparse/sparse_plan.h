@@ -76,6 +76,7 @@ struct pi2_sparse_plan {
     struct ggml_tensor *       gate, * up, * glu, * down;
     const struct ggml_tensor * w_down;
     struct pi2_ffn_act         act;
+    const float *              bias_gate, * bias_up; // [n_ff] model order, added to the products before act; or NULL
     int64_t                    n_embd, n_ff, rank, n_tokens, n_clusters;
 
     // the sidecar's layer and its prepared predictor
@@ -136,6 +137,15 @@ struct pi2_sparse_plan {
 // the predictor selects slot s (p->z holds the token's scores)
 static inline bool pi2_plan_selects(const struct pi2_sparse_plan * p, int64_t s) {
     return pi2_predictor_selects(p->z[s], p->L->cutoff, &p->act);
+}
+
+// a neuron's gate and up values: its products plus the region's biases (gpt-oss's experts), as llama adds them
+static inline float pi2_plan_gate(const struct pi2_sparse_plan * p, float dot, int64_t neuron) {
+    return p->bias_gate != NULL ? dot + p->bias_gate[neuron] : dot;
+}
+
+static inline float pi2_plan_up(const struct pi2_sparse_plan * p, float dot, int64_t neuron) {
+    return p->bias_up != NULL ? dot + p->bias_up[neuron] : dot;
 }
 
 // a neuron's gate fires: every one under rule all, g past the activation's cut (0, or FATReLU's t) under
