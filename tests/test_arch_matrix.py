@@ -300,6 +300,38 @@ def test_fused_expert_gate_up(built: dict[tuple[str, str], Path], sidecars: dict
         assert flash.io["expert_misses"] > 0, flash.io
 
 
+
+def test_gpt_oss_in_mxfp4(built: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """gpt-oss as published: experts in MXFP4 (llama.cpp's quantizer, MXFP4_MOE), biases f32. PI2 holding every layer
+    gives stock's tokens and logits; with a sidecar the experts run from flash under a budget with the in-RAM run's
+    tokens in the modes that read the sidecar's bundles in RAM too (dense in RAM computes the model's own down rows,
+    which bundles hold re-quantized as columns: docs/CONVERT.md)."""
+    import ctypes
+
+    import llama_cpp
+
+    model = tmp_path / "gpt_oss.mxfp4.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(built[("gpt_oss", "f32")]).encode(), str(model).encode(),
+                                          ctypes.byref(params)) == 0
+    types = {t.name: t.tensor_type.name for t in GGUFReader(model).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "MXFP4" and types["blk.0.ffn_gate_exps.bias"] == "F32"
+    stock = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=False, repack=False)[0]
+    held = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
+    assert _relative(held.logits_first, stock.logits_first) <= 1e-4
+    sidecar = convert(model, tmp_path / "gpt_oss.mxfp4.pi2.gguf", train_tokens=1024, heldout_tokens=256,
+                      progress=False, perplexity_budget=None).path
+    for mode in ("oracle", "predicted"):
+        ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
+                                   settings=RAM)[0]
+        flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
+                                     memory_budget=2 << 30, settings=FLASH)[0]
+        assert flash.tokens == ram.tokens, mode
+        assert flash.io["expert_misses"] > 0 and flash.io["bundle_bytes"] > 0, flash.io
+
 @pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar != "yes"])
 def test_budget_without_a_possible_sidecar_says_why(built: dict[tuple[str, str], Path], name: str) -> None:
     with pytest.raises(MemoryBudgetError, match=re.escape(ROWS[name].sidecar)):
