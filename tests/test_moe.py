@@ -200,12 +200,43 @@ def test_experts_the_graph_computes_itself_are_left_to_ggml_cpu(moe_model: tuple
         assert run.pi2_matmuls > 0 and run.layers_in_pi2 == "3/3"
 
 
+def test_gpt_oss_shaped_model_from_flash(tmp_path: Path) -> None:
+    """make_moe's gpt-oss layout, as the published files are typed (MXFP4 experts, Q8_0 attention and embeddings, f32
+    biases and sinks, an output matrix of its own): llama.cpp loads it; PI2 holding every layer gives stock's tokens
+    and logits; convert makes a sidecar (SwiGLU-OAI), and each mode under a budget gives the in-RAM run's tokens."""
+    from pi2_gguf.converter.convert import convert
+
+    path = tmp_path / "oss.gguf"
+    synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5),
+                           "gpt-oss", "silu", QT.MXFP4, progress=False)
+    r = GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "MXFP4" and types["blk.0.attn_q.weight"] == "Q8_0"
+    assert types["blk.0.ffn_up_exps.bias"] == "F32" and types["output.weight"] == "Q8_0"
+    assert r.get_field("gpt-oss.ffn_activation") is None  # its graph builds SwiGLU-OAI: nothing is stated
+    stock = greedy_in_subprocess(path, [PROMPT], 8, pi2=False, repack=False)[0]
+    held = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
+    assert np.abs(np.array(held.logits_first) - np.array(stock.logits_first)).max() <= 1e-4 * np.abs(stock.logits_first).max()
+    sidecar = convert(path, tmp_path / "oss.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                      perplexity_budget=None)
+    assert sidecar.meta.activation == "swiglu_oai"
+    for mode in ("oracle", "predicted"):
+        ram = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, sidecar=sidecar.path, mode=mode,
+                                   settings={"layers": "all", "sparse_batch": 64})[0]
+        flash = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, sidecar=sidecar.path, mode=mode, memory_budget=2 << 30,
+                                     settings={"cache_max": "256KiB", "sparse_batch": 64})[0]
+        assert flash.tokens == ram.tokens and flash.io["expert_misses"] > 0, (mode, flash.io)
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):
         synthetic_moe.make_moe(tmp_path / "a.gguf", _shape(4, 5), sp, ro, progress=False)
     with pytest.raises(Pi2Error, match="ReLU-family"):
         synthetic_moe.make_moe(tmp_path / "b.gguf", _shape(8, 2), sp, ro, "smallthinker", "silu", progress=False)
+    with pytest.raises(Pi2Error, match="SwiGLU-OAI"):
+        synthetic_moe.make_moe(tmp_path / "d.gguf", _shape(8, 2), sp, ro, "gpt-oss", "relu", progress=False)
     with pytest.raises(Pi2Error, match="locality"):
         synthetic_moe.make_moe(tmp_path / "c.gguf", _shape(8, 2), sp, synthetic_moe.Routing(1.0, 1.5), progress=False)
     assert not list(tmp_path.iterdir())

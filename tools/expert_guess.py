@@ -62,7 +62,7 @@ def main() -> int:
     with LlamaRunner(args.model, n_ctx=64) as r:  # tokens only
         tokens = r.tokenize(heldout_text(args.n))[:args.n]
     layers = sorted(w)
-    xs, lg = routing_profile(args.model, tokens, layers[-1] + 1, args.threads)
+    xs, lg = routing_profile(args.model, tokens, layers[-1] + 1, args.threads, str(arch))
     n_expert = w[layers[0]].shape[0]
     print(f"{args.model.name}: {len(layers)} MoE layers, top-{n_used} of {n_expert} experts, {args.n} held-out tokens")
     print("layer | next layer's top-k the guess picks | the same layer's previous token's experts")

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Writes a synthetic GGUF with an activation-sparse FFN (relu, drelu, fatrelu or silu), of any shape and
 quant type, with a chosen activation density and hotness skew, calibrated and measured on real text
-(pi2_gguf/converter/synthetic.py says how); with --n-expert, an MoE model of the llama, qwen3moe or smallthinker
-layout with routing skew and locality you set (synthetic_moe.py), its LRU expert-cache hit curve reported.
+(pi2_gguf/converter/synthetic.py says how); with --n-expert, an MoE model of the llama, qwen3moe, smallthinker or
+gpt-oss layout (biased SwiGLU-OAI experts: --activation silu, and --type MXFP4 types the experts as the published
+files do, the rest Q8_0) with routing skew and locality you set (synthetic_moe.py), its LRU expert-cache hit curve
+reported.
 Such a model's text is meaningless; its sparsity, routing and size are the point.
 
     .venv/bin/python tools/make_model.py relu-1.5b.gguf --density 0.1            # ~1.5B params, Q4_K
     .venv/bin/python tools/make_model.py tiny.gguf --n-embd 256 --n-ff 1024 --n-layer 4 --type F32
     .venv/bin/python tools/make_model.py moe.gguf --n-expert 8 --n-expert-used 2 --activation drelu --density 0.15
+    .venv/bin/python tools/make_model.py oss.gguf --arch gpt-oss --n-expert 32 --n-expert-used 4 --activation silu --type MXFP4
 """
 
 from __future__ import annotations

@@ -147,12 +147,15 @@ class _Weights:
         return w
 
 
-def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, activation: str, threshold: float,
+def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, activation: str | None, threshold: float,
                note: str, embeddings: np.ndarray, layers: Callable[[int], dict[str, tuple]], qtype: QT,
-               hparams: Callable[[GGUFWriter], None] | None = None, progress: bool = True) -> Path:
+               hparams: Callable[[GGUFWriter], None] | None = None, progress: bool = True,
+               output: tuple | None = None) -> Path:
     """Writes a synthetic model's GGUF atomically (temp file in the same directory, then rename): shape's
-    hyperparameters (n_ctx, n_embd, n_layer, n_ff, n_head, n_head_kv), hparams' own keys, the stated activation,
-    the tokenizer, and layers(il)'s tensors (name suffix -> add_tensor arguments) of every layer."""
+    hyperparameters (n_ctx, n_embd, n_layer, n_ff, n_head, n_head_kv), hparams' own keys, the stated activation
+    (None: none stated, the architecture's graph builds it), the tokenizer, an output matrix of its own (output:
+    add_tensor arguments; None: tied to the embedding), and layers(il)'s tensors (name suffix -> add_tensor
+    arguments; a suffix without a dot is a weight) of every layer."""
     s = shape
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
     try:
@@ -168,7 +171,8 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
         gw.add_head_count_kv(s.n_head_kv)
         gw.add_rope_dimension_count(s.n_embd // s.n_head)
         gw.add_layer_norm_rms_eps(1e-5)
-        gw.add_string(f"{arch}.ffn_activation", activation)
+        if activation is not None:
+            gw.add_string(f"{arch}.ffn_activation", activation)
         if activation == "fatrelu":
             gw.add_float32(f"{arch}.ffn_activation_threshold", threshold)
         gw.add_string(NOTE_KEY, note)
@@ -178,11 +182,15 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
             else:
                 gw.add_key_value(key, val, vtype)
         # tensors: small ones F32 (as llama.cpp's converters keep norms), matrices in qtype
-        gw.add_tensor("token_embd.weight", *as_tensor(embeddings, qtype if qtype != QT.F32 else QT.F16))
+        # MXFP4 is an experts' type (gpt-oss): the embedding then Q8_0, as the published files keep it
+        embd_type = QT.F16 if qtype == QT.F32 else QT.Q8_0 if qtype == QT.MXFP4 else qtype
+        gw.add_tensor("token_embd.weight", *as_tensor(embeddings, embd_type))
         gw.add_tensor("output_norm.weight", np.ones(s.n_embd, np.float32))
+        if output is not None:
+            gw.add_tensor("output.weight", *output)
         for il in tqdm(range(s.n_layer), desc="write layers", unit="layer", disable=not progress):
             for k, args in layers(il).items():
-                gw.add_tensor(f"blk.{il}.{k}.weight", *args)
+                gw.add_tensor(f"blk.{il}.{k}" if "." in k else f"blk.{il}.{k}.weight", *args)
         gw.write_header_to_file()
         gw.write_kv_data_to_file()
         gw.write_tensors_to_file(progress=False)

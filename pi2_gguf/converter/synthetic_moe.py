@@ -32,10 +32,13 @@ from tqdm import tqdm
 
 from ..errors import Pi2Error
 from . import bundles
-from .profile import routed_experts
+from .profile import FFN_INPUT, FFN_INPUT_OF_ARCH, routed_experts
 from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields, as_tensor, write_gguf
 
-ARCHS = ("llama", "qwen3moe", "smallthinker")
+ARCHS = ("llama", "qwen3moe", "smallthinker", "gpt-oss")
+# gpt-oss's graph computes SwiGLU-OAI whatever a file states, on biased experts: the model states no activation and
+# its gates fire as a SiLU model's (about half the neurons, no sparsity to calibrate)
+ARCH_BUILT_ACTIVATION = {"gpt-oss": "silu"}
 CONTEXT_DIMS_DIV = 8  # n_embd / this residual dimensions carry context (written by attention only)
 
 
@@ -127,7 +130,9 @@ class _MoeWeights:
         tok = slice(1 + m, s.n_embd)
         # normed residual: dimension 0 about sqrt(3 n / 4), the others variance about 1/4
         x0 = float(np.sqrt(0.75 * s.n_embd))
-        w: dict[str, np.ndarray] = {"attn_norm": np.ones(s.n_embd, np.float32), "ffn_norm": np.ones(s.n_embd, np.float32)}
+        # gpt-oss's FFN norm is its post-attention norm
+        w: dict[str, np.ndarray] = {"attn_norm": np.ones(s.n_embd, np.float32),
+                                    "post_attention_norm" if arch == "gpt-oss" else "ffn_norm": np.ones(s.n_embd, np.float32)}
         # queries and keys read dimension 0 only: scores depend on distance alone, highest at distance 0
         q = np.zeros((s.n_embd, s.n_embd), np.float32)
         k = np.zeros((n_kv, s.n_embd), np.float32)
@@ -179,6 +184,18 @@ class _MoeWeights:
         w["ffn_gate_exps"] = np.stack(gates)
         w["ffn_up_exps"] = np.stack(ups)
         w["ffn_down_exps"] = np.stack(downs)
+        if arch == "gpt-oss":
+            # attention sinks (0: one more logit of 0 in each head's softmax), the output projection's bias, the
+            # router's, and the experts' biases: the gate's 0 (its column 0 sets firing, as for the other layouts),
+            # up's and down's small (down's never on dimension 0 or the context dimensions)
+            w["attn_sinks"] = np.zeros(s.n_head, np.float32)
+            w["attn_output.bias"] = np.zeros(s.n_embd, np.float32)
+            w["ffn_gate_inp.bias"] = np.zeros(s.n_expert, np.float32)
+            w["ffn_gate_exps.bias"] = np.zeros((s.n_expert, s.n_ff), np.float32)
+            w["ffn_up_exps.bias"] = rng.standard_normal((s.n_expert, s.n_ff), dtype=np.float32) * np.float32(0.1)
+            down_b = rng.standard_normal((s.n_expert, s.n_embd), dtype=np.float32) * np.float32(0.02)
+            down_b[:, :1 + m] = 0.0
+            w["ffn_down_exps.bias"] = down_b
         return w
 
 
@@ -193,11 +210,21 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
         gw.add_expert_used_count(s.n_expert_used)
         if arch == "smallthinker":
             gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+        if arch == "gpt-oss":
+            gw.add_sliding_window(s.n_ctx)  # its sliding-window layers then see what its full ones see
 
-    return write_gguf(path, arch, name, s, tok_fields, w.activation, w.threshold,
-                      "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless", w.embeddings(),
-                      lambda il: {k: as_tensor(a, QT.F32 if k == "ffn_gate_inp" else qtype) for k, a in w.layer(il, arch).items()},
-                      qtype, hparams, progress)
+    def tensor_type(k: str) -> QT:
+        # MXFP4 is the experts' type (gpt-oss's published files): the other matrices Q8_0
+        if k == "ffn_gate_inp" or k.endswith(".bias"):  # the router and biases stay f32 (ADD_ID adds f32 only)
+            return QT.F32
+        return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
+
+    embeddings = w.embeddings()
+    output = as_tensor(embeddings, QT.Q8_0 if qtype == QT.MXFP4 else qtype) if arch == "gpt-oss" else None
+    return write_gguf(path, arch, name, s, tok_fields, None if arch in ARCH_BUILT_ACTIVATION else w.activation, w.threshold,
+                      "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless", embeddings,
+                      lambda il: {k: as_tensor(a, tensor_type(k)) for k, a in w.layer(il, arch).items()},
+                      qtype, hparams, progress, output=output)
 
 
 @dataclass(frozen=True)
@@ -223,7 +250,7 @@ def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
     return hits / max(total, 1)
 
 
-def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | None) -> tuple[dict, dict]:
+def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | None, arch: str) -> tuple[dict, dict]:
     """Per layer, the FFN inputs [n_tok, n_embd] and router logits [n_tok, n_expert] of `tokens` (one window,
     through the plugin: it computes the stated activation, which llama.cpp's MoE graph alone does not)."""
     from .. import register
@@ -231,10 +258,11 @@ def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | 
 
     seen: dict[tuple[str, int], list[np.ndarray]] = {}
     register()
-    with LlamaRunner(path, n_ctx=len(tokens) + 8, n_threads=threads, watch=("ffn_norm", "ffn_moe_logits"),
+    ffn_input = FFN_INPUT_OF_ARCH.get(arch, FFN_INPUT)
+    with LlamaRunner(path, n_ctx=len(tokens) + 8, n_threads=threads, watch=(ffn_input, "ffn_moe_logits"),
                      sink=lambda il, name, a: seen.setdefault((name, il), []).append(a.copy()), repack=False) as r:
         r.decode(tokens)
-    xs = {il: np.concatenate(seen[("ffn_norm", il)]) for il in range(n_layer)}
+    xs = {il: np.concatenate(seen[(ffn_input, il)]) for il in range(n_layer)}
     lg = {il: np.concatenate(seen[("ffn_moe_logits", il)]) for il in range(n_layer)}
     return xs, lg
 
@@ -293,6 +321,9 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
         raise Pi2Error(f"arch '{arch}' is not one of {', '.join(ARCHS)}")
     if activation not in ACTIVATIONS:
         raise Pi2Error(f"activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
+    if arch in ARCH_BUILT_ACTIVATION and activation != ARCH_BUILT_ACTIVATION[arch]:
+        raise Pi2Error(f"{arch}'s graph computes its own activation (gpt-oss: SwiGLU-OAI on biased experts), whose "
+                       f"gates fire as SiLU's: --activation {ARCH_BUILT_ACTIVATION[arch]}, not {activation}")
     if arch == "smallthinker" and activation == "silu":
         raise Pi2Error("smallthinker's experts are ReLU-family: llama.cpp's graph computes ReGLU for them; "
                        "--activation silu would state what that graph does not compute")
@@ -339,6 +370,6 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
                        f"{calib_tokens} and {heldout_tokens} were asked")
     if calib_tokens and activation != "silu":
         for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
-            _calibrate(w, arch, *routing_profile(out, calib, shape.n_layer, threads))
+            _calibrate(w, arch, *routing_profile(out, calib, shape.n_layer, threads, arch))
             write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads)) if heldout_tokens else []
+    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads, arch)) if heldout_tokens else []
