@@ -235,6 +235,9 @@ def _print_pi2_run(llm: Llama) -> None:
         print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
+        if info.expert_entries:
+            print(f"expert cache    {info.expert_bytes / 1e6:.0f} MB ({info.expert_entries} routed experts read whole from "
+                  "the model file, least recently used replaced)")
         if info.embedding_bytes:
             print(f"token embedding {info.embedding_bytes / 1e6:.0f} MB left in the model file (rows read per token)")
     c = read_counters()

@@ -332,6 +332,33 @@ def test_gpt_oss_in_mxfp4(built: dict[tuple[str, str], Path], tmp_path: Path) ->
         assert flash.tokens == ram.tokens, mode
         assert flash.io["expert_misses"] > 0 and flash.io["bundle_bytes"] > 0, flash.io
 
+_MOE = [n for n, r in ROWS.items() if r.sidecar == "yes" and ("routed" in r.computes)]
+
+
+@pytest.mark.parametrize("name", _MOE)
+def test_routed_experts_read_whole_from_the_model_file(built: dict[tuple[str, str], Path],
+                                                       sidecars: dict[str, Path | ModelFileError], name: str) -> None:
+    """PI2_EXPERT_READS=model: under a budget each routed expert is read whole from the model file into the expert
+    cache and computed there as in RAM, so dense mode gives the in-RAM tokens, and where every FFN is a routed expert
+    (no dense first layer, no shared expert, which still come from the sidecar's bundles) the in-RAM logits exactly;
+    prompts one token at a time and as batches alike."""
+    model, sidecar = built[(name, "f32")], sidecars[name]
+    assert isinstance(sidecar, Path)
+    ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode="dense",
+                               settings=RAM)[0]
+    routed_only = not _shared_expert_layers(model) and name not in ("deepseek2", "glm4moe")
+    for sparse_batch in (64, 4):
+        flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode="dense",
+                                     memory_budget=2 << 30, settings={**FLASH, "sparse_batch": sparse_batch,
+                                                                      "expert_reads": "model"})[0]
+        assert flash.tokens == ram.tokens, sparse_batch
+        assert flash.io["expert_bytes"] > 0 and flash.io["expert_misses"] > 0, flash.io
+        if routed_only:
+            assert flash.logits_first == ram.logits_first and flash.io["hot_hits"] == 0, flash.io
+        else:  # the sparse engine's sums of the shared experts' and dense layers' bundles round apart (27 layers: 1e-3)
+            assert _relative(flash.logits_first, ram.logits_first) <= 5e-3
+
+
 @pytest.mark.parametrize("name", [n for n in tf.FAMILIES if ROWS[n].sidecar != "yes"])
 def test_budget_without_a_possible_sidecar_says_why(built: dict[tuple[str, str], Path], name: str) -> None:
     with pytest.raises(MemoryBudgetError, match=re.escape(ROWS[name].sidecar)):

@@ -115,6 +115,8 @@ struct pi2_cache_info {
     uint64_t ffn_ns;        // time in flash FFN layers since the cache was made
     uint64_t embd_bytes;    // token embedding left in the model file, its rows read per token (0: in RAM)
     uint32_t io_ring;       // 1 when bundle reads go through io_uring (PI2_IO_ENGINE), 0 on I/O threads
+    uint32_t n_expert_entries; // PI2_EXPERT_READS=model: routed experts the expert cache holds (0: none)
+    uint64_t expert_bytes;  // and its bytes
 };
 // -1 for an unknown id or a binding without a cache
 GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);

@@ -88,7 +88,10 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
             row.moe, row.expert_hit_rate = True, g.io["expert_hits"] / pairs
             loaded = g.io.get("experts_loaded", 0)
             row.expert_guess_rate = g.io.get("experts_guessed_routed", 0) / loaded if loaded else 0.0
-        row.hot_mb, row.cold_mb = g.io.get("hot_bytes", 0) / 1e6, g.io.get("cold_bytes", 0) / 1e6
+        # the cold column is the recency-replaced cache: the neuron cache's cold segment and any expert cache
+        # (PI2_EXPERT_READS=model: routed experts read whole from the model file, least recently used replaced)
+        row.hot_mb = g.io.get("hot_bytes", 0) / 1e6
+        row.cold_mb = (g.io.get("cold_bytes", 0) + g.io.get("expert_bytes", 0)) / 1e6
     return row
 
 

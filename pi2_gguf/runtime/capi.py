@@ -81,6 +81,8 @@ class Pi2CacheInfo(ctypes.Structure):
         ("ffn_ns", c_uint64),
         ("embd_bytes", c_uint64),
         ("io_ring", c_uint32),
+        ("n_expert_entries", c_uint32),
+        ("expert_bytes", c_uint64),
     ]
 
 

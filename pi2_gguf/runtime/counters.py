@@ -102,7 +102,8 @@ class CacheInfo:
     """The neuron cache of a model with a memory budget: segment sizes (bytes), hot neurons (all layers),
     cold entries, whether reads bypass the page cache, time spent in its FFN layers, the bytes of token
     embedding left in the model file (read per token; 0 when it is in RAM), the cold entries kept for
-    prefetching the next layer's first bundles, and whether reads go through io_uring."""
+    prefetching the next layer's first bundles, whether reads go through io_uring, and the expert cache of routed
+    experts read whole from the model file (PI2_EXPERT_READS=model; 0 entries: none)."""
 
     fixed_bytes: int
     hot_bytes: int
@@ -115,6 +116,8 @@ class CacheInfo:
     embedding_bytes: int
     n_prefetch: int
     io_ring: bool  # bundle reads through io_uring (PI2_IO_ENGINE=uring where the kernel allows), else I/O threads
+    expert_entries: int = 0
+    expert_bytes: int = 0
 
 
 def cache_info(binding: int) -> CacheInfo | None:
@@ -124,4 +127,5 @@ def cache_info(binding: int) -> CacheInfo | None:
         return None
     return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons),
                      int(raw.n_cold), bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9,
-                     int(raw.embd_bytes), int(raw.n_prefetch), bool(raw.io_ring))
+                     int(raw.embd_bytes), int(raw.n_prefetch), bool(raw.io_ring), int(raw.n_expert_entries),
+                     int(raw.expert_bytes))

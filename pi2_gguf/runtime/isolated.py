@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         io_wait_s=float(c.io_wait_ns.sum() - c0.io_wait_ns.sum()) / 1e9)
             info = pi2_llm.cache_info()  # the neuron cache's segments, with a memory budget
             if info is not None:
-                g.io.update(hot_bytes=info.hot_bytes, cold_bytes=info.cold_bytes)
+                g.io.update(hot_bytes=info.hot_bytes, cold_bytes=info.cold_bytes, expert_bytes=info.expert_bytes)
         g.io["peak_rss"] = peak_rss()
         res.append(asdict(g))
     json.dump(res, sys.stdout)

@@ -33,6 +33,7 @@ enum pi2_setting {
     PI2_SET_OUTPUT_COPY,       // flash, PI2_OUTPUT_ROWS > 0: the output matrix's in-RAM copy in 1: Q2_K (q2_k), 0: Q3_K (q3_k)
     PI2_SET_EXPERT_AHEAD,      // flash, MoE: routed (token, expert) pairs whose reads are issued before the first computes
     PI2_SET_EXPERT_GUESS,      // flash, MoE: 1: the next layer's experts guessed and read ahead (router), 0: not (off)
+    PI2_SET_EXPERT_READS,      // flash, MoE: 1: routed experts read whole from the model file (model), 0: the sidecar's bundles
     PI2_N_SETTINGS,
 };
 

@@ -12,7 +12,9 @@
 #include "graph/ffn_names.h"
 #include "graph/ffn_region.h"
 #include "graph/route.h"
+#include "dense/ffn_exec.h"
 #include "dense/glu.h"
+#include "flash/expert_file.h"
 #include "model/model_binding.h"
 #include "flash/pipeline.h"
 #include "sparse/predictor.h"
@@ -909,6 +911,132 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
     return st;
 }
 
+// the expert's matrix m (0 gate, 1 up, 2 down) as the region's weight describes it, its rows at data
+static struct ggml_tensor pi2_expert_at(const struct ggml_tensor * w, const void * data) {
+    struct ggml_tensor m = pi2_expert_matrix(w, 0);
+    m.data = (void *) data;
+    return m;
+}
+
+// Under a budget with PI2_EXPERT_READS=model: each expert the batch routes to is found in the expert cache or read
+// whole from the model file (expert_file.h), then computed for its tokens by the dense kernels from where it landed,
+// as in RAM: the gate and up products (plus gpt-oss's biases), the activation, down. Experts run one after another
+// in expert order, so each is read once a batch; the FFN input is copied first, as down's output may share its memory.
+static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
+                                         const struct pi2_expert_region * r, uint64_t * hits, uint64_t * misses) {
+    const int64_t n_pairs = o->n_used * o->n_tokens, n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    const size_t  x_bytes = ggml_nbytes(o->x);
+    float *   xcopy = malloc(x_bytes);
+    float *   buf   = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
+    int32_t * order = malloc(sizeof(int32_t) * (size_t) n_pairs);
+    int64_t * start = calloc((size_t) o->n_expert + 1, sizeof(int64_t));
+    if (xcopy == NULL || buf == NULL || order == NULL || start == NULL) {
+        free(xcopy);
+        free(buf);
+        free(order);
+        free(start);
+        PI2_LOG_ERROR("pi2: out of memory for the routed experts of a %lld-token batch\n", (long long) o->n_tokens);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    memcpy(xcopy, o->x->data, x_bytes);
+    for (int64_t q = 0; q < n_pairs; ++q) { // counting sort by expert, token order kept (ids checked by the caller)
+        ++start[pi2_id_at(o, q % o->n_used, q / o->n_used) + 1];
+    }
+    for (int64_t e = 0; e < o->n_expert; ++e) {
+        start[e + 1] += start[e];
+    }
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        const int32_t e = pi2_id_at(o, q % o->n_used, q / o->n_used);
+        order[start[e]++] = (int32_t) q;
+    }
+    for (int64_t e = o->n_expert; e > 0; --e) { // start[e] was moved to the end of expert e's pairs: back to its first
+        start[e] = start[e - 1];
+    }
+    start[0] = 0;
+    float * xs = buf, * ys = xs + o->n_tokens * n_embd, * rows = ys + o->n_tokens * n_embd;
+    struct pi2_expert_read_stats io = { 0 };
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    pthread_mutex_lock(&b->cache_lock); // the entry stays while its expert computes: one FFN at a time per model
+    for (int64_t e = 0; e < o->n_expert && st == GGML_STATUS_SUCCESS; ++e) {
+        const int64_t p0 = start[e], n = start[e + 1] - start[e];
+        if (n == 0) {
+            continue;
+        }
+        struct pi2_expert_matrices em;
+        const uint64_t was_hit = io.hits;
+        if (pi2_expert_file_get(b->experts, r->layer, (int32_t) e, &em, &io, b->error, sizeof(b->error)) != 0) {
+            PI2_LOG_ERROR("pi2: %s\n", b->error);
+            st = GGML_STATUS_FAILED;
+            break;
+        }
+        const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
+        for (int m = 0; m < 3; ++m) {
+            if (em.type[m] != w[m]->type) {
+                snprintf(b->error, sizeof(b->error), "model file %s: layer %d's experts are %s where the loaded model's are %s",
+                         b->model_path, r->layer, ggml_type_name(em.type[m]), ggml_type_name(w[m]->type));
+                PI2_LOG_ERROR("pi2: %s\n", b->error);
+                st = GGML_STATUS_FAILED;
+            }
+        }
+        if (st != GGML_STATUS_SUCCESS) {
+            break;
+        }
+        *hits   += io.hits > was_hit ? (uint64_t) n : 0;
+        *misses += io.hits > was_hit ? 0 : (uint64_t) n;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t q = order[p0 + i], s = q % o->n_used, t = q / o->n_used;
+            memcpy(xs + i * n_embd, (const char *) xcopy + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
+                   (size_t) n_embd * sizeof(float));
+        }
+        struct ggml_tensor wg = pi2_expert_at(w[0], em.data[0]), wu = pi2_expert_at(w[1], em.data[1]),
+                           wd = pi2_expert_at(w[2], em.data[2]);
+        struct ggml_tensor x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
+        struct ggml_tensor gate = pi2_scratch_matrix(r->gate, n_ff, n, rows);
+        struct ggml_tensor up   = pi2_scratch_matrix(r->up, n_ff, n, rows + n * n_ff);
+        struct ggml_tensor glu  = pi2_scratch_matrix(r->glu, n_ff, n, rows + 2 * n * n_ff);
+        struct ggml_tensor down = pi2_scratch_matrix(r->down, n_embd, n, ys);
+        gate.src[0] = &wg;  gate.src[1] = &x;
+        up.src[0]   = &wu;  up.src[1]   = &x;
+        down.src[0] = &wd;  down.src[1] = &glu;
+        st = pi2_exec_mul_mat_with(ctx, &gate, wg.type, wg.data, wg.nb[1]);
+        if (st == GGML_STATUS_SUCCESS) {
+            st = pi2_exec_mul_mat_with(ctx, &up, wu.type, wu.data, wu.nb[1]);
+        }
+        const float * bg = pi2_expert_bias(r->gate_biased, (int32_t) e), * bu = pi2_expert_bias(r->up_biased, (int32_t) e);
+        for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
+            float * g = rows + i * n_ff, * u = rows + (n + i) * n_ff;
+            for (int64_t k = 0; k < n_ff; ++k) { // llama's ADD_ID of each bias, before the activation
+                g[k] = bg != NULL ? g[k] + bg[k] : g[k];
+                u[k] = bu != NULL ? u[k] + bu[k] : u[k];
+            }
+            if (!pi2_glu_span(&ctx->dev->glu, &r->act, (int) n_ff, rows + (2 * n + i) * n_ff, g, u)) {
+                PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[r->act.kind]);
+                st = GGML_STATUS_FAILED;
+            }
+        }
+        if (st == GGML_STATUS_SUCCESS) {
+            st = pi2_exec_mul_mat_with(ctx, &down, wd.type, wd.data, wd.nb[1]);
+        }
+        for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
+            const int64_t q = order[p0 + i];
+            memcpy(pi2_id_out(r->down, q % o->n_used, q / o->n_used), ys + i * n_embd, (size_t) n_embd * sizeof(float));
+        }
+    }
+    pthread_mutex_unlock(&b->cache_lock);
+    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
+    pi2_count_layer_seen(&ctx->dev->counters, r->layer);
+    pi2_count(&L->misses, io.misses);
+    pi2_count(&L->cold_hits, io.hits);
+    pi2_count(&L->bytes_read, io.bytes_read);
+    pi2_count(&L->io_requests, io.requests);
+    pi2_count(&L->io_wait_ns, io.wait_ns);
+    free(xcopy);
+    free(buf);
+    free(order);
+    free(start);
+    return st;
+}
+
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,
                                   enum ggml_status * st) {
     struct pi2_id_operands o = pi2_id_operands(r->gate);
@@ -969,6 +1097,14 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
     if (guessed) {
         pi2_expert_guess_scored(&b->guess, b->sc->n_expert, right);
         pi2_count(&ctx->dev->counters.layer[r->layer].experts_guessed_routed, right_read);
+    }
+    if (b->flash && b->experts != NULL) {
+        uint64_t hits = 0, misses = 0;
+        *st = pi2_expert_whole(ctx, b, &o, r, &hits, &misses);
+        pi2_count_routing(&ctx->dev->counters, r->layer, &o);
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_hits, hits);
+        pi2_count(&ctx->dev->counters.layer[r->layer].expert_misses, misses);
+        return r->n_nodes + 1;
     }
     if (!b->flash && pi2_expert_pairs_parallel(ctx, b, &o, r, st)) {
         pi2_count_routing(&ctx->dev->counters, r->layer, &o);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "flash/bundle_io.h"
+#include "flash/expert_file.h"
 #include "ggml-pi2.h"
 #include "flash/pipeline.h"
 #include "sparse/predictor.h"
@@ -218,6 +219,21 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         pi2_pipeline_free(b->pipe);
         b->pipe = NULL;
     }
+    pi2_expert_file_free(b->experts);
+    b->experts = NULL;
+    // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own
+    const bool whole = b->sc->n_expert > 0 && pi2_binding_setting(b, PI2_SET_EXPERT_READS) != 0.0;
+    if (whole && b->model_path == NULL) {
+        snprintf(err, errlen, "sidecar %s: PI2_EXPERT_READS=model reads routed experts from the model file, whose path the "
+                 "load did not give (pi2_gguf.Llama gives it)", b->sc->path);
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
+    const uint64_t expert_entry = whole ? pi2_expert_file_entry_bytes(b->model_path, err, errlen) : 0;
+    if (whole && expert_entry == 0) {
+        pthread_mutex_unlock(&b->cache_lock);
+        return -1;
+    }
     // the routers for guessing the next layer's experts, read before the resident memory counts them
     if (b->sc->n_expert > 0 && b->model_path != NULL && pi2_binding_setting(b, PI2_SET_EXPERT_GUESS) != 0.0 &&
         pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 &&
@@ -229,12 +245,15 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     const uint64_t resident = pi2_resident_bytes();
     const uint32_t ahead_pairs = (uint32_t) pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD);
     const uint64_t overhead = pi2_cache_overhead_bytes(b->sc, ahead_pairs) + PI2_BUDGET_MARGIN;
-    const uint64_t min_cache = pi2_cache_min_bytes(b->sc);
+    // with whole experts, the neuron cache keeps what the sidecar's other layers need (dense FFNs, shared experts),
+    // and the expert cache at least one expert
+    const uint64_t min_cache = pi2_cache_min_bytes(b->sc) + expert_entry;
     const uint64_t fixed = resident + reserved + overhead;
     if (resident == 0 || budget < fixed + min_cache) {
         snprintf(err, errlen, "memory budget %.0f MB is too small for this model: it needs at least %.0f MB "
                  "(resident now %.0f MB: llama.cpp's weights and KV cache, the predictors %.0f MB, the runtime; "
-                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles; tables and margin %.0f MB)",
+                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles (and one routed expert read "
+                 "whole); tables and margin %.0f MB)",
                  pi2_mb(budget), pi2_mb(fixed + min_cache), pi2_mb(resident), pi2_mb(b->fixed_bytes), pi2_mb(reserved),
                  pi2_mb(min_cache), pi2_mb(overhead));
         pthread_mutex_unlock(&b->cache_lock);
@@ -245,6 +264,23 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     const uint64_t cap = (uint64_t) pi2_binding_setting(b, PI2_SET_CACHE_MAX);
     if (cap > 0) {
         cache_bytes = cap < min_cache ? min_cache : (cap < cache_bytes ? cap : cache_bytes);
+    }
+    if (whole) {
+        // the neuron cache: one layer's bundles, and every bundle of the layers that are not routed experts if half
+        // the cache holds them (they are few: dense first layers, shared experts); the expert cache the rest
+        uint64_t other = 0;
+        for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+            other += pi2_sidecar_layer_routed(b->sc, il) ? 0 : (uint64_t) b->sc->layer[il].n_bundles * b->sc->layer[il].bundle_size;
+        }
+        const uint64_t neuron_min = pi2_cache_min_bytes(b->sc);
+        uint64_t neuron = neuron_min + (other < cache_bytes / 2 ? other : cache_bytes / 2);
+        neuron = neuron + expert_entry > cache_bytes ? cache_bytes - expert_entry : neuron; // at least one expert
+        b->experts = pi2_expert_file_open(b->model_path, cache_bytes - neuron, err, errlen);
+        if (b->experts == NULL) {
+            pthread_mutex_unlock(&b->cache_lock);
+            return -1;
+        }
+        cache_bytes = neuron;
     }
     struct pi2_cache_plan plan;
     if (!pi2_cache_plan(b->sc, cache_bytes, pi2_prefetch_bytes(b), pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan)) {

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "core/config.h"
+#include "flash/expert_file.h"
 #include "flash/memory_budget.h"
 #include "model/model_binding.h"
 #include "flash/pipeline.h"
@@ -328,6 +329,8 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->io_ring     = pi2_pipeline_io_ring(b->pipe);
         out->ffn_ns      = b->ffn_ns;
         out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
+        out->n_expert_entries = b->experts != NULL ? pi2_expert_file_entries(b->experts) : 0;
+        out->expert_bytes     = b->experts != NULL ? pi2_expert_file_bytes(b->experts) : 0;
         r = 0;
     }
     pthread_mutex_unlock(&b->cache_lock);

@@ -13,12 +13,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "flash/expert_file.h"
 #include "sparse/column_axpy.h"
 #include "flash/pipeline.h"
 #include "core/pi2_log.h"
 
 static void pi2_binding_destroy(struct pi2_binding * b) {
     pi2_pipeline_free(b->pipe);
+    pi2_expert_file_free(b->experts);
     pi2_embedding_free(b->embd);
     pi2_output_free(b->output);
     pi2_expert_guess_free(&b->guess);

@@ -53,6 +53,7 @@ struct pi2_binding {
     uint64_t                  env_budget;  // PI2_MEMORY_BUDGET: the cache is sized at the first compute
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
     struct pi2_pipeline *     pipe;        // the neuron cache and the reads behind it (pipeline.h)
+    struct pi2_expert_file *  experts;     // PI2_EXPERT_READS=model: routed experts read whole from the model file
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
     struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
     struct pi2_output *       output;      // the output matrix, if PI2_OUTPUT_ROWS leaves it in the model file

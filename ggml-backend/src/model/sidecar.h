@@ -109,6 +109,16 @@ static inline int pi2_sidecar_expert_layer(const struct pi2_sidecar * sc, int il
                ? (int) (sc->first[il] + (uint32_t) e) : -1;
 }
 
+// Whether sidecar layer v is a routed expert (not a dense FFN or a shared expert).
+static inline bool pi2_sidecar_layer_routed(const struct pi2_sidecar * sc, uint32_t v) {
+    for (uint32_t il = 0; il < sc->n_model_layer; ++il) {
+        if (v >= sc->first[il] && v < sc->first[il + 1]) {
+            return sc->routed[il] && v < sc->first[il] + sc->n_expert;
+        }
+    }
+    return false;
+}
+
 // 0 and *out set on success; -1 with err filled ("sidecar PATH: problem") otherwise. err may be NULL.
 int  pi2_sidecar_open(const char * path, struct pi2_sidecar ** out, char * err, size_t errlen);
 void pi2_sidecar_free(struct pi2_sidecar * sc);

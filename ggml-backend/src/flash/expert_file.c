@@ -1,0 +1,357 @@
+#define _GNU_SOURCE // O_DIRECT
+#include "flash/expert_file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "model/gguf_file.h"
+
+#define PI2_DIRECT_ALIGN 4096 // O_DIRECT's offset, length and buffer alignment (the largest logical block in use)
+
+struct pi2_expert_layer {
+    bool           present;
+    int64_t        n_expert;
+    uint64_t       off[3];    // file offset of expert 0's range of gate, up, down
+    uint64_t       stride[3]; // bytes from one expert's range to the next one's
+    uint64_t       len[3];    // bytes of one expert's range
+    enum ggml_type type[3];
+};
+
+struct pi2_expert_file {
+    int                       fd;        // O_DIRECT where the file system allows, else buffered
+    int                       fd_plain;  // buffered, for a file system that refuses O_DIRECT reads
+    uint64_t                  file_size;
+    int                       n_layer;
+    struct pi2_expert_layer * layer;     // [n_layer]
+    uint64_t                  entry_bytes;
+    uint32_t                  n_entries;
+    uint8_t *                 mem;       // n_entries * entry_bytes, 4 KiB-aligned
+    int32_t *                 tag_layer; // [n_entries] -1: empty
+    int32_t *                 tag_expert;
+    uint64_t *                last_use;  // [n_entries] tick of the last get
+    int32_t **                where;     // [n_layer][n_expert] entry holding the expert, or -1
+    uint64_t                  tick;
+};
+
+static uint64_t pi2_span(uint64_t off, uint64_t len) {
+    const uint64_t lo = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
+    return (off + len + PI2_DIRECT_ALIGN - 1) / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN - lo;
+}
+
+// the three ranges of layer il's experts (split gate/up/down, or ffn_gate_up_exps' halves and down); 0 when the layer
+// has no routed experts, 1 when it has, -1 with err
+static int pi2_find_layer(const struct pi2_gguf_file * f, const char * path, int il, struct pi2_expert_layer * L, char * err,
+                          size_t errlen) {
+    static const char * const names[3] = { "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps" };
+    char name[GGML_MAX_NAME];
+    const struct ggml_tensor * t[3] = { NULL, NULL, NULL };
+    int64_t id[3] = { -1, -1, -1 };
+    for (int m = 0; m < 3; ++m) {
+        snprintf(name, sizeof(name), "blk.%d.%s.weight", il, names[m]);
+        id[m] = gguf_find_tensor(f->gguf, name);
+        t[m] = id[m] >= 0 ? ggml_get_tensor(f->meta, name) : NULL;
+    }
+    snprintf(name, sizeof(name), "blk.%d.ffn_gate_up_exps.weight", il);
+    const int64_t fused_id = gguf_find_tensor(f->gguf, name);
+    const struct ggml_tensor * fused = fused_id >= 0 ? ggml_get_tensor(f->meta, name) : NULL;
+    if (t[2] == NULL) {
+        return 0;
+    }
+    const uint64_t data = gguf_get_data_offset(f->gguf);
+    *L = (struct pi2_expert_layer) { .present = true, .n_expert = t[2]->ne[2] };
+    if (fused != NULL && t[0] == NULL && t[1] == NULL) {
+        if (fused->ne[1] % 2 != 0 || fused->ne[2] != t[2]->ne[2] || !ggml_is_contiguous(fused)) {
+            return pi2_gguf_fail(err, errlen, "model file", path, "%s is not [n_embd, 2 n_ff, n_expert]", name);
+        }
+        const uint64_t half = (uint64_t) (fused->ne[1] / 2) * fused->nb[1];
+        for (int m = 0; m < 2; ++m) {
+            L->off[m]    = data + gguf_get_tensor_offset(f->gguf, fused_id) + (uint64_t) m * half;
+            L->stride[m] = fused->nb[2];
+            L->len[m]    = half;
+            L->type[m]   = fused->type;
+        }
+    } else {
+        for (int m = 0; m < 2; ++m) {
+            if (t[m] == NULL) {
+                return pi2_gguf_fail(err, errlen, "model file", path, "blk.%d has %s but no %s", il, names[2], names[m]);
+            }
+        }
+    }
+    for (int m = 0; m < 3; ++m) {
+        if (t[m] == NULL) {
+            continue; // the fused halves, set above
+        }
+        if (!ggml_is_contiguous(t[m]) || t[m]->ne[2] != L->n_expert || t[m]->ne[3] != 1) {
+            return pi2_gguf_fail(err, errlen, "model file", path, "blk.%d.%s is not one contiguous matrix per expert", il, names[m]);
+        }
+        L->off[m]    = data + gguf_get_tensor_offset(f->gguf, id[m]);
+        L->stride[m] = t[m]->nb[2];
+        L->len[m]    = t[m]->nb[2];
+        L->type[m]   = t[m]->type;
+    }
+    for (int m = 0; m < 3; ++m) {
+        const uint64_t end = L->off[m] + (uint64_t) (L->n_expert - 1) * L->stride[m] + L->len[m];
+        if (end > f->file_size) {
+            return pi2_gguf_fail(err, errlen, "model file", path, "is truncated: blk.%d.%s ends past its %" PRIu64 " bytes", il,
+                                 names[m], f->file_size);
+        }
+    }
+    return 1;
+}
+
+static uint64_t pi2_layer_entry_bytes(const struct pi2_expert_layer * L) {
+    uint64_t worst = 0;
+    for (int64_t e = 0; e < L->n_expert; ++e) { // the slack depends on where each expert's ranges start
+        uint64_t b = 0;
+        for (int m = 0; m < 3; ++m) {
+            b += pi2_span(L->off[m] + (uint64_t) e * L->stride[m], L->len[m]);
+        }
+        worst = b > worst ? b : worst;
+    }
+    return worst;
+}
+
+// the layers of the model file at path (f open with meta); -1 with err
+static int pi2_scan(struct pi2_gguf_file * g, const char * path, struct pi2_expert_layer ** out, int * n_layer, uint64_t * entry,
+                    char * err, size_t errlen) {
+    int n = 0;
+    for (;; ++n) { // blk.N tensors run from 0 without gaps
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "blk.%d.attn_norm.weight", n);
+        if (gguf_find_tensor(g->gguf, name) < 0) {
+            snprintf(name, sizeof(name), "blk.%d.ffn_down_exps.weight", n);
+            if (gguf_find_tensor(g->gguf, name) < 0) {
+                break;
+            }
+        }
+    }
+    struct pi2_expert_layer * L = calloc(n > 0 ? (size_t) n : 1, sizeof(*L));
+    if (L == NULL) {
+        return pi2_gguf_fail(err, errlen, "model file", path, "out of memory");
+    }
+    uint64_t worst = 0;
+    int found = 0;
+    for (int il = 0; il < n; ++il) {
+        const int rc = pi2_find_layer(g, path, il, &L[il], err, errlen);
+        if (rc < 0) {
+            free(L);
+            return -1;
+        }
+        found += rc;
+        if (rc > 0) {
+            const uint64_t b = pi2_layer_entry_bytes(&L[il]);
+            worst = b > worst ? b : worst;
+        }
+    }
+    if (found == 0) {
+        free(L);
+        return pi2_gguf_fail(err, errlen, "model file", path, "has no routed experts (blk.N.ffn_down_exps.weight) to read whole");
+    }
+    *out = L;
+    *n_layer = n;
+    *entry = worst;
+    return 0;
+}
+
+uint64_t pi2_expert_file_entry_bytes(const char * model_path, char * err, size_t errlen) {
+    struct pi2_gguf_file g;
+    struct pi2_expert_layer * L = NULL;
+    int n = 0;
+    uint64_t entry = 0;
+    if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
+        pi2_scan(&g, model_path, &L, &n, &entry, err, errlen) != 0) {
+        entry = 0;
+    }
+    free(L);
+    pi2_gguf_file_close(&g);
+    return entry;
+}
+
+void pi2_expert_file_free(struct pi2_expert_file * f) {
+    if (f == NULL) {
+        return;
+    }
+    if (f->fd >= 0) {
+        close(f->fd);
+    }
+    if (f->fd_plain >= 0) {
+        close(f->fd_plain);
+    }
+    for (int il = 0; f->where != NULL && il < f->n_layer; ++il) {
+        free(f->where[il]);
+    }
+    free(f->where);
+    free(f->layer);
+    free(f->mem);
+    free(f->tag_layer);
+    free(f->tag_expert);
+    free(f->last_use);
+    free(f);
+}
+
+struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, char * err, size_t errlen) {
+    struct pi2_expert_file * f = calloc(1, sizeof(*f));
+    if (f == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    f->fd = f->fd_plain = -1;
+    struct pi2_gguf_file g;
+    const int rc = pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) == 0
+                 ? pi2_scan(&g, model_path, &f->layer, &f->n_layer, &f->entry_bytes, err, errlen) : -1;
+    f->file_size = g.file_size;
+    pi2_gguf_file_close(&g);
+    if (rc != 0) {
+        pi2_expert_file_free(f);
+        return NULL;
+    }
+    if (bytes < f->entry_bytes) {
+        pi2_gguf_fail(err, errlen, "model file", model_path, "an expert cache of %" PRIu64 " bytes cannot hold one expert (%" PRIu64
+                      " bytes)", bytes, f->entry_bytes);
+        pi2_expert_file_free(f);
+        return NULL;
+    }
+    const uint64_t n = bytes / f->entry_bytes;
+    f->n_entries = n > UINT32_MAX ? UINT32_MAX : (uint32_t) n;
+    f->fd_plain = open(model_path, O_RDONLY | O_CLOEXEC);
+#if defined(O_DIRECT)
+    f->fd = open(model_path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+#endif
+    if (f->fd < 0) {
+        f->fd = f->fd_plain >= 0 ? dup(f->fd_plain) : -1;
+    }
+    void * mem = NULL;
+    f->tag_layer  = malloc(sizeof(int32_t) * f->n_entries);
+    f->tag_expert = malloc(sizeof(int32_t) * f->n_entries);
+    f->last_use   = calloc(f->n_entries, sizeof(uint64_t));
+    f->where      = calloc((size_t) f->n_layer, sizeof(int32_t *));
+    if (f->fd_plain < 0 || f->fd < 0) {
+        pi2_gguf_fail(err, errlen, "model file", model_path, "cannot open: %s", strerror(errno));
+        pi2_expert_file_free(f);
+        return NULL;
+    }
+    if (posix_memalign(&mem, PI2_DIRECT_ALIGN, (size_t) f->n_entries * f->entry_bytes) != 0 || f->tag_layer == NULL ||
+        f->tag_expert == NULL || f->last_use == NULL || f->where == NULL) {
+        free(mem);
+        snprintf(err, errlen, "out of memory for an expert cache of %" PRIu32 " entries", f->n_entries);
+        pi2_expert_file_free(f);
+        return NULL;
+    }
+    f->mem = mem;
+    for (uint32_t k = 0; k < f->n_entries; ++k) {
+        f->tag_layer[k] = f->tag_expert[k] = -1;
+    }
+    for (int il = 0; il < f->n_layer; ++il) {
+        if (!f->layer[il].present) {
+            continue;
+        }
+        f->where[il] = malloc(sizeof(int32_t) * (size_t) f->layer[il].n_expert);
+        if (f->where[il] == NULL) {
+            snprintf(err, errlen, "out of memory");
+            pi2_expert_file_free(f);
+            return NULL;
+        }
+        memset(f->where[il], 0xff, sizeof(int32_t) * (size_t) f->layer[il].n_expert);
+    }
+    return f;
+}
+
+uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f) {
+    return f->n_entries;
+}
+
+uint64_t pi2_expert_file_bytes(const struct pi2_expert_file * f) {
+    return (uint64_t) f->n_entries * f->entry_bytes;
+}
+
+// n bytes (a multiple of the alignment) at off into dst, at least `need` of them; 0, or an errno (EIO: the file ends first)
+static int pi2_read_span(struct pi2_expert_file * f, uint8_t * dst, uint64_t n, uint64_t off, uint64_t need) {
+    uint64_t got = 0;
+    int fd = f->fd;
+    while (got < need) {
+        const ssize_t r = pread(fd, dst + got, (size_t) (n - got), (off_t) (off + got));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0 && errno == EINVAL && fd != f->fd_plain) { // a file system without O_DIRECT: buffered from now on
+            close(f->fd);
+            f->fd = dup(f->fd_plain);
+            fd = f->fd >= 0 ? f->fd : f->fd_plain;
+            continue;
+        }
+        if (r < 0) {
+            return errno;
+        }
+        if (r == 0) {
+            return EIO;
+        }
+        got += (uint64_t) r;
+    }
+    return 0;
+}
+
+static uint64_t pi2_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
+int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct pi2_expert_matrices * out,
+                        struct pi2_expert_read_stats * st, char * err, size_t errlen) {
+    if (layer < 0 || layer >= f->n_layer || !f->layer[layer].present || e < 0 || e >= f->layer[layer].n_expert) {
+        snprintf(err, errlen, "the model file has no routed expert %d in layer %d", e, layer);
+        return -1;
+    }
+    const struct pi2_expert_layer * L = &f->layer[layer];
+    int32_t k = f->where[layer][e];
+    const bool hit = k >= 0;
+    if (!hit) { // the least recently used entry (an empty one first)
+        k = 0;
+        for (uint32_t j = 1; j < f->n_entries; ++j) {
+            if (f->last_use[j] < f->last_use[k]) {
+                k = (int32_t) j;
+            }
+        }
+        if (f->tag_layer[k] >= 0) {
+            f->where[f->tag_layer[k]][f->tag_expert[k]] = -1;
+        }
+        f->tag_layer[k] = f->tag_expert[k] = -1;
+    }
+    uint8_t * entry = f->mem + (size_t) k * f->entry_bytes;
+    uint64_t at = 0, t0 = hit ? 0 : pi2_now_ns();
+    for (int m = 0; m < 3; ++m) {
+        const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
+        const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
+        const uint64_t n   = pi2_span(off, L->len[m]);
+        if (!hit) {
+            const int rc = pi2_read_span(f, entry + at, n, lo, off + L->len[m] - lo);
+            if (rc != 0) {
+                f->last_use[k] = 0;
+                snprintf(err, errlen, "reading expert %d of layer %d from the model file: %s", e, layer,
+                         rc == EIO ? "the file is shorter than when it was opened" : strerror(rc));
+                return -1;
+            }
+            st->bytes_read += n;
+            st->requests++;
+        }
+        out->data[m] = entry + at + (off - lo);
+        out->type[m] = L->type[m];
+        at += n;
+    }
+    if (!hit) {
+        f->tag_layer[k] = layer;
+        f->tag_expert[k] = e;
+        f->where[layer][e] = k;
+        st->wait_ns += pi2_now_ns() - t0;
+    }
+    f->last_use[k] = ++f->tick;
+    st->hits += hit;
+    st->misses += !hit;
+    return 0;
+}

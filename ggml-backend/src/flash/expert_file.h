@@ -1,0 +1,45 @@
+// Routed experts read whole from the model file under a memory budget (PI2_EXPERT_READS=model): no second copy.
+// An expert's gate, up and down are each one contiguous range of the model's stacked *_exps tensors (its slice
+// along ne[2]; with ffn_gate_up_exps its gate and up rows are one range). A miss reads the 4 KiB-aligned span
+// covering each range with O_DIRECT straight into a cache entry, and the matrices are used where they landed
+// inside it (no bounce copy). Entries hold one expert each and are replaced least recently used first, so a
+// layer's experts that routing reuses stay; the dense kernels compute from the entry as from RAM.
+// Not thread-safe: the binding's cache lock serializes its users (one FFN at a time per model).
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+
+struct pi2_expert_file;
+
+// What the model file holds for one layer's routed experts, as found when the cache is made.
+struct pi2_expert_matrices {
+    const void *   data[3];  // gate, up, down of the expert, inside its cache entry
+    enum ggml_type type[3];
+};
+
+// Opens the model file and finds every routed-expert layer's tensors, with an expert cache of `bytes` (at least
+// one entry: pi2_expert_file_entry_bytes). NULL with err on failure (naming the file and the tensor).
+struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, char * err, size_t errlen);
+void pi2_expert_file_free(struct pi2_expert_file * f);
+
+// Bytes one entry takes (the largest expert of any layer, with its alignment slack); 0 with err where the model
+// has no routed experts or its file cannot be read.
+uint64_t pi2_expert_file_entry_bytes(const char * model_path, char * err, size_t errlen);
+
+// The cache's entries (each one expert) and their bytes
+uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f);
+uint64_t pi2_expert_file_bytes(const struct pi2_expert_file * f);
+
+// What one get found or read
+struct pi2_expert_read_stats {
+    uint64_t hits, misses, bytes_read, requests, wait_ns;
+};
+
+// Expert e of model layer `layer`: its matrices, read if not cached, valid until the next get. 0, or -1 with err
+// (a read failed, or the model has no such expert).
+int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct pi2_expert_matrices * out,
+                        struct pi2_expert_read_stats * st, char * err, size_t errlen);
