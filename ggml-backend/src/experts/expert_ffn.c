@@ -957,13 +957,32 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
     struct pi2_expert_read_stats io = { 0 };
     enum ggml_status st = GGML_STATUS_SUCCESS;
     pthread_mutex_lock(&b->cache_lock); // the entry stays while its expert computes: one FFN at a time per model
+    // the experts with pairs, in the order they compute: their reads queued at once (without memory for the list,
+    // each is read when it computes)
+    int n_wanted = 0;
+    int32_t * list   = malloc(sizeof(int32_t) * (size_t) o->n_expert);
+    uint8_t * cached = calloc((size_t) o->n_expert, 1);
+    for (int64_t e = 0; list != NULL && e < o->n_expert; ++e) {
+        if (start[e + 1] > start[e]) {
+            list[n_wanted++] = (int32_t) e;
+        }
+    }
+    if (list != NULL && cached != NULL) {
+        pi2_expert_file_want(b->experts, r->layer, list, n_wanted, cached, &io);
+        for (int i = 0; i < n_wanted; ++i) { // routed pairs whose expert was cached
+            const uint64_t n = (uint64_t) (start[list[i] + 1] - start[list[i]]);
+            *hits   += cached[i] ? n : 0;
+            *misses += cached[i] ? 0 : n;
+        }
+    }
+    free(list);
+    free(cached);
     for (int64_t e = 0; e < o->n_expert && st == GGML_STATUS_SUCCESS; ++e) {
         const int64_t p0 = start[e], n = start[e + 1] - start[e];
         if (n == 0) {
             continue;
         }
         struct pi2_expert_matrices em;
-        const uint64_t was_hit = io.hits;
         if (pi2_expert_file_get(b->experts, r->layer, (int32_t) e, &em, &io, b->error, sizeof(b->error)) != 0) {
             PI2_LOG_ERROR("pi2: %s\n", b->error);
             st = GGML_STATUS_FAILED;
@@ -981,8 +1000,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
         if (st != GGML_STATUS_SUCCESS) {
             break;
         }
-        *hits   += io.hits > was_hit ? (uint64_t) n : 0;
-        *misses += io.hits > was_hit ? 0 : (uint64_t) n;
+
         for (int64_t i = 0; i < n; ++i) {
             const int64_t q = order[p0 + i], s = q % o->n_used, t = q / o->n_used;
             memcpy(xs + i * n_embd, (const char *) xcopy + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
@@ -1021,6 +1039,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
             const int64_t q = order[p0 + i];
             memcpy(pi2_id_out(r->down, q % o->n_used, q / o->n_used), ys + i * n_embd, (size_t) n_embd * sizeof(float));
         }
+        pi2_expert_file_done(b->experts, r->layer, (int32_t) e);
     }
     pthread_mutex_unlock(&b->cache_lock);
     struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];

@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "flash/io_ring.h"
 #include "model/gguf_file.h"
 
 #define PI2_DIRECT_ALIGN 4096 // O_DIRECT's offset, length and buffer alignment (the largest logical block in use)
@@ -37,6 +38,16 @@ struct pi2_expert_file {
     uint64_t *                last_use;  // [n_entries] tick of the last get
     int32_t **                where;     // [n_layer][n_expert] entry holding the expert, or -1
     uint64_t                  tick;
+    // batch reads: entries pinned for the batch (pin == epoch), spans still in flight per entry, and per span
+    // (entry * 3 + m) where its bytes go, how many, from where and how many of them must arrive
+    struct pi2_ring *         ring;      // NULL: every read is synchronous
+    uint32_t                  epoch;
+    uint32_t *                pin;
+    uint8_t *                 pending;
+    struct iovec *            iov;       // [n_entries * 3]
+    uint64_t *                span_off, * span_need;
+    int8_t *                  span_bad;  // a span whose queued read failed: read again, synchronously, when got
+    uint32_t                  in_flight, queued;
 };
 
 static uint64_t pi2_span(uint64_t off, uint64_t len) {
@@ -192,6 +203,15 @@ void pi2_expert_file_free(struct pi2_expert_file * f) {
     free(f->tag_layer);
     free(f->tag_expert);
     free(f->last_use);
+    free(f->pin);
+    free(f->pending);
+    free(f->iov);
+    free(f->span_off);
+    free(f->span_need);
+    free(f->span_bad);
+    if (f->ring != NULL) {
+        pi2_ring_close(f->ring);
+    }
     free(f);
 }
 
@@ -231,13 +251,20 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t 
     f->tag_expert = malloc(sizeof(int32_t) * f->n_entries);
     f->last_use   = calloc(f->n_entries, sizeof(uint64_t));
     f->where      = calloc((size_t) f->n_layer, sizeof(int32_t *));
+    f->pin        = calloc(f->n_entries, sizeof(uint32_t));
+    f->pending    = calloc(f->n_entries, sizeof(uint8_t));
+    f->iov        = calloc((size_t) f->n_entries * 3, sizeof(struct iovec));
+    f->span_off   = calloc((size_t) f->n_entries * 3, sizeof(uint64_t));
+    f->span_need  = calloc((size_t) f->n_entries * 3, sizeof(uint64_t));
+    f->span_bad   = calloc((size_t) f->n_entries * 3, sizeof(int8_t));
     if (f->fd_plain < 0 || f->fd < 0) {
         pi2_gguf_fail(err, errlen, "model file", model_path, "cannot open: %s", strerror(errno));
         pi2_expert_file_free(f);
         return NULL;
     }
     if (posix_memalign(&mem, PI2_DIRECT_ALIGN, (size_t) f->n_entries * f->entry_bytes) != 0 || f->tag_layer == NULL ||
-        f->tag_expert == NULL || f->last_use == NULL || f->where == NULL) {
+        f->tag_expert == NULL || f->last_use == NULL || f->where == NULL || f->pin == NULL || f->pending == NULL ||
+        f->iov == NULL || f->span_off == NULL || f->span_need == NULL || f->span_bad == NULL) {
         free(mem);
         snprintf(err, errlen, "out of memory for an expert cache of %" PRIu32 " entries", f->n_entries);
         pi2_expert_file_free(f);
@@ -259,7 +286,16 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t 
         }
         memset(f->where[il], 0xff, sizeof(int32_t) * (size_t) f->layer[il].n_expert);
     }
+    char why[256];
+    const unsigned depth = f->n_entries * 3 < 1024 ? f->n_entries * 3 : 1024;
+    if (pi2_ring_open(&f->ring, depth, why, sizeof(why)) != 0) {
+        f->ring = NULL; // reads are synchronous: slower, never wrong
+    }
     return f;
+}
+
+bool pi2_expert_file_ring(const struct pi2_expert_file * f) {
+    return f->ring != NULL;
 }
 
 uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f) {
@@ -302,41 +338,182 @@ static uint64_t pi2_now_ns(void) {
     return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
 }
 
+static bool pi2_expert_valid(const struct pi2_expert_file * f, int layer, int32_t e) {
+    return layer >= 0 && layer < f->n_layer && f->layer[layer].present && e >= 0 && e < f->layer[layer].n_expert;
+}
+
+// the least recently used entry neither pinned for this batch nor being read (an empty one first), emptied; -1: none
+static int32_t pi2_expert_victim(struct pi2_expert_file * f) {
+    int32_t k = -1;
+    for (uint32_t j = 0; j < f->n_entries; ++j) {
+        if (f->pin[j] != f->epoch && f->pending[j] == 0 && (k < 0 || f->last_use[j] < f->last_use[k])) {
+            k = (int32_t) j;
+        }
+    }
+    if (k >= 0 && f->tag_layer[k] >= 0) {
+        f->where[f->tag_layer[k]][f->tag_expert[k]] = -1;
+    }
+    if (k >= 0) {
+        f->tag_layer[k] = f->tag_expert[k] = -1;
+    }
+    return k;
+}
+
+void pi2_expert_file_done(struct pi2_expert_file * f, int layer, int32_t e) {
+    const int32_t k = pi2_expert_valid(f, layer, e) ? f->where[layer][e] : -1;
+    if (k >= 0 && f->pin[k] == f->epoch) {
+        f->pin[k] = 0;
+    }
+}
+
+// queues the reads of expert e of the layer (not cached) into a free entry; false when none is free
+static bool pi2_expert_queue(struct pi2_expert_file * f, int layer, int32_t e, struct pi2_expert_read_stats * st) {
+    const int32_t k = pi2_expert_victim(f);
+    if (k < 0) {
+        return false;
+    }
+    st->misses++;
+    const struct pi2_expert_layer * L = &f->layer[layer];
+    uint8_t * entry = f->mem + (size_t) k * f->entry_bytes;
+    uint64_t at = 0;
+    for (int m = 0; m < 3; ++m) {
+        const size_t   s   = (size_t) k * 3 + (size_t) m;
+        const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
+        const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
+        const uint64_t n   = pi2_span(off, L->len[m]);
+        f->iov[s] = (struct iovec) { .iov_base = entry + at, .iov_len = (size_t) n };
+        f->span_off[s]  = lo;
+        f->span_need[s] = off + L->len[m] - lo;
+        f->span_bad[s]  = 0;
+        if (pi2_ring_readv(f->ring, f->fd, &f->iov[s], 1, lo, (uint64_t) s)) {
+            f->pending[k]++;
+            f->queued++;
+            st->bytes_read += n;
+            st->requests++;
+        } else {
+            f->span_bad[s] = 1; // the ring is full: read when got
+        }
+        at += n;
+    }
+    f->tag_layer[k] = layer;
+    f->tag_expert[k] = e;
+    f->where[layer][e] = k;
+    f->pin[k] = f->epoch;
+    f->last_use[k] = ++f->tick;
+    return true;
+}
+
+static void pi2_expert_submit(struct pi2_expert_file * f) {
+    if (f->ring == NULL || f->queued == 0) {
+        return;
+    }
+    if (pi2_ring_enter(f->ring, true, 0) == 0) {
+        f->in_flight += f->queued;
+        f->queued = 0;
+        return;
+    }
+    // the kernel took none: every queued span is read when got
+    for (uint32_t k = 0; k < f->n_entries; ++k) {
+        for (int m = 0; f->pending[k] > 0 && m < 3; ++m) {
+            f->span_bad[(size_t) k * 3 + (size_t) m] = 1;
+        }
+        f->pending[k] = 0;
+    }
+    f->queued = 0;
+}
+
+void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
+                          struct pi2_expert_read_stats * st) {
+    f->epoch = f->epoch + 1 == 0 ? 1 : f->epoch + 1; // a new batch (0 is none's)
+    for (int i = 0; i < n; ++i) { // the cached ones first, so that no read replaces one of them
+        const int32_t k = pi2_expert_valid(f, layer, experts[i]) ? f->where[layer][experts[i]] : -1;
+        cached[i] = k >= 0;
+        if (k >= 0 && f->pin[k] != f->epoch) {
+            st->hits++;
+            f->pin[k] = f->epoch;
+        }
+    }
+    for (int i = 0; f->ring != NULL && i < n; ++i) {
+        if (pi2_expert_valid(f, layer, experts[i]) && f->where[layer][experts[i]] < 0 &&
+            !pi2_expert_queue(f, layer, experts[i], st)) {
+            break; // the rest are read when got
+        }
+    }
+    pi2_expert_submit(f);
+}
+
+// waits until entry k has no span in flight, taking every completion that arrives meanwhile
+static void pi2_expert_wait(struct pi2_expert_file * f, int32_t k) {
+    while (f->pending[k] > 0 && f->in_flight > 0) {
+        uint64_t user = 0;
+        int32_t  res  = 0;
+        if (!pi2_ring_complete(f->ring, &user, &res)) {
+            if (pi2_ring_enter(f->ring, false, 1) != 0) {
+                break; // the spans still pending are read again below
+            }
+            continue;
+        }
+        const size_t s = (size_t) user;
+        const uint32_t j = (uint32_t) (s / 3);
+        if (j >= f->n_entries || f->pending[j] == 0) {
+            continue;
+        }
+        f->pending[j]--;
+        f->in_flight--;
+        f->span_bad[s] = res < 0 || (uint64_t) res < f->span_need[s];
+    }
+    if (f->pending[k] > 0) { // the ring failed while reads were in flight: read them here
+        for (int m = 0; m < 3; ++m) {
+            f->span_bad[(size_t) k * 3 + (size_t) m] = 1;
+        }
+        f->pending[k] = 0;
+    }
+}
+
 int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct pi2_expert_matrices * out,
                         struct pi2_expert_read_stats * st, char * err, size_t errlen) {
-    if (layer < 0 || layer >= f->n_layer || !f->layer[layer].present || e < 0 || e >= f->layer[layer].n_expert) {
+    if (!pi2_expert_valid(f, layer, e)) {
         snprintf(err, errlen, "the model file has no routed expert %d in layer %d", e, layer);
         return -1;
     }
     const struct pi2_expert_layer * L = &f->layer[layer];
     int32_t k = f->where[layer][e];
-    const bool hit = k >= 0;
-    if (!hit) { // the least recently used entry (an empty one first)
-        k = 0;
-        for (uint32_t j = 1; j < f->n_entries; ++j) {
-            if (f->last_use[j] < f->last_use[k]) {
-                k = (int32_t) j;
-            }
+    const uint64_t t0 = pi2_now_ns();
+    bool waited = false;
+    if (k >= 0 && f->pin[k] == f->epoch) { // wanted for this batch (counted then): read ahead, maybe in flight, or cached
+        waited = f->pending[k] > 0;
+        pi2_expert_wait(f, k);
+    } else if (k >= 0) {
+        st->hits++;
+    } else {
+        st->misses++;
+        if ((k = pi2_expert_victim(f)) < 0) {
+            snprintf(err, errlen, "the expert cache has no entry free for expert %d of layer %d", e, layer);
+            return -1;
         }
-        if (f->tag_layer[k] >= 0) {
-            f->where[f->tag_layer[k]][f->tag_expert[k]] = -1;
+        for (int m = 0; m < 3; ++m) {
+            f->span_bad[(size_t) k * 3 + (size_t) m] = 1; // read below
         }
-        f->tag_layer[k] = f->tag_expert[k] = -1;
     }
+    const bool read_now = f->span_bad[(size_t) k * 3] || f->span_bad[(size_t) k * 3 + 1] || f->span_bad[(size_t) k * 3 + 2];
     uint8_t * entry = f->mem + (size_t) k * f->entry_bytes;
-    uint64_t at = 0, t0 = hit ? 0 : pi2_now_ns();
+    uint64_t at = 0;
     for (int m = 0; m < 3; ++m) {
+        const size_t   s   = (size_t) k * 3 + (size_t) m;
         const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
         const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
         const uint64_t n   = pi2_span(off, L->len[m]);
-        if (!hit) {
+        if (f->span_bad[s]) {
             const int rc = pi2_read_span(f, entry + at, n, lo, off + L->len[m] - lo);
             if (rc != 0) {
+                f->where[layer][e] = -1; // the entry holds nothing usable
+                f->tag_layer[k] = f->tag_expert[k] = -1;
                 f->last_use[k] = 0;
                 snprintf(err, errlen, "reading expert %d of layer %d from the model file: %s", e, layer,
                          rc == EIO ? "the file is shorter than when it was opened" : strerror(rc));
                 return -1;
             }
+            f->span_bad[s] = 0;
             st->bytes_read += n;
             st->requests++;
         }
@@ -344,14 +521,13 @@ int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct
         out->type[m] = L->type[m];
         at += n;
     }
-    if (!hit) {
-        f->tag_layer[k] = layer;
-        f->tag_expert[k] = e;
-        f->where[layer][e] = k;
+    if (read_now || waited) {
         st->wait_ns += pi2_now_ns() - t0;
     }
+    f->tag_layer[k] = layer;
+    f->tag_expert[k] = e;
+    f->where[layer][e] = k;
+    f->pin[k] = f->epoch;
     f->last_use[k] = ++f->tick;
-    st->hits += hit;
-    st->misses += !hit;
     return 0;
 }

@@ -39,7 +39,19 @@ struct pi2_expert_read_stats {
     uint64_t hits, misses, bytes_read, requests, wait_ns;
 };
 
-// Expert e of model layer `layer`: its matrices, read if not cached, valid until the next get. 0, or -1 with err
-// (a read failed, or the model has no such expert).
+// A batch's experts of one layer, before any computes, in the order they will be got: those cached are pinned for
+// the batch, then the others' reads queued into free entries (none left: read when got) and submitted, so the disk
+// reads them at once (io_uring where the kernel allows) while the first of them computes. The entries of the batch
+// before are no longer pinned. cached[i]: 1 where experts[i] was in the cache already.
+void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
+                          struct pi2_expert_read_stats * st);
+// Expert e has computed: its entry may be replaced (least recently used first) by an expert still to come.
+void pi2_expert_file_done(struct pi2_expert_file * f, int layer, int32_t e);
+
+// Expert e of model layer `layer`: its matrices once read (waiting for reads queued for it, or reading it now), valid
+// until the batch ends. 0, or -1 with err (a read failed, or the model has no such expert).
 int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct pi2_expert_matrices * out,
                         struct pi2_expert_read_stats * st, char * err, size_t errlen);
+
+// whether reads go through io_uring (else each expert is read when it is got)
+bool pi2_expert_file_ring(const struct pi2_expert_file * f);
