@@ -76,9 +76,10 @@ def default_ranks(n_embd: int) -> list[int]:
 
 @dataclass
 class _Planned:
-    """One target's layers: what convert writes, before the bundles are laid out."""
+    """One target's layers: what convert writes, before the bundles are laid out (a routed expert read whole from
+    the model file has no down columns: None)."""
     layers: list[LayerData]
-    downs: list[bundles_mod.DownColumns]
+    downs: list[bundles_mod.DownColumns | None]
     types: list[tuple[int, int, int]]  # gate, up and down type of each layer's bundles
     sources: list[str]                 # where each layer's predictor came from
 
@@ -118,22 +119,30 @@ def parse_layers(spec: str, n_layer: int, flag: str) -> frozenset[int]:
 def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
-                 bundle_layers: frozenset[int] | None, progress: bool) -> _Planned:
+                 bundle_layers: frozenset[int] | None, progress: bool, whole: frozenset[int] = frozenset()) -> _Planned:
     """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
     columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
     store gate/up rows in and measure down columns against (None: the model's own); down_type, where given, the
-    one down columns are measured against instead. bundle_layers: the layers bundle_type applies to (None: all)."""
+    one down columns are measured against instead. bundle_layers: the layers bundle_type applies to (None: all).
+    whole: routed experts read whole from the model file, which get no thresholds, predictors or bundles."""
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
     # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
     score = pred_mod.score_fn(plan.method, act)
     layers: list[LayerData] = []
-    downs: list[bundles_mod.DownColumns] = []
+    downs: list[bundles_mod.DownColumns | None] = []
     types: list[tuple[int, int, int]] = []
     sources: list[str] = []
     for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
         ffn = model.layers[il]
+        if il in whole:
+            qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
+            layers.append(LayerData.whole(model.n_ff(il), *qt))
+            downs.append(None)
+            types.append(qt)
+            sources.append("whole")
+            continue
         gate_w = ffn["gate"].dequantized()
         g_train = model.gate_values(il, gate_w, prof.train[il])
         g_held = model.gate_values(il, gate_w, prof.heldout[il])
@@ -205,8 +214,8 @@ def _downs_at_row_type(model: ModelFfn, planned: _Planned) -> _Planned | None:
     bits = bundles_mod.bits_per_weight
     # the model's own down type, not the columns': columns convert raised to Q8_0 (no target held with the
     # model's types) stay raised
-    lower = [il for il, (g, u, d) in enumerate(planned.types)
-             if g == u and bits(model.layers[il]["down"].qtype) > bits(QT(g)) and bits(QT(d)) > bits(QT(g))]
+    lower = [il for il, (g, u, d) in enumerate(planned.types) if planned.downs[il] is not None and
+             g == u and bits(model.layers[il]["down"].qtype) > bits(QT(g)) and bits(QT(d)) > bits(QT(g))]
     if not lower:
         return None
     layers, downs, types = list(planned.layers), list(planned.downs), list(planned.types)
@@ -231,7 +240,7 @@ def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> floa
 
 
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
-          bundle_align: int, bundle_neurons: int | None) -> SidecarMeta:
+          bundle_align: int, bundle_neurons: int | None, expert_reads: str | None = None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
     a token reads (nearly) every bundle anyway, wanted or bridged (bridged_read_share >= PACK_READ_SHARE); a
     layer whose reads leave most bundles out keeps one neuron per bundle."""
@@ -240,13 +249,14 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align, bundle_neurons) for t in types]
     else:
         layouts = [fmt.bundle_layout(*t, model.n_embd, bundle_align) for t in types]
-        packed = [il for il, ld in enumerate(layers)
-                  if bridged_read_share(ld.predicted_density, layouts[il].size) >= PACK_READ_SHARE]
+        packed = [il for il, ld in enumerate(layers) if planned.downs[il] is not None and
+                  bridged_read_share(ld.predicted_density, layouts[il].size) >= PACK_READ_SHARE]
         if packed:
             for il, lay in zip(packed, fmt.packed_bundle_layouts([types[il] for il in packed], model.n_embd, bundle_align)):
                 layouts[il] = lay
-    for ld, lay in zip(layers, layouts):
-        ld.bundle_size, ld.bundle_neurons = lay.size, lay.neurons
+    for ld, lay, down in zip(layers, layouts, planned.downs):
+        if down is not None:  # a routed expert read whole keeps no bundles
+            ld.bundle_size, ld.bundle_neurons = lay.size, lay.neurons
     return SidecarMeta(
         source_architecture=model.architecture, source_name=model.name, source_file_size=model.file_size,
         tensor_fingerprints=model.tensor_fingerprints(), n_embd=model.n_embd, activation=model.activation,
@@ -254,7 +264,15 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align,
-        n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None)
+        n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None, expert_reads=expert_reads)
+
+
+def _down_columns(planned: _Planned, il: int) -> bundles_mod.DownColumns:
+    """Layer il's down columns (a layer with bundles: never a routed expert read whole, which the writer skips)."""
+    down = planned.downs[il]
+    if down is None:
+        raise AssertionError(f"layer {il} is read whole from the model file: it has no bundles to write")
+    return down
 
 
 def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool) -> None:
@@ -264,7 +282,7 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
                                 meta.layers[il].bundle_size)
         gate_t, up_t, _ = planned.types[il]
         return bundles_mod.layer_bundles(bundles_mod.bundle_rows(ffn["gate"], QT(gate_t)),
-                                         bundles_mod.bundle_rows(ffn["up"], QT(up_t)), planned.downs[il],
+                                         bundles_mod.bundle_rows(ffn["up"], QT(up_t)), _down_columns(planned, il),
                                          meta.layers[il].order, lay)
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
@@ -338,6 +356,19 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         raise Pi2Error(f"--output-copy {o.output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
     if o.output_copy is not None and o.output_rows == 0:
         raise Pi2Error("--output-copy needs output rows (--output-rows 0 keeps the output matrix in RAM)")
+    if o.expert_reads not in ("auto", *fmt.EXPERT_READS):
+        raise Pi2Error(f"--expert-reads {o.expert_reads!r}: one of auto, {', '.join(fmt.EXPERT_READS)}")
+    if o.expert_reads != "auto" and not model.n_expert:
+        raise Pi2Error(f"--expert-reads {o.expert_reads}: {model.path.name} has no routed experts")
+    expert_reads = None
+    if model.n_expert:
+        expert_reads = o.expert_reads if o.expert_reads != "auto" else \
+            "bundles" if model.activation in fmt.RELU_FAMILY else "model"
+    whole = frozenset(fmt.routed_layers(model.layer_experts if model.mixed else None, model.n_expert, model.n_layer)) \
+        if expert_reads == "model" else frozenset()
+    if whole:
+        notes.append("routed experts are read whole from the model file under a memory budget (--expert-reads "
+                     f"{o.expert_reads}): the sidecar holds no copy of them")
     if o.predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {o.predictor!r}")
     if not 0.5 <= o.recall < 1.0:
@@ -384,7 +415,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
     # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
     # and then measured as a memory budget decodes it; where none holds, more precise down columns
-    adaptive = o.sparsity is None and o.threshold is None and plan.method != "relu" and o.perplexity_budget is not None
+    adaptive = o.sparsity is None and o.threshold is None and plan.method != "relu" and o.perplexity_budget is not None \
+        and len(whole) < model.n_layer  # a model of routed experts read whole has no sparse layer to choose for
     targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
     rows = o.output_rows if o.output_rows is not None else \
         DEFAULT_OUTPUT_ROWS if model.has_output and o.perplexity_budget is not None else None
@@ -397,7 +429,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
                 cache: dict[int, bundles_mod.DownColumns] = down_cache) -> tuple[sp.SparsityPlan, _Planned]:
         plan_k = dataclasses.replace(plan, target=target)
         return plan_k, _plan_layers(model, prof, plan_k, ranks, o.recall, o.epochs, o.predictor, shipped, cache,
-                                    bundle_qt, down, bundle_layers, o.progress)
+                                    bundle_qt, down, bundle_layers, o.progress, whole)
 
     plan_k, planned = plan_at(targets[0])
     if adaptive and all(ld.predicted_density >= DENSE_PREDICTION for ld in planned.layers):
@@ -408,7 +440,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         plan_k, planned = plan_at(targets[0])
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
-        return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons),
+        return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons,
+                                         expert_reads),
                                    output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
 
     if o.perplexity_budget is None:
@@ -472,7 +505,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
 
     precision_free = adaptive and bundle_qt is None and down_qt is None
     if best is not None and precision_free and not within(best[3]) and any(
-            bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE) for d in best[1].downs):
+            bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE)
+            for d in best[1].downs if d is not None):
         # no target holds with the model's down precision: the re-quantized down columns may be what costs
         plan_k, planned = plan_at(best[0].target, HIGHER_DOWN_TYPE, {})
         meta, ppl = measure(plan_k, planned)

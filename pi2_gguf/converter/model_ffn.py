@@ -182,7 +182,8 @@ class ModelFfn:
             layer = {m: FfnTensor(name, qt, ne[0], ne[1], data[e]) for m, (name, qt, ne, data) in stacked.items()}
             self._check_shapes(layer, f"layer {il} expert FFN")
             if biases[0] is not None or biases[1] is not None:
-                self.biases[len(self.layers)] = tuple(np.zeros(n_ff, np.float32) if b is None else b[e] for b in biases)
+                gate_b, up_b = (np.zeros(n_ff, np.float32) if b is None else b[e] for b in biases)
+                self.biases[len(self.layers)] = (gate_b, up_b)
             self.layers.append(layer)
 
     def _expert_bias(self, tensors: dict, name: str, n_ff: int, n_expert: int) -> np.ndarray | None:

@@ -69,6 +69,9 @@ class ConvertOptions:
     output_rows: the exact output rows a token reads under a memory budget, recorded in the sidecar
     (pi2.budget.output_rows; 0: none recorded); None: DEFAULT_OUTPUT_ROWS where the model has an output matrix of
     its own and the quality is measured.
+    expert_reads: an MoE model's routed experts under a memory budget: "model" (read whole from the model file; the
+    sidecar holds nothing of them but their fingerprints and routing statistics), "bundles" (neuron bundles in the
+    sidecar), "auto": model unless the experts are ReLU-family.
     output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
     sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
     budget, else none recorded (the plugin's q3_k).
@@ -140,6 +143,13 @@ class ConvertOptions:
              "model's blocks), so a type above the model's buys back quality for bytes (default: "
              "--bundle-type's, else the model's down type). Without --bundle-type/--down-type and --sparsity, "
              "where no target holds the perplexity budget convert measures Q8_0 down columns too"))
+    expert_reads: str = field(default="auto", metadata=flag(
+        "--expert-reads", choices=("auto", *fmt.EXPERT_READS),
+        help="MoE models: where a memory budget reads routed experts from. model: each expert whole from the model "
+             "file, so the sidecar holds no second copy of them (no bundles, predictors or rankings: it is a few "
+             "percent of the model, and convert skips their per-expert work); bundles: neuron bundles in the sidecar, "
+             "read sparsely. auto (default): model, except for ReLU-family experts, whose neurons are exactly "
+             "sparse"))
     output_rows: int | None = field(default=None, metadata=flag(
         "--output-rows", type=argtypes.count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
         help="under a memory budget, leave the output matrix in the model file and read a token's N most "

@@ -89,6 +89,7 @@ class Key:
     MOE_ROUTED_SHARE = "pi2.moe.routed_share"
     MOE_REUSE = "pi2.moe.reuse"
     MOE_LAYER_EXPERTS = "pi2.moe.layer_experts"
+    MOE_EXPERT_READS = "pi2.moe.expert_reads"
 
 
 KEYS: dict[str, KT] = {
@@ -143,7 +144,12 @@ OPTIONAL_KEYS: dict[str, KT] = {
     Key.MOE_ROUTED_SHARE: KT.F32_ARR,
     Key.MOE_REUSE: KT.F32_ARR,
     Key.MOE_LAYER_EXPERTS: KT.U32_ARR,
+    Key.MOE_EXPERT_READS: KT.STR,
 }
+
+# pi2.moe.expert_reads: where a memory budget reads routed experts from, the sidecar's neuron bundles or the model file
+# (whole experts; the sidecar then holds no bundles, predictor or ranking for them)
+EXPERT_READS = ("bundles", "model")
 
 
 def moe_layer_first(layer_experts: list[int] | None, n_expert: int, n_layer: int) -> list[int]:
@@ -164,6 +170,13 @@ def moe_layer_first(layer_experts: list[int] | None, n_expert: int, n_layer: int
         raise ValueError(f"key {Key.MOE_LAYER_EXPERTS} describes {first[-1]} sidecar layers"
                          f"{'' if routed else ' and no routed layer'}, not its {n_layer}")
     return first
+
+
+def routed_layers(layer_experts: list[int] | None, n_expert: int, n_layer: int) -> list[int]:
+    """The sidecar layers that are routed experts (not a dense FFN layer or a shared expert), ascending."""
+    counts = [n_expert] * (n_layer // n_expert) if layer_experts is None else list(layer_experts)
+    first = moe_layer_first(layer_experts, n_expert, n_layer)
+    return [v for il, c in enumerate(counts) if c for v in range(first[il], first[il] + n_expert)]
 
 
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)

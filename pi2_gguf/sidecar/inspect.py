@@ -113,8 +113,16 @@ def summary(sc: Sidecar) -> str:
     held = sum(relu_family or c < 1.0 for c in cost)
     lines.insert(-2, f"in RAM         predicted mode holds {held} of {sc.n_layer} FFN layers in PI2; "
                      f"the others run in ggml-cpu's kernels (PI2_LAYERS=auto)")
+    whole = sc.whole_layers
+    if whole:
+        lines.insert(-2, f"experts        {len(whole)} routed experts read whole from the model file under a memory budget "
+                         "(pi2.moe.expert_reads = model): no bundles, predictors or rankings here")
     for il in range(sc.n_layer):
         g = lambda k: kv[k][il]  # noqa: E731
+        if il in whole:
+            lines.append(f"{il:5d} {g(Key.N_FF):5d}  routed expert, read whole from the model file "
+                         f"({GGMLQuantizationType(g(Key.BUNDLE_GATE_TYPE)).name})")
+            continue
         place = "PI2" if relu_family or cost[il] < 1.0 else "cpu"
         lines.append(
             f"{il:5d} {g(Key.N_FF):5d} {g(Key.SPARSITY_THRESHOLDS):7.4f} "
@@ -139,7 +147,11 @@ def hotness(sc: Sidecar, bins: int = HOTNESS_BINS) -> np.ndarray:
     """[n_layer, bins] float32: each layer's neuron activation frequencies in rank order (hottest first),
     averaged into bins (layers may differ in n_ff)."""
     rows = []
+    whole = sc.whole_layers
     for il in range(sc.n_layer):
+        if il in whole:  # read whole from the model file: no ranking
+            rows.append([np.nan] * bins)
+            continue
         freq = sc.layer_tensor(il, "pi2_freq").astype(np.float32).reshape(-1)
         ranked = freq[sc.layer_tensor(il, "pi2_order").reshape(-1)]
         edges = np.linspace(0, ranked.size, bins + 1).astype(np.int64)

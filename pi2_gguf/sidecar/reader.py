@@ -26,6 +26,14 @@ class Sidecar:
     def n_layer(self) -> int:
         return int(self.kv[Key.N_LAYER])
 
+    @property
+    def whole_layers(self) -> frozenset[int]:
+        """Sidecar layers of routed experts read whole from the model file (pi2.moe.expert_reads = model): no tensors."""
+        if self.kv.get(Key.MOE_EXPERT_READS) != "model":
+            return frozenset()
+        return frozenset(fmt.routed_layers(self.kv.get(Key.MOE_LAYER_EXPERTS), int(self.kv[Key.MOE_EXPERT_COUNT]),
+                                           self.n_layer))
+
     def layer_tensor(self, il: int, suffix: str) -> np.ndarray:
         return np.asarray(self.tensors[fmt.tensor_name(il, suffix)].data)
 
@@ -119,6 +127,13 @@ def read(path: str | Path) -> Sidecar:
                 raise SidecarError(f"sidecar {p}: key {key} has {len(values)} values for {n_layer} layers")
     elif reader.get_field(Key.MOE_LAYER_EXPERTS) is not None:
         raise SidecarError(f"sidecar {p}: has key {Key.MOE_LAYER_EXPERTS} but no {Key.MOE_EXPERT_COUNT}")
+    f = reader.get_field(Key.MOE_EXPERT_READS)
+    if f is not None:  # as the plugin refuses it
+        if kv.get(Key.MOE_EXPERT_READS) not in fmt.EXPERT_READS:
+            raise SidecarError(f"sidecar {p}: key {Key.MOE_EXPERT_READS} is not the string "
+                               f"{' or '.join(fmt.EXPERT_READS)}")
+        if Key.MOE_EXPERT_COUNT not in kv:
+            raise SidecarError(f"sidecar {p}: has key {Key.MOE_EXPERT_READS} but no {Key.MOE_EXPERT_COUNT}")
     f = reader.get_field(Key.BUDGET_OUTPUT_ROWS)
     if f is not None:
         rows = kv.get(Key.BUDGET_OUTPUT_ROWS)
@@ -150,7 +165,10 @@ def read(path: str | Path) -> Sidecar:
         raise SidecarError(f"sidecar {p}: {e}") from e
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv[Key.N_EMBD])
+    whole = sc.whole_layers
     for il in range(n_layer):
+        if il in whole:
+            continue  # read whole from the model file: no bundles, predictor or ranking
         n_ff, bsize = int(kv[Key.N_FF][il]), int(kv[Key.BUNDLE_SIZE][il])
         try:  # also refuses a bundle size that does not hold the layer's neurons
             lay = sc.layout(il)

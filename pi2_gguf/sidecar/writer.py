@@ -49,6 +49,16 @@ class LayerData:
     def n_bundles(self) -> int:
         return -(-self.n_ff // self.bundle_neurons)
 
+    @classmethod
+    def whole(cls, n_ff: int, gate_type: int, up_type: int, down_type: int) -> LayerData:
+        """A routed expert read whole from the model file (pi2.moe.expert_reads = model): its size and types, and
+        placeholders for what it does not have (no predictor, bundles or ranking; density 1: every neuron)."""
+        empty = np.zeros(0, np.float32)
+        return cls(n_ff=n_ff, threshold=0.0, density=1.0, rank=0, cutoff=0.0, recall=1.0, precision=1.0,
+                   predicted_density=1.0, hot_count=0, bundle_size=0, gate_type=gate_type, up_type=up_type,
+                   down_type=down_type, down_tolerance=0.0, down_error=0.0, w1=empty, b1=empty, w2=empty, b2=empty,
+                   freq=empty, order=np.zeros(0, np.int32))
+
 
 @dataclass(frozen=True)
 class Quality:
@@ -87,6 +97,15 @@ class SidecarMeta:
     reuse: list[float] | None = None  # pi2.moe.reuse: per (layer, expert), of its tokens the share whose next is too
     # pi2.moe.layer_experts: per model layer 0 (a dense FFN, one layer here) or n_expert; None: every layer routed
     layer_experts: list[int] | None = None
+    # pi2.moe.expert_reads: "model" where routed experts are read whole from the model file (their layers LayerData.whole,
+    # no tensors); None or "bundles": from the sidecar's bundles
+    expert_reads: str | None = None
+
+    @property
+    def whole_layers(self) -> frozenset[int]:
+        if self.expert_reads != "model":
+            return frozenset()
+        return frozenset(fmt.routed_layers(self.layer_experts, self.n_expert, len(self.layers)))
 
 
 def _f32(v: Any) -> float:
@@ -163,6 +182,12 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
             if len(m.reuse) != len(m.layers):
                 raise ValueError(f"{len(m.reuse)} reuse shares for {len(m.layers)} layers")
             kv[Key.MOE_REUSE] = m.reuse
+        if m.expert_reads is not None:
+            if m.expert_reads not in fmt.EXPERT_READS:
+                raise ValueError(f"expert reads {m.expert_reads!r} is not one of {', '.join(fmt.EXPERT_READS)}")
+            kv[Key.MOE_EXPERT_READS] = m.expert_reads
+    elif m.expert_reads is not None:
+        raise ValueError("expert reads are a setting of an MoE sidecar, and this one has no experts")
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")
@@ -216,7 +241,10 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
         for k, v in kv.items():
             _ADD[fmt.KEYS.get(k) or fmt.OPTIONAL_KEYS[k]](w, k, v)
         order: list[tuple[int, str, np.ndarray | None]] = []
+        whole = meta.whole_layers
         for il, ld in enumerate(meta.layers):
+            if il in whole:
+                continue  # read whole from the model file: nothing here
             for name, arr in _small_tensors(il, ld):
                 w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes)
                 order.append((il, name, arr))

@@ -1069,8 +1069,8 @@ int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_bindi
         return r->n_nodes;
     }
     const enum pi2_route route = pi2_route_region(b, o.n_tokens);
-    if (r->down == NULL || b->sc->n_expert == 0 || route == PI2_ROUTE_DENSE) {
-        return 0;
+    if (r->down == NULL || b->sc->n_expert == 0 || route == PI2_ROUTE_DENSE || (!b->flash && b->sc->experts_whole)) {
+        return 0; // dense (in RAM, experts read whole from the model file under a budget are computed densely)
     }
     if ((int64_t) b->sc->n_expert != o.n_expert || pi2_sidecar_expert_layer(b->sc, r->layer, 0) < 0) {
         snprintf(b->error, sizeof(b->error), "sidecar %s describes no routed experts of the model's layer %d (%lld experts; the "

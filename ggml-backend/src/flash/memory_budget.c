@@ -105,6 +105,10 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t pref
     }
     uint32_t max_n_bundles = 0;
     const uint32_t entry = pi2_cache_entry_size(sc, &max_n_bundles);
+    if (entry == 0) { // no layer has bundles (every FFN a routed expert read whole from the model file): no neuron cache
+        out->hot_k = calloc(sc->n_layer, sizeof(*out->hot_k));
+        return out->hot_k != NULL;
+    }
     // prefetch entries from at most a quarter of what the cache has beyond one whole layer, so a small
     // cache still pins its hottest neurons
     const uint64_t spare = (bytes / entry - max_n_bundles) / 4;
@@ -222,7 +226,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     pi2_expert_file_free(b->experts);
     b->experts = NULL;
     // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own
-    const bool whole = b->sc->n_expert > 0 && pi2_binding_setting(b, PI2_SET_EXPERT_READS) != 0.0;
+    const bool whole = b->sc->n_expert > 0 && (b->sc->experts_whole || pi2_binding_setting(b, PI2_SET_EXPERT_READS) != 0.0);
     if (whole && b->model_path == NULL) {
         snprintf(err, errlen, "sidecar %s: PI2_EXPERT_READS=model reads routed experts from the model file, whose path the "
                  "load did not give (pi2_gguf.Llama gives it)", b->sc->path);

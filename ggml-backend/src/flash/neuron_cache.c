@@ -143,7 +143,8 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     c->ent         = calloc(c->n_cold > 0 ? c->n_cold : 1, sizeof(*c->ent));
     c->hot_map     = pi2_page_round(plan->hot_bytes);
     c->cold_map    = pi2_page_round(plan->cold_bytes);
-    c->scratch_map = pi2_page_round((size_t) (scratch_entries > 0 ? scratch_entries : 1) * c->entry_size);
+    // at least a page: a sidecar of routed experts read whole has no bundles (entry size 0)
+    c->scratch_map = pi2_page_round((size_t) (scratch_entries > 0 ? scratch_entries : 1) * (c->entry_size > 0 ? c->entry_size : 1));
     c->hot_mem     = pi2_map_anon(c->hot_map);
     c->cold        = pi2_map_anon(c->cold_map);
     c->scratch     = pi2_map_anon(c->scratch_map);
@@ -167,7 +168,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         C->neurons   = L->bundle_neurons;
         C->stride    = L->neuron_stride;
         C->bsize     = L->bundle_size;
-        C->where     = malloc(L->n_bundles * sizeof(int32_t));
+        C->where     = malloc((L->n_bundles > 0 ? L->n_bundles : 1) * sizeof(int32_t)); // none: an expert read whole
         if (C->where == NULL) {
             snprintf(err, errlen, "sidecar %s: out of memory for the neuron cache", sc->path);
             pi2_cache_free(c);

@@ -25,6 +25,9 @@ static double pi2_up_share(enum pi2_sparsity_method method, double d) {
 
 double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd, enum pi2_sparsity_method method,
                              double down_sparse_max, bool predictor_always) {
+    if (L->whole) {
+        return INFINITY; // a routed expert read whole from the model file: never sparse
+    }
     const double n_ff  = (double) L->n_ff;
     const double gate  = n_ff * (double) ggml_row_size(L->gate_type, n_embd);
     const double up    = n_ff * (double) ggml_row_size(L->up_type, n_embd);

@@ -64,6 +64,14 @@ static int pi2_map_file(struct pi2_binding * b, char * err, size_t errlen) {
 static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, size_t errlen) {
     struct pi2_sidecar_layer * L = &b->sc->layer[il];
     struct pi2_binding_layer * B = &b->layer[il];
+    atomic_init(&B->verified, 0);
+    for (int m = 0; m < PI2_N_MATRIX; ++m) {
+        atomic_init(&B->uploaded[m], 0);
+    }
+    atomic_init(&B->dense_logged, false);
+    if (L->whole) {
+        return 0; // a routed expert read whole from the model file: no bundles, no ranking
+    }
     // the reader checked that the bundles lie inside the file it read; the mapping is that file
     if (!b->flash && L->bundles_offset + (uint64_t) L->n_bundles * L->bundle_size > b->map_size) {
         snprintf(err, errlen, "sidecar %s: layer %u bundles end past the file (changed since it was read?)", b->sc->path, il);
@@ -85,11 +93,6 @@ static int pi2_prepare_layer(struct pi2_binding * b, uint32_t il, char * err, si
             B->slot_of[L->order[j]] = (int32_t) j; // a permutation: the reader checked it
         }
     }
-    atomic_init(&B->verified, 0);
-    for (int m = 0; m < PI2_N_MATRIX; ++m) {
-        atomic_init(&B->uploaded[m], 0);
-    }
-    atomic_init(&B->dense_logged, false);
     return 0;
 }
 
@@ -100,6 +103,9 @@ int pi2_binding_prepare(struct pi2_binding * b) {
     // on flash, a predictor that does not pay is dropped unless this model runs every predictor
     const bool keep = !b->flash || pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0;
     for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+        if (b->sc->layer[il].whole) {
+            continue; // no predictor
+        }
         if (pi2_predictor_prepare(&b->layer[il].pred, &b->sc->layer[il], b->sc->n_embd, keep, &b->fixed_bytes, b->sc->path,
                                   il, b->error, sizeof(b->error)) != 0) {
             return -1;

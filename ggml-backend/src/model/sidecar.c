@@ -441,6 +441,18 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     if (pi2_read_layer_map(rd, sc) != 0) {
         return -1;
     }
+    const int64_t reads = pi2_find(rd, PI2_KEY_MOE_EXPERT_READS);
+    if (reads >= 0) {
+        const char * v = gguf_get_kv_type(rd->file.gguf, reads) == GGUF_TYPE_STRING ? gguf_get_val_str(rd->file.gguf, reads) : NULL;
+        if (v == NULL || (strcmp(v, PI2_EXPERT_READS_BUNDLES) != 0 && strcmp(v, PI2_EXPERT_READS_MODEL) != 0)) {
+            return pi2_fail(rd, "key %s is not the string %s or %s", PI2_KEY_MOE_EXPERT_READS, PI2_EXPERT_READS_BUNDLES,
+                            PI2_EXPERT_READS_MODEL);
+        }
+        if (sc->n_expert == 0) {
+            return pi2_fail(rd, "has key %s but no %s", PI2_KEY_MOE_EXPERT_READS, PI2_KEY_MOE_EXPERT_COUNT);
+        }
+        sc->experts_whole = strcmp(v, PI2_EXPERT_READS_MODEL) == 0;
+    }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));
     if (sc->source_arch == NULL || sc->source_name == NULL) {
@@ -484,7 +496,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         if (n_ff[il] == 0 || n_ff[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_N_FF, il, n_ff[il], INT32_MAX);
         }
-        if (rank[il] == 0 || rank[il] > INT32_MAX) {
+        if ((rank[il] == 0 && !(sc->experts_whole && pi2_sidecar_layer_routed(sc, il))) || rank[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_PREDICTOR_RANK, il, rank[il], INT32_MAX);
         }
         if (hot[il] > n_ff[il]) {
@@ -499,6 +511,18 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         if (!(density[il] >= 0.0f && density[il] <= 1.0f) || !(pdensity[il] >= 0.0f && pdensity[il] <= 1.0f)) {
             return pi2_fail(rd, "%s[%" PRIu32 "] or %s[%" PRIu32 "] is not a fraction in 0..1", PI2_KEY_SPARSITY_DENSITY, il,
                             PI2_KEY_PREDICTOR_DENSITY, il);
+        }
+        L->whole = sc->experts_whole && pi2_sidecar_layer_routed(sc, il);
+        if (L->whole) { // read whole from the model file: no predictor, bundles or ranking (FORMAT.md)
+            L->n_ff = n_ff[il];
+            L->density = L->pred_density = 1.0f;
+            L->gate_type = (enum ggml_type) gate_type[il];
+            L->up_type   = (enum ggml_type) up_type[il];
+            L->down_type = (enum ggml_type) down_type[il];
+            for (int m = 0; m < PI2_N_MATRIX; ++m) {
+                L->tensor_fp[m] = fps[(size_t) PI2_N_MATRIX * il + (size_t) m];
+            }
+            continue;
         }
         L->n_ff        = n_ff[il];
         L->density     = density[il];
@@ -600,7 +624,7 @@ static int pi2_read_tensors(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     const uint64_t data = gguf_get_data_offset(rd->file.gguf);
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         struct pi2_sidecar_layer * L = &sc->layer[il];
-        for (int t = 0; t < PI2_N_TENSOR; ++t) {
+        for (int t = 0; t < PI2_N_TENSOR && !L->whole; ++t) { // a whole expert has none
             const struct pi2_tensor_spec * spec = &pi2_tensors[t];
             char name[GGML_MAX_NAME];
             snprintf(name, sizeof(name), "blk.%" PRIu32 ".%s", il, spec->suffix);
@@ -639,7 +663,7 @@ static int pi2_read_tensors(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             }
             pi2_layer_set_tensor(L, (enum pi2_tensor_id) t, buf);
         }
-        if (pi2_check_order(rd, il, L) != 0) {
+        if (!L->whole && pi2_check_order(rd, il, L) != 0) {
             return -1;
         }
     }

@@ -53,6 +53,9 @@
 #define PI2_KEY_BUDGET_OUTPUT_COPY         "pi2.budget.output_copy"         // string
 #define PI2_KEY_MOE_EXPERT_COUNT           "pi2.moe.expert_count"           // u32
 #define PI2_KEY_MOE_LAYER_EXPERTS          "pi2.moe.layer_experts"          // u32[]
+#define PI2_KEY_MOE_EXPERT_READS           "pi2.moe.expert_reads"           // string: bundles, model
+#define PI2_EXPERT_READS_BUNDLES "bundles"
+#define PI2_EXPERT_READS_MODEL   "model"
 
 // values of the string keys pi2.activation and pi2.sparsity.method
 #define PI2_ACTIVATION_SILU     "silu"
