@@ -365,6 +365,30 @@ def test_moe_layer_map(tmp_path: Path, count: int | None, layer_experts: list[in
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize("count,reads,expected", [
+    (2, "bundles", None),
+    (2, "model", None),  # every layer a routed expert read whole: their tensors are not read
+    (2, "mmap", "key pi2.moe.expert_reads is not the string bundles or model"),
+    (None, "model", "has key pi2.moe.expert_reads but no pi2.moe.expert_count"),
+])
+def test_moe_expert_reads(tmp_path: Path, count: int | None, reads: str, expected: str | None) -> None:
+    """pi2.moe.expert_reads (FORMAT.md, "MoE sidecars"): bundles or model (routed experts read whole from the model
+    file, which then have no tensors here), or refused by name in both readers."""
+    sc = factory.build()
+    if count is not None:
+        sc.set_raw(sf.Key.MOE_EXPERT_COUNT, count, GGUFValueType.UINT32)
+    sc.set_raw(sf.Key.MOE_EXPERT_READS, reads, GGUFValueType.STRING)
+    path = factory.write(sc, tmp_path / "moe.pi2.gguf")
+    if expected is None:
+        validate_sidecar_c(path)
+        assert read_sidecar(path).whole_layers == (frozenset({0, 1}) if reads == "model" else frozenset())
+        return
+    assert expected in _refused(path)
+    with pytest.raises(SidecarError) as e:
+        read_sidecar(path)
+    assert expected in str(e.value)
+
+
 def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
     sc = factory.build(bundle_size=[4096, 4000])
     msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))

@@ -53,7 +53,7 @@
 #define PI2_KEY_BUDGET_OUTPUT_COPY         "pi2.budget.output_copy"         // string
 #define PI2_KEY_MOE_EXPERT_COUNT           "pi2.moe.expert_count"           // u32
 #define PI2_KEY_MOE_LAYER_EXPERTS          "pi2.moe.layer_experts"          // u32[]
-#define PI2_KEY_MOE_EXPERT_READS           "pi2.moe.expert_reads"           // string: bundles, model
+#define PI2_KEY_MOE_EXPERT_READS           "pi2.moe.expert_reads"           // string
 #define PI2_EXPERT_READS_BUNDLES "bundles"
 #define PI2_EXPERT_READS_MODEL   "model"
 
