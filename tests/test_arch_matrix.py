@@ -323,7 +323,7 @@ def test_gpt_oss_in_mxfp4(built: dict[tuple[str, str], Path], tmp_path: Path) ->
     assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
     assert _relative(held.logits_first, stock.logits_first) <= 1e-4
     sidecar = convert(model, tmp_path / "gpt_oss.mxfp4.pi2.gguf", train_tokens=1024, heldout_tokens=256,
-                      progress=False, perplexity_budget=None, expert_reads="bundles").path  # biases in sparse decode
+                      progress=False, perplexity_budget=None).path
     for mode in ("oracle", "predicted"):
         ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
                                    settings=RAM)[0]
@@ -337,25 +337,32 @@ _MOE = [n for n, r in ROWS.items() if r.sidecar == "yes" and ("routed" in r.comp
 
 @pytest.mark.parametrize("name", _MOE)
 def test_moe_sidecar_holds_no_second_copy(built: dict[tuple[str, str], Path], sidecars: dict[str, Path | ModelFileError],
-                                          name: str) -> None:
-    """convert's default for routed experts (--expert-reads auto): a model whose experts are not ReLU-family has
-    them read whole from the model file under a budget, and its sidecar holds no bundles, predictors or rankings of
-    them: where every FFN is a routed expert it is at most 15% of the model file (these: well under 1%); ReLU-family
-    experts (smallthinker) keep their neuron bundles."""
-    model, sidecar = built[(name, "f32")], sidecars[name]
-    assert isinstance(sidecar, Path)
+                                          tmp_path: Path, name: str) -> None:
+    """convert --expert-reads model: routed experts are read whole from the model file under a budget, and the
+    sidecar holds no bundles, predictors or rankings of them (where every FFN is a routed expert: at most 15% of the
+    model file, these well under 1%); under a budget every mode gives the tokens of the in-RAM dense run, whose
+    experts run dense. The default sidecar (bundles) holds them."""
+    model, default = built[(name, "f32")], sidecars[name]
+    assert isinstance(default, Path) and read_sidecar(default).kv[Key.MOE_EXPERT_READS] == "bundles"
+    sidecar = convert(model, tmp_path / f"{name}.whole.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                      perplexity_budget=None, expert_reads="model").path
     sc = read_sidecar(sidecar)
-    relu = ROWS[name].sparse == "exact"
-    assert sc.kv[Key.MOE_EXPERT_READS] == ("bundles" if relu else "model")
+    assert sc.kv[Key.MOE_EXPERT_READS] == "model"
     assert not any(t.endswith("pi2_bundles") and int(t.split(".")[1]) in sc.whole_layers for t in sc.tensors)
-    routed_only = not _shared_expert_layers(model) and name not in ("deepseek2", "glm4moe")
-    if not relu:
-        n_expert = sc.kv[Key.MOE_EXPERT_COUNT]
-        counts = sc.kv.get(Key.MOE_LAYER_EXPERTS) or [n_expert] * (sc.n_layer // n_expert)
-        assert len(sc.whole_layers) == n_expert * sum(1 for c in counts if c)  # every routed expert, no shared one
-        assert "read whole from the model file" in summary(sc)
-        if routed_only:
-            assert sidecar.stat().st_size <= 0.15 * model.stat().st_size, (sidecar.stat().st_size, model.stat().st_size)
+    n_expert = sc.kv[Key.MOE_EXPERT_COUNT]
+    counts = sc.kv.get(Key.MOE_LAYER_EXPERTS) or [n_expert] * (sc.n_layer // n_expert)
+    assert len(sc.whole_layers) == n_expert * sum(1 for c in counts if c)  # every routed expert, no shared one
+    assert "read whole from the model file" in summary(sc)
+    if not _shared_expert_layers(model) and name not in ("deepseek2", "glm4moe"):
+        assert sidecar.stat().st_size <= 0.15 * model.stat().st_size, (sidecar.stat().st_size, model.stat().st_size)
+    ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode="dense",
+                               settings=RAM)[0]
+    for mode in ("dense", "predicted"):
+        flash = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, sidecar=sidecar, mode=mode,
+                                     memory_budget=2 << 30, settings=FLASH)[0]
+        assert flash.io["expert_bytes"] > 0 and flash.io["expert_misses"] > 0, flash.io
+        if not _shared_expert_layers(model) and name not in ("deepseek2", "glm4moe"):  # every FFN read whole: exact
+            assert flash.tokens == ram.tokens, mode
 
 
 @pytest.mark.parametrize("name", _MOE)

@@ -165,9 +165,9 @@ def test_silu_experts_are_placed_by_the_cost_rule(tmp_path: Path) -> None:
     synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.15), synthetic_moe.Routing(1.0, 0.5),
                            "qwen3moe", "silu", QT.Q4_K, progress=False)
     loose = convert(path, tmp_path / "loose.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                    perplexity_budget=None, expert_reads="bundles").path
+                    perplexity_budget=None).path
     tight = convert(path, tmp_path / "tight.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                    perplexity_budget=None, threshold=0.4, expert_reads="bundles").path
+                    perplexity_budget=None, threshold=0.4).path
     mean = {sc: [float(np.mean(native.sparse_cost_c(sc)[il * 8:(il + 1) * 8])) for il in range(3)] for sc in (loose, tight)}
     assert min(mean[loose]) >= 1.0 and max(mean[tight]) < 1.0, mean  # both kinds, or the test shows nothing
     auto = {"layers": "auto"}

@@ -356,19 +356,16 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         raise Pi2Error(f"--output-copy {o.output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
     if o.output_copy is not None and o.output_rows == 0:
         raise Pi2Error("--output-copy needs output rows (--output-rows 0 keeps the output matrix in RAM)")
-    if o.expert_reads not in ("auto", *fmt.EXPERT_READS):
-        raise Pi2Error(f"--expert-reads {o.expert_reads!r}: one of auto, {', '.join(fmt.EXPERT_READS)}")
-    if o.expert_reads != "auto" and not model.n_expert:
-        raise Pi2Error(f"--expert-reads {o.expert_reads}: {model.path.name} has no routed experts")
-    expert_reads = None
-    if model.n_expert:
-        expert_reads = o.expert_reads if o.expert_reads != "auto" else \
-            "bundles" if model.activation in fmt.RELU_FAMILY else "model"
+    if o.expert_reads not in fmt.EXPERT_READS:
+        raise Pi2Error(f"--expert-reads {o.expert_reads!r}: one of {', '.join(fmt.EXPERT_READS)}")
+    if o.expert_reads == "model" and not model.n_expert:
+        raise Pi2Error(f"--expert-reads model: {model.path.name} has no routed experts")
+    expert_reads = o.expert_reads if model.n_expert else None
     whole = frozenset(fmt.routed_layers(model.layer_experts if model.mixed else None, model.n_expert, model.n_layer)) \
         if expert_reads == "model" else frozenset()
     if whole:
-        notes.append("routed experts are read whole from the model file under a memory budget (--expert-reads "
-                     f"{o.expert_reads}): the sidecar holds no copy of them")
+        notes.append("routed experts are read whole from the model file under a memory budget (--expert-reads model): "
+                     "the sidecar holds no copy of them")
     if o.predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {o.predictor!r}")
     if not 0.5 <= o.recall < 1.0:

@@ -957,17 +957,20 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
     struct pi2_expert_read_stats io = { 0 };
     enum ggml_status st = GGML_STATUS_SUCCESS;
     pthread_mutex_lock(&b->cache_lock); // the entry stays while its expert computes: one FFN at a time per model
-    // the experts with pairs, in the order they compute: their reads queued at once (without memory for the list,
-    // each is read when it computes)
+    // the experts with pairs: their reads queued at once, then each computed as soon as it is in memory (cached
+    // first, then in the order reads complete), so compute overlaps the reads still in flight. Without memory for
+    // the lists, in expert order, each read when it computes.
     int n_wanted = 0;
     int32_t * list   = malloc(sizeof(int32_t) * (size_t) o->n_expert);
     uint8_t * cached = calloc((size_t) o->n_expert, 1);
-    for (int64_t e = 0; list != NULL && e < o->n_expert; ++e) {
+    uint8_t * done   = calloc((size_t) o->n_expert, 1);
+    const bool listed = list != NULL && cached != NULL && done != NULL;
+    for (int64_t e = 0; listed && e < o->n_expert; ++e) {
         if (start[e + 1] > start[e]) {
             list[n_wanted++] = (int32_t) e;
         }
     }
-    if (list != NULL && cached != NULL) {
+    if (listed) {
         pi2_expert_file_want(b->experts, r->layer, list, n_wanted, cached, &io);
         for (int i = 0; i < n_wanted; ++i) { // routed pairs whose expert was cached
             const uint64_t n = (uint64_t) (start[list[i] + 1] - start[list[i]]);
@@ -975,9 +978,16 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
             *misses += cached[i] ? 0 : n;
         }
     }
-    free(list);
-    free(cached);
-    for (int64_t e = 0; e < o->n_expert && st == GGML_STATUS_SUCCESS; ++e) {
+    for (int64_t k = 0; k < (listed ? n_wanted : o->n_expert) && st == GGML_STATUS_SUCCESS; ++k) {
+        int64_t e = k;
+        if (listed) {
+            const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted);
+            if (i < 0) {
+                break;
+            }
+            done[i] = 1;
+            e = list[i];
+        }
         const int64_t p0 = start[e], n = start[e + 1] - start[e];
         if (n == 0) {
             continue;
@@ -1041,6 +1051,9 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
         }
         pi2_expert_file_done(b->experts, r->layer, (int32_t) e);
     }
+    free(list);
+    free(cached);
+    free(done);
     pthread_mutex_unlock(&b->cache_lock);
     struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
     pi2_count_layer_seen(&ctx->dev->counters, r->layer);

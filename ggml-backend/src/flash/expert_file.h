@@ -45,6 +45,11 @@ struct pi2_expert_read_stats {
 // before are no longer pinned. cached[i]: 1 where experts[i] was in the cache already.
 void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
                           struct pi2_expert_read_stats * st);
+// Of the n wanted experts not yet done (done[i] == 0), the index of one that is in memory (read, or cached), taking the
+// completions that arrived; waits for the next completion while none is, and returns one whose read was not queued
+// (it is read when got) when nothing is in flight. -1 when every one is done.
+int pi2_expert_file_next(struct pi2_expert_file * f, int layer, const int32_t * experts, const uint8_t * done, int n);
+
 // Expert e has computed: its entry may be replaced (least recently used first) by an expert still to come.
 void pi2_expert_file_done(struct pi2_expert_file * f, int layer, int32_t e);
 
