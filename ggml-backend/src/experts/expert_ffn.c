@@ -811,6 +811,27 @@ static struct ggml_tensor pi2_scratch_matrix(const struct ggml_tensor * like, in
     return m;
 }
 
+// One routed expert's FFN over n tokens of a batch, on contiguous scratch: their inputs at xs [n][n_embd], gate, up and
+// GLU rows at rows [3][n][n_ff], down rows at ys [n][n_embd]; the weights wg, wu, wd are the caller's to set. The nodes
+// point into the struct: it must not move while they are used.
+struct pi2_expert_batch {
+    struct ggml_tensor wg, wu, wd, x, gate, up, glu, down;
+};
+
+static void pi2_expert_batch_init(struct pi2_expert_batch * f, const struct pi2_id_operands * o, const struct pi2_expert_region * r,
+                                  int64_t n, float * xs, float * rows, float * ys) {
+    const int64_t n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    f->x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
+    f->gate = pi2_scratch_matrix(r->gate, n_ff, n, rows);
+    f->up   = pi2_scratch_matrix(r->up, n_ff, n, rows + n * n_ff);
+    f->glu  = pi2_scratch_matrix(r->glu, n_ff, n, rows + 2 * n * n_ff);
+    f->down = pi2_scratch_matrix(r->down, n_embd, n, ys);
+    f->gate.src[0] = &f->wg;   f->gate.src[1] = &f->x;
+    f->up.src[0]   = &f->wu;   f->up.src[1]   = &f->x;
+    f->glu.src[0]  = &f->gate; f->glu.src[1]  = &f->up;
+    f->down.src[0] = &f->wd;   f->down.src[1] = &f->glu;
+}
+
 // A batch's routed pairs one after another, each on every thread (rows: scratch for the pairs' gate, up and GLU
 // rows, or NULL to write the graph's), the reads of the next PI2_EXPERT_AHEAD pairs queued before each computes.
 static enum ggml_status pi2_expert_pairs_in_turn(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
@@ -878,19 +899,13 @@ static enum ggml_status pi2_expert_batches(struct pi2_backend_ctx * ctx, struct 
         for (int64_t i = i0; i < i1; ++i) {
             memcpy(xs + (i - i0) * n_embd, pi2_pair_x(o, i), (size_t) n_embd * sizeof(float));
         }
-        struct ggml_tensor wg = pi2_expert_matrix(r->gate->src[0], e), wu = pi2_expert_matrix(r->up->src[0], e),
-                           wd = pi2_expert_matrix(r->down->src[0], e);
-        struct ggml_tensor x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
-        struct ggml_tensor gate = pi2_scratch_matrix(r->gate, n_ff, n, rows);
-        struct ggml_tensor up   = pi2_scratch_matrix(r->up, n_ff, n, rows + n * n_ff);
-        struct ggml_tensor glu  = pi2_scratch_matrix(r->glu, n_ff, n, rows + 2 * n * n_ff);
-        struct ggml_tensor down = pi2_scratch_matrix(r->down, n_embd, n, ys);
-        gate.src[0] = &wg;   gate.src[1] = &x;
-        up.src[0]   = &wu;   up.src[1]   = &x;
-        glu.src[0]  = &gate; glu.src[1]  = &up;
-        down.src[0] = &wd;   down.src[1] = &glu;
-        const struct pi2_ffn_region region = { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(b->sc, r->layer, e), .gate = &gate, .up = &up,
-                                               .out = &glu, .down = &down, .act = r->act, .batch = true,
+        struct pi2_expert_batch f;
+        pi2_expert_batch_init(&f, o, r, n, xs, rows, ys);
+        f.wg = pi2_expert_matrix(r->gate->src[0], e);
+        f.wu = pi2_expert_matrix(r->up->src[0], e);
+        f.wd = pi2_expert_matrix(r->down->src[0], e);
+        const struct pi2_ffn_region region = { .n_nodes = 4, .layer = pi2_sidecar_expert_layer(b->sc, r->layer, e), .gate = &f.gate,
+                                               .up = &f.up, .out = &f.glu, .down = &f.down, .act = r->act, .batch = true,
                                                .bias_gate = pi2_expert_bias(r->gate_biased, e),
                                                .bias_up = pi2_expert_bias(r->up_biased, e) };
         struct pi2_cache_token_stats io = { 0 };
@@ -1016,19 +1031,14 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
             memcpy(xs + i * n_embd, (const char *) xcopy + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
                    (size_t) n_embd * sizeof(float));
         }
-        struct ggml_tensor wg = pi2_expert_at(w[0], em.data[0]), wu = pi2_expert_at(w[1], em.data[1]),
-                           wd = pi2_expert_at(w[2], em.data[2]);
-        struct ggml_tensor x    = pi2_scratch_matrix(o->x, n_embd, n, xs);
-        struct ggml_tensor gate = pi2_scratch_matrix(r->gate, n_ff, n, rows);
-        struct ggml_tensor up   = pi2_scratch_matrix(r->up, n_ff, n, rows + n * n_ff);
-        struct ggml_tensor glu  = pi2_scratch_matrix(r->glu, n_ff, n, rows + 2 * n * n_ff);
-        struct ggml_tensor down = pi2_scratch_matrix(r->down, n_embd, n, ys);
-        gate.src[0] = &wg;  gate.src[1] = &x;
-        up.src[0]   = &wu;  up.src[1]   = &x;
-        down.src[0] = &wd;  down.src[1] = &glu;
-        st = pi2_exec_mul_mat_with(ctx, &gate, wg.type, wg.data, wg.nb[1]);
+        struct pi2_expert_batch f;
+        pi2_expert_batch_init(&f, o, r, n, xs, rows, ys);
+        f.wg = pi2_expert_at(w[0], em.data[0]);
+        f.wu = pi2_expert_at(w[1], em.data[1]);
+        f.wd = pi2_expert_at(w[2], em.data[2]);
+        st = pi2_exec_mul_mat_with(ctx, &f.gate, f.wg.type, f.wg.data, f.wg.nb[1]);
         if (st == GGML_STATUS_SUCCESS) {
-            st = pi2_exec_mul_mat_with(ctx, &up, wu.type, wu.data, wu.nb[1]);
+            st = pi2_exec_mul_mat_with(ctx, &f.up, f.wu.type, f.wu.data, f.wu.nb[1]);
         }
         const float * bg = pi2_expert_bias(r->gate_biased, (int32_t) e), * bu = pi2_expert_bias(r->up_biased, (int32_t) e);
         for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
@@ -1043,7 +1053,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
             }
         }
         if (st == GGML_STATUS_SUCCESS) {
-            st = pi2_exec_mul_mat_with(ctx, &down, wd.type, wd.data, wd.nb[1]);
+            st = pi2_exec_mul_mat_with(ctx, &f.down, f.wd.type, f.wd.data, f.wd.nb[1]);
         }
         for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
             const int64_t q = order[p0 + i];

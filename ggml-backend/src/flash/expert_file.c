@@ -122,12 +122,23 @@ static int pi2_find_layer(const struct pi2_gguf_file * f, const char * path, int
     return 1;
 }
 
+// where matrix m of expert e lies in the file, and the 4 KiB-aligned span an O_DIRECT read of it covers
+struct pi2_expert_span {
+    uint64_t off, lo, n, need; // the matrix's offset; the span's start and length; bytes of it that must arrive
+};
+
+static struct pi2_expert_span pi2_expert_span_of(const struct pi2_expert_layer * L, int64_t e, int m) {
+    const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
+    const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
+    return (struct pi2_expert_span) { .off = off, .lo = lo, .n = pi2_span(off, L->len[m]), .need = off + L->len[m] - lo };
+}
+
 static uint64_t pi2_layer_entry_bytes(const struct pi2_expert_layer * L) {
     uint64_t worst = 0;
     for (int64_t e = 0; e < L->n_expert; ++e) { // the slack depends on where each expert's ranges start
         uint64_t b = 0;
         for (int m = 0; m < 3; ++m) {
-            b += pi2_span(L->off[m] + (uint64_t) e * L->stride[m], L->len[m]);
+            b += pi2_expert_span_of(L, e, m).n;
         }
         worst = b > worst ? b : worst;
     }
@@ -402,23 +413,21 @@ static bool pi2_expert_queue(struct pi2_expert_file * f, int layer, int32_t e, s
     uint8_t * entry = f->mem + (size_t) k * f->entry_bytes;
     uint64_t at = 0;
     for (int m = 0; m < 3; ++m) {
-        const size_t   s   = (size_t) k * 3 + (size_t) m;
-        const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
-        const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
-        const uint64_t n   = pi2_span(off, L->len[m]);
-        f->iov[s] = (struct iovec) { .iov_base = entry + at, .iov_len = (size_t) n };
-        f->span_off[s]  = lo;
-        f->span_need[s] = off + L->len[m] - lo;
+        const size_t s = (size_t) k * 3 + (size_t) m;
+        const struct pi2_expert_span sp = pi2_expert_span_of(L, e, m);
+        f->iov[s] = (struct iovec) { .iov_base = entry + at, .iov_len = (size_t) sp.n };
+        f->span_off[s]  = sp.lo;
+        f->span_need[s] = sp.need;
         f->span_bad[s]  = 0;
-        if (pi2_ring_readv(f->ring, f->fd, &f->iov[s], 1, lo, (uint64_t) s)) {
+        if (pi2_ring_readv(f->ring, f->fd, &f->iov[s], 1, sp.lo, (uint64_t) s)) {
             f->pending[k]++;
             f->queued++;
-            st->bytes_read += n;
+            st->bytes_read += sp.n;
             st->requests++;
         } else {
             f->span_bad[s] = 1; // the ring is full: read when got
         }
-        at += n;
+        at += sp.n;
     }
     f->tag_layer[k] = layer;
     f->tag_expert[k] = e;
@@ -575,12 +584,10 @@ int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct
     uint8_t * entry = f->mem + (size_t) k * f->entry_bytes;
     uint64_t at = 0;
     for (int m = 0; m < 3; ++m) {
-        const size_t   s   = (size_t) k * 3 + (size_t) m;
-        const uint64_t off = L->off[m] + (uint64_t) e * L->stride[m];
-        const uint64_t lo  = off / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
-        const uint64_t n   = pi2_span(off, L->len[m]);
+        const size_t s = (size_t) k * 3 + (size_t) m;
+        const struct pi2_expert_span sp = pi2_expert_span_of(L, e, m);
         if (f->span_bad[s]) {
-            const int rc = pi2_read_span(f, entry + at, n, lo, off + L->len[m] - lo);
+            const int rc = pi2_read_span(f, entry + at, sp.n, sp.lo, sp.need);
             if (rc != 0) {
                 f->where[layer][e] = -1; // the entry holds nothing usable
                 f->tag_layer[k] = f->tag_expert[k] = -1;
@@ -590,12 +597,12 @@ int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct
                 return -1;
             }
             f->span_bad[s] = 0;
-            st->bytes_read += n;
+            st->bytes_read += sp.n;
             st->requests++;
         }
-        out->data[m] = entry + at + (off - lo);
+        out->data[m] = entry + at + (sp.off - sp.lo);
         out->type[m] = L->type[m];
-        at += n;
+        at += sp.n;
     }
     if (read_now || waited) {
         st->wait_ns += pi2_now_ns() - t0;
