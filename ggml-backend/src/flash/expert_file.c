@@ -476,34 +476,6 @@ void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t *
     pi2_expert_submit(f);
 }
 
-// waits until entry k has no span in flight, taking every completion that arrives meanwhile
-static void pi2_expert_wait(struct pi2_expert_file * f, int32_t k) {
-    while (f->pending[k] > 0 && f->in_flight > 0) {
-        uint64_t user = 0;
-        int32_t  res  = 0;
-        if (!pi2_ring_complete(f->ring, &user, &res)) {
-            if (pi2_ring_enter(f->ring, false, 1) != 0) {
-                break; // the spans still pending are read again below
-            }
-            continue;
-        }
-        const size_t s = (size_t) user;
-        const uint32_t j = (uint32_t) (s / 3);
-        if (j >= f->n_entries || f->pending[j] == 0) {
-            continue;
-        }
-        f->pending[j]--;
-        f->in_flight--;
-        f->span_bad[s] = res < 0 || (uint64_t) res < f->span_need[s];
-    }
-    if (f->pending[k] > 0) { // the ring failed while reads were in flight: read them here
-        for (int m = 0; m < 3; ++m) {
-            f->span_bad[(size_t) k * 3 + (size_t) m] = 1;
-        }
-        f->pending[k] = 0;
-    }
-}
-
 // takes one completion if any arrived (wait: waits for one); false when none was taken
 static bool pi2_expert_take(struct pi2_expert_file * f, bool wait) {
     uint64_t user = 0;
@@ -524,6 +496,18 @@ static bool pi2_expert_take(struct pi2_expert_file * f, bool wait) {
         f->span_bad[s] = res < 0 || (uint64_t) res < f->span_need[s];
     }
     return true;
+}
+
+// waits until entry k has no span in flight, taking every completion that arrives meanwhile
+static void pi2_expert_wait(struct pi2_expert_file * f, int32_t k) {
+    while (f->pending[k] > 0 && pi2_expert_take(f, true)) {
+    }
+    if (f->pending[k] > 0) { // the ring failed while reads were in flight: read them here
+        for (int m = 0; m < 3; ++m) {
+            f->span_bad[(size_t) k * 3 + (size_t) m] = 1;
+        }
+        f->pending[k] = 0;
+    }
 }
 
 int pi2_expert_file_next(struct pi2_expert_file * f, int layer, const int32_t * experts, const uint8_t * done, int n) {
