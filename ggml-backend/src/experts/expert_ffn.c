@@ -754,6 +754,25 @@ struct pi2_expert_order {
     struct ggml_tensor xt;    // the copy, as the FFN input's tensor
 };
 
+// The batch's (slot, token) pairs sorted by expert, token order kept within an expert (a counting sort; ids were checked
+// in range by the caller): order[start[e] .. start[e + 1]) are expert e's pairs. start: [n_expert + 1] zeros.
+static void pi2_pairs_by_expert(const struct pi2_id_operands * o, int32_t * order, int64_t * start) {
+    const int64_t n_pairs = o->n_used * o->n_tokens;
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        ++start[pi2_id_at(o, q % o->n_used, q / o->n_used) + 1];
+    }
+    for (int64_t e = 0; e < o->n_expert; ++e) {
+        start[e + 1] += start[e];
+    }
+    for (int64_t q = 0; q < n_pairs; ++q) { // each start[e] moves to the end of expert e's pairs ...
+        order[start[pi2_id_at(o, q % o->n_used, q / o->n_used)]++] = (int32_t) q;
+    }
+    for (int64_t e = o->n_expert; e > 0; --e) { // ... which is where expert e + 1's begin: back to their first
+        start[e] = start[e - 1];
+    }
+    start[0] = 0;
+}
+
 static bool pi2_expert_order_init(struct pi2_expert_order * d, struct pi2_id_operands * o, const struct pi2_expert_region * r) {
     *d = (struct pi2_expert_order) { 0 };
     const int64_t n_pairs = o->n_used * o->n_tokens;
@@ -773,16 +792,7 @@ static bool pi2_expert_order_init(struct pi2_expert_order * d, struct pi2_id_ope
         *d = (struct pi2_expert_order) { 0 };
         return false;
     }
-    // counting sort by expert, token order kept within an expert (ids were checked in range by the caller)
-    for (int64_t q = 0; q < n_pairs; ++q) {
-        ++start[pi2_id_at(o, q % o->n_used, q / o->n_used) + 1];
-    }
-    for (int64_t e = 0; e < o->n_expert; ++e) {
-        start[e + 1] += start[e];
-    }
-    for (int64_t q = 0; q < n_pairs; ++q) {
-        d->order[start[pi2_id_at(o, q % o->n_used, q / o->n_used)]++] = (int32_t) q;
-    }
+    pi2_pairs_by_expert(o, d->order, start);
     free(start);
     memcpy(d->x, o->x->data, x_bytes);
     d->xt      = *o->x;
@@ -935,78 +945,58 @@ static struct ggml_tensor pi2_expert_at(const struct ggml_tensor * w, const void
 
 // Under a budget with PI2_EXPERT_READS=model: each expert the batch routes to is found in the expert cache or read
 // whole from the model file (expert_file.h), then computed for its tokens by the dense kernels from where it landed,
-// as in RAM: the gate and up products (plus gpt-oss's biases), the activation, down. Experts run one after another
-// in expert order, so each is read once a batch; the FFN input is copied first, as down's output may share its memory.
+// as in RAM: the gate and up products (plus gpt-oss's biases), the activation, down. Each expert is read once a batch
+// and computes all its tokens; the FFN input is copied first, as down's output may share its memory.
 static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
                                          const struct pi2_expert_region * r, uint64_t * hits, uint64_t * misses) {
     const int64_t n_pairs = o->n_used * o->n_tokens, n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
     const size_t  x_bytes = ggml_nbytes(o->x);
-    float *   xcopy = malloc(x_bytes);
-    float *   buf   = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
-    int32_t * order = malloc(sizeof(int32_t) * (size_t) n_pairs);
-    int64_t * start = calloc((size_t) o->n_expert + 1, sizeof(int64_t));
-    if (xcopy == NULL || buf == NULL || order == NULL || start == NULL) {
+    float *   xcopy  = malloc(x_bytes);
+    float *   buf    = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
+    int32_t * order  = malloc(sizeof(int32_t) * (size_t) n_pairs);
+    int64_t * start  = calloc((size_t) o->n_expert + 1, sizeof(int64_t));
+    int32_t * list   = malloc(sizeof(int32_t) * (size_t) o->n_expert); // the experts with pairs
+    uint8_t * cached = calloc((size_t) o->n_expert, 1);
+    uint8_t * done   = calloc((size_t) o->n_expert, 1);
+    if (xcopy == NULL || buf == NULL || order == NULL || start == NULL || list == NULL || cached == NULL || done == NULL) {
         free(xcopy);
         free(buf);
         free(order);
         free(start);
+        free(list);
+        free(cached);
+        free(done);
         PI2_LOG_ERROR("pi2: out of memory for the routed experts of a %lld-token batch\n", (long long) o->n_tokens);
         return GGML_STATUS_ALLOC_FAILED;
     }
     memcpy(xcopy, o->x->data, x_bytes);
-    for (int64_t q = 0; q < n_pairs; ++q) { // counting sort by expert, token order kept (ids checked by the caller)
-        ++start[pi2_id_at(o, q % o->n_used, q / o->n_used) + 1];
-    }
-    for (int64_t e = 0; e < o->n_expert; ++e) {
-        start[e + 1] += start[e];
-    }
-    for (int64_t q = 0; q < n_pairs; ++q) {
-        const int32_t e = pi2_id_at(o, q % o->n_used, q / o->n_used);
-        order[start[e]++] = (int32_t) q;
-    }
-    for (int64_t e = o->n_expert; e > 0; --e) { // start[e] was moved to the end of expert e's pairs: back to its first
-        start[e] = start[e - 1];
-    }
-    start[0] = 0;
+    pi2_pairs_by_expert(o, order, start);
     float * xs = buf, * ys = xs + o->n_tokens * n_embd, * rows = ys + o->n_tokens * n_embd;
     struct pi2_expert_read_stats io = { 0 };
     enum ggml_status st = GGML_STATUS_SUCCESS;
     pthread_mutex_lock(&b->cache_lock); // the entry stays while its expert computes: one FFN at a time per model
     // the experts with pairs: their reads queued at once, then each computed as soon as it is in memory (cached
-    // first, then in the order reads complete), so compute overlaps the reads still in flight. Without memory for
-    // the lists, in expert order, each read when it computes.
+    // first, then in the order reads complete), so compute overlaps the reads still in flight
     int n_wanted = 0;
-    int32_t * list   = malloc(sizeof(int32_t) * (size_t) o->n_expert);
-    uint8_t * cached = calloc((size_t) o->n_expert, 1);
-    uint8_t * done   = calloc((size_t) o->n_expert, 1);
-    const bool listed = list != NULL && cached != NULL && done != NULL;
-    for (int64_t e = 0; listed && e < o->n_expert; ++e) {
+    for (int64_t e = 0; e < o->n_expert; ++e) {
         if (start[e + 1] > start[e]) {
             list[n_wanted++] = (int32_t) e;
         }
     }
-    if (listed) {
-        pi2_expert_file_want(b->experts, r->layer, list, n_wanted, cached, &io);
-        for (int i = 0; i < n_wanted; ++i) { // routed pairs whose expert was cached
-            const uint64_t n = (uint64_t) (start[list[i] + 1] - start[list[i]]);
-            *hits   += cached[i] ? n : 0;
-            *misses += cached[i] ? 0 : n;
-        }
+    pi2_expert_file_want(b->experts, r->layer, list, n_wanted, cached, &io);
+    for (int i = 0; i < n_wanted; ++i) { // routed pairs whose expert was cached
+        const uint64_t n = (uint64_t) (start[list[i] + 1] - start[list[i]]);
+        *hits   += cached[i] ? n : 0;
+        *misses += cached[i] ? 0 : n;
     }
-    for (int64_t k = 0; k < (listed ? n_wanted : o->n_expert) && st == GGML_STATUS_SUCCESS; ++k) {
-        int64_t e = k;
-        if (listed) {
-            const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted);
-            if (i < 0) {
-                break;
-            }
-            done[i] = 1;
-            e = list[i];
+    for (int k = 0; k < n_wanted && st == GGML_STATUS_SUCCESS; ++k) {
+        const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted);
+        if (i < 0) {
+            break;
         }
+        done[i] = 1;
+        const int32_t e = list[i];
         const int64_t p0 = start[e], n = start[e + 1] - start[e];
-        if (n == 0) {
-            continue;
-        }
         struct pi2_expert_matrices em;
         if (pi2_expert_file_get(b->experts, r->layer, (int32_t) e, &em, &io, b->error, sizeof(b->error)) != 0) {
             PI2_LOG_ERROR("pi2: %s\n", b->error);

@@ -496,7 +496,8 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         if (n_ff[il] == 0 || n_ff[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_N_FF, il, n_ff[il], INT32_MAX);
         }
-        if ((rank[il] == 0 && !(sc->experts_whole && pi2_sidecar_layer_routed(sc, il))) || rank[il] > INT32_MAX) {
+        L->whole = sc->experts_whole && pi2_sidecar_layer_routed(sc, il);
+        if ((rank[il] == 0 && !L->whole) || rank[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_PREDICTOR_RANK, il, rank[il], INT32_MAX);
         }
         if (hot[il] > n_ff[il]) {
@@ -512,7 +513,6 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
             return pi2_fail(rd, "%s[%" PRIu32 "] or %s[%" PRIu32 "] is not a fraction in 0..1", PI2_KEY_SPARSITY_DENSITY, il,
                             PI2_KEY_PREDICTOR_DENSITY, il);
         }
-        L->whole = sc->experts_whole && pi2_sidecar_layer_routed(sc, il);
         if (L->whole) { // read whole from the model file: no predictor, bundles or ranking (FORMAT.md)
             L->n_ff = n_ff[il];
             L->density = L->pred_density = 1.0f;
