@@ -990,7 +990,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
         *misses += cached[i] ? 0 : n;
     }
     for (int k = 0; k < n_wanted && st == GGML_STATUS_SUCCESS; ++k) {
-        const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted);
+        const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted, &io);
         if (i < 0) {
             break;
         }
