@@ -41,6 +41,8 @@ cold page cache (pi2_gguf.bench.cgroup). Rows:
     sidecars of one model side by side, e.g. converted with --bundle-align 4096 and 512)
   - pi2 all in RAM with the first sidecar, no limit (the reference for "how much of its in-RAM speed does
     pi2 keep")
+  - a peer engine per --peer NAME=COMMAND, under the same limit (a command you built; {model} {prompt} {n}
+    {threads} are filled in; its rates are what it prints: BigMoeOnEdge's report, else its last "N tok/s")
 Prints tokens/s (prompt, decode), peak cgroup memory, bytes read per decoded token, the I/O wait share of
 decode time, the disk's busy share of decode time (its io_ticks: near 100% the row is disk-bound, and only
 fewer bytes make it faster), the neuron cache's hit rate (and for an MoE model the share of routed experts that read
@@ -401,6 +403,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import cgroup
     from .bench.memory_limit import format_table, run_bench
+    from .bench.peers import parse_peer
     from .gguf_file import check_context, check_model_file
     from .runtime import plugin
     from .runtime.llama import prepare_sidecar
@@ -414,6 +417,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prepare_sidecar(model, sidecar, args.mode)  # readable, complete and made for this model
     if args.rounds < 1:
         raise Pi2Error(f"--rounds must be at least 1, got {args.rounds}")
+    peers = [parse_peer(text) for text in args.peers or []]
     args.ctx = check_context(model, args.ctx, "--ctx", BENCH_CTX)
     _check_fits(args.n, args.ctx, ctx_option="--ctx")
     limit = parse_size(args.memory_limit, "--memory-limit")
@@ -435,7 +439,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise Pi2Error(f"--with {name}={value}: {e}") from e
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
                      args.skip_unlimited, progress=not args.json, rounds=args.rounds, variants=args.variants,
-                     decode=args.decode)
+                     decode=args.decode, peers=peers)
     if args.json:
         json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps, "decode": args.decode,
                    "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
@@ -635,6 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with", dest="variants", type=_settings, action="append", metavar="NAME=VALUE[,NAME=VALUE]",
                    help="one more pi2 row per sidecar under the limit with these per-model settings (docs/SETTINGS.md), "
                         "e.g. --with output_rows=64; repeatable")
+    p.add_argument("--peer", dest="peers", action="append", metavar="NAME=COMMAND",
+                   help="one more row: a peer engine's command under the same limit, {model} {prompt} {n} {threads} "
+                        "filled in, e.g. bmoe='bmoe-cli -m {model} -p {prompt} -n {n} -t 1 --moe-stream --cache-mb 96 "
+                        "--force-cache' (docs/PEERS.md); repeatable")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_bench)
     return ap

@@ -421,7 +421,8 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
                                        tmp_path: Path) -> None:
     """`pi2-gguf bench --decode text` on an MoE model: the pi2 row under the limit reports the share of routed experts
     that read nothing and the share read ahead on the next-layer router's guess, and the table has their columns;
-    every configuration decodes the held-out text."""
+    every configuration decodes the held-out text. A peer row (--peer: here stock llama.cpp's own llama-completion,
+    a real engine every test run has) runs under the same limit and reports the rate it printed."""
     from pi2_gguf.bench.memory_limit import Row, format_table
     from pi2_gguf.cli import main
 
@@ -433,8 +434,9 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
     out = tmp_path / "bench.json"
     with out.open("w") as f:
         monkeypatch.setattr(sys, "stdout", f)
+        peer = f"llama={Path(sys.executable).parent / 'llama-completion'} -m {{model}} -p {{prompt}} -n {{n}} -t {{threads}}"
         assert main(["bench", str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "8",
-                     "--decode", "text", "--skip-unlimited", "--json"]) == 0
+                     "--decode", "text", "--skip-unlimited", "--json", "--peer", peer]) == 0
     monkeypatch.undo()
     data = json.loads(out.read_text())
     assert data["decode"] == "text"
@@ -442,6 +444,9 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
     assert pi2["status"] == "ok" and pi2["moe"] and 0 <= pi2["expert_hit_rate"] < 1 and pi2["decoded"] == 8
     assert 0 < pi2["expert_guess_rate"] <= 1
     assert not any(r["moe"] for r in data["rows"] if r["name"].startswith("stock"))
+    peer_row = next(r for r in data["rows"] if r["peer"])
+    assert peer_row["name"] == "llama (peer, greedy)" and peer_row["status"] == "ok" and peer_row["decode_tps"] > 0
+    assert 0 < peer_row["peak_mb"] <= limit / 1e6 + 1
     table = format_table(model, limit, None, [Row(**{**r, "rounds": []}) for r in data["rows"]], "text")
     assert "| expert hits | experts guessed |" in table and "teacher forcing" in table
     assert f"| {pi2['expert_hit_rate']:.1%} | {pi2['expert_guess_rate']:.1%} |" in table

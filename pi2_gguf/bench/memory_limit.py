@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..runtime.isolated import greedy_command, parse_results
 from . import PROMPT, cgroup, heldout_text
+from .peers import Peer, parse_output, peer_command
 from .rounds import Series, ratio, run_in_turn
 
 
@@ -34,12 +35,13 @@ class Row:
     hot_mb: float = 0.0              # pi2: the neuron cache's hot segment (profiled hottest bundles, fixed)
     cold_mb: float = 0.0             # pi2: its cold segment (CLOCK-managed bundles read on misses)
     major_faults: int = 0
+    peer: bool = False               # a peer engine's row (--peer): its rates are what it printed (peers.py)
     rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
 
 
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
              skip_unlimited: bool, variants: list[dict[str, str]] | None = None,
-             forced_text: str | None = None) -> list[tuple[Row, list[str], int | None]]:
+             forced_text: str | None = None, peers: list[Peer] | None = None) -> list[tuple[Row, list[str], int | None]]:
     command = partial(greedy_command, model, [PROMPT], n, threads=threads, ctx=ctx, logits=False,
                       forced_text=forced_text)
     rows: list[tuple[Row, list[str], int | None]] = [
@@ -52,6 +54,9 @@ def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n:
             with_ = "".join(f", {k}={v}" for k, v in settings.items())
             rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB{with_}", True),
                          command(pi2=True, sidecar=sc, mode=mode, memory_budget=limit, settings=settings), limit))
+    for peer in peers or []:  # a peer cannot be fed text: it decodes its own greedy picks
+        rows.append((Row(f"{peer.name} (peer{', greedy' if forced_text is not None else ''})", True, peer=True),
+                     peer_command(peer, str(model), PROMPT, n, threads), limit))
     if not skip_unlimited:
         rows.append((Row("pi2, all in RAM (no limit)", False),
                      command(pi2=True, sidecar=sidecars[0], mode=mode), None))
@@ -71,6 +76,15 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
     elif r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
         row.status = f"failed: {last[:120]}"
+    elif row.peer:
+        got = parse_output(r.stdout + "\n" + r.stderr)
+        if got is None:
+            row.status = "failed: printed no tok/s"
+        else:
+            row.prompt_tps, row.decode_tps, row.decoded = got.prompt_tps, got.decode_tps, got.decoded
+            row.read_per_token_mb = got.read_per_token_mb or 0.0
+            if got.expert_hit_rate is not None:
+                row.moe, row.expert_hit_rate = True, got.expert_hit_rate
     else:
         g = parse_results(r.stdout)[0]
         row.prompt_tps, row.decode_tps, row.decoded = g.prompt_tps, g.decode_tps, len(g.tokens)
@@ -113,14 +127,16 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
               skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
-              variants: list[dict[str, str]] | None = None, decode: str = "greedy") -> list[Row]:
+              variants: list[dict[str, str]] | None = None, decode: str = "greedy",
+              peers: list[Peer] | None = None) -> list[Row]:
     """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each. variants: per-model
     settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit. decode "text": every
-    configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks."""
+    configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks (a
+    peer's cannot: it decodes greedily). peers: one row each, under the same limit (peers.py)."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
     forced = heldout_text(n) if decode == "text" else None
-    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced)
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced, peers)
     runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
     series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
     return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]

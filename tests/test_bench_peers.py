@@ -1,0 +1,61 @@
+"""`pi2-gguf bench --peer NAME=COMMAND` (pi2_gguf/bench/peers.py): the template, and the rates read from what a peer
+printed (BigMoeOnEdge's report as its cli prints it, and llama.cpp's perf lines)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pi2_gguf.bench.peers import Peer, parse_output, parse_peer, peer_command
+from pi2_gguf.errors import Pi2Error
+
+BMOE_REPORT = """\
+=== perf ===
+generation: 32 tokens, 0.118 s/token (8.475 tok/s)
+compute: 61.3% CPU occupancy (0.0723 cpu-s/token over 1 threads), 0.00 major faults/token
+prefill: 27 tokens, 1.904 s (14.2 tok/s) | model load 0.412 s | TTFT 1.950 s
+moe-stream: read 2563.0 MiB (80.09 MiB/token), decode 0.118 s/token
+moe-cache: 13.5% hit, resident 47.0 MiB, budget 48 MiB (auto)
+"""
+
+LLAMA_PERF = """\
+llama_perf_context_print:        load time =     512.31 ms
+llama_perf_context_print: prompt eval time =     200.00 ms /    27 tokens (    7.41 ms per token,   135.00 tokens per second)
+llama_perf_context_print:        eval time =    1600.00 ms /    31 runs   (   51.61 ms per token,    19.38 tokens per second)
+llama_perf_context_print:       total time =    1900.00 ms /    58 tokens
+"""
+
+
+def test_bmoe_report_gives_its_rates() -> None:
+    got = parse_output(BMOE_REPORT)
+    assert got is not None
+    assert (got.decode_tps, got.decoded, got.prompt_tps) == (8.475, 32, 14.2)
+    assert got.read_per_token_mb == pytest.approx(80.09 * 2**20 / 1e6)
+    assert got.expert_hit_rate == pytest.approx(0.135)
+
+
+def test_other_engines_give_their_last_rate() -> None:
+    got = parse_output(LLAMA_PERF)
+    assert got is not None and got.decode_tps == 19.38 and got.read_per_token_mb is None
+    assert parse_output("done: 12.5 tok/s\n") == parse_output("12.5 tokens/s")
+    assert parse_output("no rate here\n") is None
+
+
+def test_command_template_fills_each_argument() -> None:
+    peer = parse_peer("bmoe=bin/bmoe-cli -m {model} -p {prompt} -n {n} -t {threads} --cache-mb 96")
+    assert peer == Peer("bmoe", "bin/bmoe-cli -m {model} -p {prompt} -n {n} -t {threads} --cache-mb 96")
+    cmd = peer_command(peer, "/m/a model.gguf", "Write a function", 32, 1)
+    assert cmd == ["bin/bmoe-cli", "-m", "/m/a model.gguf", "-p", "Write a function", "-n", "32", "-t", "1",
+                   "--cache-mb", "96"]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("bmoe", "is not NAME=COMMAND"),
+    ("=bmoe-cli -m {model}", "is not NAME=COMMAND"),
+    ("bmoe=", "is not NAME=COMMAND"),
+    ("bmoe=bmoe-cli -m {modle}", "unknown placeholder"),
+    ("bmoe=bmoe-cli -m {model", "stray brace"),
+    ("bmoe=bmoe-cli -p 'unclosed", "does not parse"),
+])
+def test_malformed_peer_is_refused(text: str, why: str) -> None:
+    with pytest.raises(Pi2Error, match=why):
+        parse_peer(text)
