@@ -229,6 +229,38 @@ def test_gpt_oss_shaped_model_from_flash(tmp_path: Path) -> None:
         assert flash.tokens == ram.tokens and flash.io["expert_misses"] > 0, (mode, flash.io)
 
 
+def test_deepseek2_shaped_model_from_flash(tmp_path: Path) -> None:
+    """make_moe's deepseek2 layout (DeepSeek-V2-Lite's: latent attention, a dense first layer, shared experts beside
+    the routed ones, softmax routing): llama.cpp loads it; PI2 holding every layer gives stock's tokens; convert
+    --expert-reads model makes a sidecar of the dense layer and the shared experts only, and under a budget that
+    reads the routed experts whole from the model file, dense and predicted modes give the in-RAM tokens."""
+    from dataclasses import replace
+
+    from pi2_gguf.converter.convert import convert
+
+    path = tmp_path / "ds.gguf"
+    shape = replace(_shape(8, 2), n_head=2, n_head_kv=1, n_rot=synthetic_moe.MLA_ROPE, n_dense_lead=1, n_ff_dense=768,
+                    n_shared=2)
+    synthetic_moe.make_moe(path, shape, synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5), "deepseek2",
+                           "silu", QT.Q8_0, progress=False)
+    r = GGUFReader(path)
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_shexp.weight",
+            "blk.1.attn_kv_a_mqa.weight", "blk.1.attn_k_b.weight"} <= names and "blk.0.ffn_gate_inp.weight" not in names
+    assert r.get_field("deepseek2.leading_dense_block_count").contents() == 1
+    stock = greedy_in_subprocess(path, [PROMPT], 8, pi2=False, repack=False)[0]
+    held = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
+    sidecar = convert(path, tmp_path / "ds.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                      perplexity_budget=None, expert_reads="model")
+    for mode in ("dense", "predicted"):
+        ram = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, sidecar=sidecar.path, mode=mode,
+                                   settings={"layers": "all", "sparse_batch": 64})[0]
+        flash = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, sidecar=sidecar.path, mode=mode, memory_budget=2 << 30,
+                                     settings={"cache_max": "1MiB", "sparse_batch": 64})[0]
+        assert flash.tokens == ram.tokens and flash.io["expert_bytes"] > 0 and flash.io["expert_misses"] > 0, (mode, flash.io)
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):
@@ -237,6 +269,8 @@ def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
         synthetic_moe.make_moe(tmp_path / "b.gguf", _shape(8, 2), sp, ro, "smallthinker", "silu", progress=False)
     with pytest.raises(Pi2Error, match="SwiGLU-OAI"):
         synthetic_moe.make_moe(tmp_path / "d.gguf", _shape(8, 2), sp, ro, "gpt-oss", "relu", progress=False)
+    with pytest.raises(Pi2Error, match="dense first layers"):
+        synthetic_moe.make_moe(tmp_path / "e.gguf", _shape(8, 2), sp, ro, "deepseek2", "silu", progress=False)
     with pytest.raises(Pi2Error, match="locality"):
         synthetic_moe.make_moe(tmp_path / "c.gguf", _shape(8, 2), sp, synthetic_moe.Routing(1.0, 1.5), progress=False)
     assert not list(tmp_path.iterdir())

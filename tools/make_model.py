@@ -16,6 +16,7 @@ Such a model's text is meaningless; its sparsity, routing and size are the point
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                     "each expert's")
     ap.add_argument("--n-expert-used", type=int, default=m.n_expert_used, help="experts routed per token")
     ap.add_argument("--arch", choices=synthetic_moe.ARCHS, default="llama", help="MoE layout (with --n-expert)")
+    ap.add_argument("--n-dense-lead", type=int, default=1, help="deepseek2: dense FFN layers before the MoE ones")
+    ap.add_argument("--n-ff-dense", type=int, default=10944, help="deepseek2: their FFN size (DeepSeek-V2-Lite's)")
+    ap.add_argument("--n-shared", type=int, default=2, help="deepseek2: shared experts of each MoE layer")
     ap.add_argument("--router-skew", type=float, default=r.skew, help="router bias = skew * log(Zipf popularity); 0: uniform")
     ap.add_argument("--router-locality", type=float, default=r.locality,
                     help="weight in [0, 1] of the recency-weighted context in the router's logits")
@@ -93,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
     shape = synthetic_moe.MoeShape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv, args.n_expert,
                                    args.n_expert_used)
+    if args.arch == "deepseek2":  # latent attention: one KV head of MLA's sizes; dense first layers, shared experts
+        shape = replace(shape, n_head_kv=1, n_rot=synthetic_moe.MLA_ROPE, n_dense_lead=args.n_dense_lead,
+                        n_ff_dense=args.n_ff_dense, n_shared=args.n_shared)
     sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
     routing = synthetic_moe.Routing(args.router_skew, args.router_locality)
     try:
@@ -112,7 +119,8 @@ def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
     sizes = sorted(report[0].lru_hits)
     print("layer | target density | measured density (held-out) | top expert's share | "
           + " | ".join(f"LRU {c} experts" for c in sizes))
-    for il, x in enumerate(report):
+    for x in report:
+        il = x.layer
         print(f"{il:5d} | {x.target_density:14.3f} | {x.density:27.3f} | {x.top_expert_share:18.3f} | "
               + " | ".join(f"{x.lru_hits[c]:13.3f}" for c in sizes))
     mean = {c: sum(x.lru_hits[c] for x in report) / len(report) for c in sizes}

@@ -164,12 +164,12 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
         gw.add_context_length(s.n_ctx)
         gw.add_embedding_length(s.n_embd)
         gw.add_block_count(s.n_layer)
-        gw.add_feed_forward_length(s.n_ff)
+        gw.add_feed_forward_length(getattr(s, "n_ff_dense", 0) or s.n_ff)  # deepseek2: its dense layers' FFN
         if hparams is not None:
             hparams(gw)
         gw.add_head_count(s.n_head)
         gw.add_head_count_kv(s.n_head_kv)
-        gw.add_rope_dimension_count(s.n_embd // s.n_head)
+        gw.add_rope_dimension_count(getattr(s, "n_rot", 0) or s.n_embd // s.n_head)
         gw.add_layer_norm_rms_eps(1e-5)
         if activation is not None:
             gw.add_string(f"{arch}.ffn_activation", activation)

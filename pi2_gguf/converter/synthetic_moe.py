@@ -1,5 +1,6 @@
-"""Synthetic MoE GGUF models (routed experts), in the three layouts llama.cpp runs them: llama (Mixtral,
-TurboSparse-Mixtral), qwen3moe (Qwen3-30B-A3B) and smallthinker (router read before attention). Their text is
+"""Synthetic MoE GGUF models (routed experts), in the layouts llama.cpp runs them: llama (Mixtral,
+TurboSparse-Mixtral), qwen3moe (Qwen3-30B-A3B), smallthinker (router read before attention), gpt-oss (biased
+SwiGLU-OAI experts) and deepseek2 (DeepSeek-V2-Lite: latent attention, dense first layers, shared experts). Their text is
 meaningless; their shape, size, routing and sparsity inside experts are the point.
 
 How the model is made (dense synthetic models: synthetic.py):
@@ -35,11 +36,14 @@ from . import bundles
 from .profile import FFN_INPUT, FFN_INPUT_OF_ARCH, routed_experts
 from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields, as_tensor, write_gguf
 
-ARCHS = ("llama", "qwen3moe", "smallthinker", "gpt-oss")
+ARCHS = ("llama", "qwen3moe", "smallthinker", "gpt-oss", "deepseek2")
 # gpt-oss's graph computes SwiGLU-OAI whatever a file states, on biased experts: the model states no activation and
 # its gates fire as a SiLU model's (about half the neurons, no sparsity to calibrate)
 ARCH_BUILT_ACTIVATION = {"gpt-oss": "silu"}
 CONTEXT_DIMS_DIV = 8  # n_embd / this residual dimensions carry context (written by attention only)
+# deepseek2's multi-head latent attention, at DeepSeek-V2's sizes: query and key-value latents of these ranks, and
+# per head 128 dimensions without RoPE and 64 with it for keys, 128 for values (the model states them)
+MLA_Q_LORA, MLA_KV_LORA, MLA_NOPE, MLA_ROPE, MLA_V = 1536, 512, 128, 64, 128
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,12 @@ class MoeShape:
     n_expert: int = 8
     n_expert_used: int = 2
     n_ctx: int = 2048
+    # deepseek2 (DeepSeek-V2 and -V3's layout): the first n_dense_lead layers are dense FFNs of n_ff_dense, every
+    # later one has n_shared shared experts (one FFN of n_shared * n_ff) beside its routed ones
+    n_dense_lead: int = 0
+    n_ff_dense: int = 0
+    n_shared: int = 0
+    n_rot: int = 0  # RoPE dimensions a head (0: all of n_embd / n_head)
 
     def params(self, n_vocab: int) -> int:
         hd = self.n_embd // self.n_head
@@ -148,6 +158,13 @@ class _MoeWeights:
         if arch == "qwen3moe":
             w["attn_q_norm"] = np.ones(hd, np.float32)
             w["attn_k_norm"] = np.ones(hd, np.float32)
+        if arch == "deepseek2":
+            w.update(self._mla(rng, x0, tok))
+            if il < s.n_dense_lead:  # a dense FFN layer: no router, no experts
+                del w["attn_q"], w["attn_k"], w["attn_v"]
+                w.update(self._dense_ffn(rng, s.n_ff_dense, tok))
+                return w
+            del w["attn_q"], w["attn_k"], w["attn_v"]
         # router: token dimensions, context dimensions, and a Zipf bias in column 0
         r = np.zeros((s.n_expert, s.n_embd), np.float32)
         lam = self.routing.locality
@@ -184,6 +201,8 @@ class _MoeWeights:
         w["ffn_gate_exps"] = np.stack(gates)
         w["ffn_up_exps"] = np.stack(ups)
         w["ffn_down_exps"] = np.stack(downs)
+        if arch == "deepseek2" and s.n_shared:
+            w.update({f"{k}_shexp": a for k, a in self._dense_ffn(rng, s.n_shared * s.n_ff, tok).items()})
         if arch == "gpt-oss":
             # attention sinks (0: one more logit of 0 in each head's softmax), the output projection's bias, the
             # router's, and the experts' biases: the gate's 0 (its column 0 sets firing, as for the other layouts),
@@ -199,6 +218,40 @@ class _MoeWeights:
         return w
 
 
+    def _dense_ffn(self, rng: np.random.Generator, n_ff: int, tok: slice) -> dict[str, np.ndarray]:
+        """A SiLU FFN of n_ff neurons reading and writing the token dimensions (deepseek2's dense first layers and
+        shared experts): gate, up and down as ffn_gate, ffn_up, ffn_down."""
+        n, m = self.shape.n_embd, self.n_ctx_dims
+        g = rng.standard_normal((n_ff, n), dtype=np.float32) / np.float32(np.sqrt(n))
+        g[:, :1 + m] = 0.0
+        u = rng.standard_normal((n_ff, n), dtype=np.float32) / np.float32(np.sqrt(n))
+        d = rng.standard_normal((n, n_ff), dtype=np.float32) / np.float32(np.sqrt(n_ff))
+        d[:1 + m, :] = 0.0
+        return {"ffn_gate": g, "ffn_up": u, "ffn_down": d}
+
+    def _mla(self, rng: np.random.Generator, x0: float, tok: slice) -> dict[str, np.ndarray]:
+        """deepseek2's attention with the other layouts' property: queries and keys read dimension 0 alone (their
+        RoPE halves; the halves without RoPE score 0), so scores depend on distance only, and values read the token
+        dimensions, written to the context dimensions."""
+        s, m = self.shape, self.n_ctx_dims
+        sc = 1.0 / np.sqrt(s.n_embd)
+        q_a = np.zeros((MLA_Q_LORA, s.n_embd), np.float32)
+        q_a[:, 0] = 1.0 / x0
+        q_b = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, MLA_Q_LORA), np.float32)
+        q_b[:, MLA_NOPE:, :] = 3.0 / MLA_Q_LORA  # the normed latent is about 1 in every dimension
+        kv_a = np.zeros((MLA_KV_LORA + MLA_ROPE, s.n_embd), np.float32)
+        kv_a[:MLA_KV_LORA, tok] = rng.standard_normal((MLA_KV_LORA, s.n_embd - tok.start), dtype=np.float32) * sc
+        kv_a[MLA_KV_LORA:, 0] = 3.0 / x0
+        v_b = rng.standard_normal((s.n_head, MLA_V, MLA_KV_LORA), dtype=np.float32) / np.float32(np.sqrt(MLA_KV_LORA))
+        o = np.zeros((s.n_embd, s.n_head * MLA_V), np.float32)
+        o[1:1 + m, :] = rng.standard_normal((m, s.n_head * MLA_V), dtype=np.float32) * (4.0 / np.sqrt(s.n_head * MLA_V))
+        return {"attn_q_a": q_a, "attn_q_a_norm": np.ones(MLA_Q_LORA, np.float32),
+                "attn_q_b": q_b.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), MLA_Q_LORA),
+                "attn_kv_a_mqa": kv_a, "attn_kv_a_norm": np.ones(MLA_KV_LORA, np.float32),
+                "attn_k_b": np.zeros((s.n_head, MLA_KV_LORA, MLA_NOPE), np.float32), "attn_v_b": v_b,
+                "attn_output": o}
+
+
 def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qtype: QT, name: str,
                     progress: bool = True) -> Path:
     """Writes the GGUF atomically (synthetic.write_gguf), with the expert hyperparameters."""
@@ -212,11 +265,25 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
             gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
         if arch == "gpt-oss":
             gw.add_sliding_window(s.n_ctx)  # its sliding-window layers then see what its full ones see
+        if arch == "deepseek2":  # DeepSeek-V2-Lite's routing: softmax, weights as they are
+            gw.add_leading_dense_block_count(s.n_dense_lead)
+            gw.add_expert_shared_count(s.n_shared)
+            gw.add_expert_weights_scale(1.0)
+            gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+            gw.add_q_lora_rank(MLA_Q_LORA)
+            gw.add_kv_lora_rank(MLA_KV_LORA)
+            # llama.cpp's converter states the cached latent's sizes as the head's, the head's as *_mla
+            gw.add_key_length(MLA_KV_LORA + MLA_ROPE)
+            gw.add_value_length(MLA_KV_LORA)
+            gw.add_key_length_mla(MLA_NOPE + MLA_ROPE)
+            gw.add_value_length_mla(MLA_V)
 
     def tensor_type(k: str) -> QT:
         # MXFP4 is the experts' type (gpt-oss's published files): the other matrices Q8_0
         if k == "ffn_gate_inp" or k.endswith(".bias"):  # the router and biases stay f32 (ADD_ID adds f32 only)
             return QT.F32
+        if k.startswith("attn_"):  # deepseek2's latent attention has rows of 128 (k_b): Q8_0 as its published files
+            return QT.Q8_0 if arch == "deepseek2" and qtype not in (QT.F32, QT.F16) else qtype
         return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
 
     embeddings = w.embeddings()
@@ -233,6 +300,7 @@ class MoeLayerReport:
     density: float           # measured: fired gates / neurons of the routed experts (held-out text)
     top_expert_share: float  # share of routed choices that went to the layer's most used expert
     lru_hits: dict[int, float]  # cache size in experts (this layer's) -> LRU hit rate over the tokens
+    layer: int = -1             # the model layer (deepseek2's dense first layers have no report)
 
 
 def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
@@ -262,8 +330,9 @@ def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | 
     with LlamaRunner(path, n_ctx=len(tokens) + 8, n_threads=threads, watch=(ffn_input, "ffn_moe_logits"),
                      sink=lambda il, name, a: seen.setdefault((name, il), []).append(a.copy()), repack=False) as r:
         r.decode(tokens)
-    xs = {il: np.concatenate(seen[(ffn_input, il)]) for il in range(n_layer)}
-    lg = {il: np.concatenate(seen[("ffn_moe_logits", il)]) for il in range(n_layer)}
+    routed = [il for il in range(n_layer) if ("ffn_moe_logits", il) in seen]  # not deepseek2's dense first layers
+    xs = {il: np.concatenate(seen[(ffn_input, il)]) for il in routed}
+    lg = {il: np.concatenate(seen[("ffn_moe_logits", il)]) for il in routed}
     return xs, lg
 
 
@@ -272,7 +341,7 @@ def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
     that expert (all tokens where fewer than 16 were)."""
     s = w.shape
     t = w.threshold
-    for il in range(s.n_layer):
+    for il in lg:
         x = xs[il].astype(np.float32)
         routed = routed_experts(lg[il], s.n_expert_used)
         gates = w.layer(il, arch)["ffn_gate_exps"]
@@ -294,7 +363,7 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerRepor
     s = w.shape
     out = []
     sizes = sorted({max(1, s.n_expert // 8), max(1, s.n_expert // 4), max(1, s.n_expert // 2), s.n_expert_used})
-    for il in range(s.n_layer):
+    for il in lg:  # the layers with routed experts
         x = xs[il].astype(np.float32)
         routed = routed_experts(lg[il], s.n_expert_used)
         gates = w.layer(il, arch)["ffn_gate_exps"]
@@ -302,7 +371,7 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerRepor
         counts = np.bincount(routed.ravel(), minlength=s.n_expert)
         target = float(np.mean([w.freq(il, e).mean() for e in range(s.n_expert)]))
         out.append(MoeLayerReport(target, fired / (routed.size * s.n_ff), float(counts.max() / counts.sum()),
-                                  {c: lru_hit_rate(list(routed), c) for c in sizes}))
+                                  {c: lru_hit_rate(list(routed), c) for c in sizes}, il))
     return out
 
 
@@ -324,6 +393,11 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
     if arch in ARCH_BUILT_ACTIVATION and activation != ARCH_BUILT_ACTIVATION[arch]:
         raise Pi2Error(f"{arch}'s graph computes its own activation (gpt-oss: SwiGLU-OAI on biased experts), whose "
                        f"gates fire as SiLU's: --activation {ARCH_BUILT_ACTIVATION[arch]}, not {activation}")
+    if arch == "deepseek2" and activation != "silu":
+        raise Pi2Error("deepseek2's synthetic dense first layers and shared experts are SiLU FFNs: --activation silu")
+    if arch == "deepseek2" and not (0 < shape.n_dense_lead < shape.n_layer and shape.n_ff_dense > 0):
+        raise Pi2Error(f"deepseek2 needs dense first layers and MoE layers after them: n_dense_lead "
+                       f"{shape.n_dense_lead} of {shape.n_layer} layers, n_ff_dense {shape.n_ff_dense}")
     if arch == "smallthinker" and activation == "silu":
         raise Pi2Error("smallthinker's experts are ReLU-family: llama.cpp's graph computes ReGLU for them; "
                        "--activation silu would state what that graph does not compute")
