@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.output}: {size / 1e9:.2f} GB, {shape.params(49152) / 1e9:.2f}B parameters, {args.activation}, {qtype.name}")
     print("layer | target density | measured density (held-out) | share of activations in top "
           f"{args.hot_fraction:.0%}")
-    for il, r in enumerate(report):
-        print(f"{il:5d} | {r.target_density:14.3f} | {r.density:27.3f} | {r.hot_share:.3f}")
+    for il, lr in enumerate(report):
+        print(f"{il:5d} | {lr.target_density:14.3f} | {lr.density:27.3f} | {lr.hot_share:.3f}")
     return 0
 
 
