@@ -53,9 +53,9 @@ struct pi2_expert_file {
     // batch reads: entries pinned for the batch (pin == epoch), and per span (entry * 3 + m) where its bytes come
     // from, how many of them must arrive, and whether a queued read of it failed (read again, synchronously, when
     // got). Entries queued for reading wait in want order in `fifo`; their spans go to the disk in requests of at
-    // most chunk_max bytes, while less than inflight_max bytes are being read, so the experts arrive one after
-    // another and the first computes while the next are read (all of a layer's reads at once share the disk and
-    // finish together, leaving nothing to compute meanwhile: measured 11.4 against 17-19 tok/s on q3s).
+    // most chunk_max bytes, all at once as far as the ring takes them: only the computing thread takes completions
+    // and submits, so a limit on the bytes in flight (as the bundles' I/O threads keep) leaves the disk with one
+    // request while an expert computes (q3m: 6.7-7.6 tok/s with 2 MiB in flight, 9.5-11.0 without).
     struct pi2_ring *         ring;      // NULL: every read is synchronous
     uint32_t                  epoch;
     uint32_t *                pin;
@@ -65,7 +65,7 @@ struct pi2_expert_file {
     uint32_t *                pending;   // [n_entries] its requests in flight
     int32_t *                 fifo;      // [n_entries] ring buffer of entries with bytes unissued
     uint32_t                  fifo_head, fifo_n;
-    uint64_t                  chunk_max, inflight_max, inflight_bytes;
+    uint64_t                  chunk_max;
     struct pi2_expert_req *   req;       // [depth] requests in flight by tag; free ones are listed in req_free
     uint32_t *                req_free;
     uint32_t                  n_req_free, depth;
@@ -255,8 +255,8 @@ void pi2_expert_file_free(struct pi2_expert_file * f) {
     free(f);
 }
 
-struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, uint64_t chunk_max, uint64_t inflight_max,
-                                               char * err, size_t errlen) {
+struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, uint64_t chunk_max, char * err,
+                                               size_t errlen) {
     struct pi2_expert_file * f = calloc(1, sizeof(*f));
     if (f == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -301,12 +301,10 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t 
     f->unissued   = calloc(f->n_entries, sizeof(uint64_t));
     f->pending    = calloc(f->n_entries, sizeof(uint32_t));
     f->fifo       = calloc(f->n_entries, sizeof(int32_t));
-    // requests of whole 4 KiB blocks, and the first of a queue always goes even when larger than the limit
-    f->chunk_max    = chunk_max < PI2_DIRECT_ALIGN ? PI2_DIRECT_ALIGN : chunk_max / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
-    f->inflight_max = inflight_max > 0 ? inflight_max : UINT64_MAX;
-    const uint64_t per_entry = f->entry_bytes / f->chunk_max + 3; // an entry's requests at most
-    const uint64_t all = (uint64_t) f->n_entries * per_entry, by_bytes = f->inflight_max / PI2_DIRECT_ALIGN + 1;
-    f->depth      = (uint32_t) (all < by_bytes ? (all < 1024 ? all : 1024) : (by_bytes < 1024 ? by_bytes : 1024));
+    // requests of whole 4 KiB blocks; the ring holds every entry's requests, up to 1024
+    f->chunk_max  = chunk_max < PI2_DIRECT_ALIGN ? PI2_DIRECT_ALIGN : chunk_max / PI2_DIRECT_ALIGN * PI2_DIRECT_ALIGN;
+    const uint64_t all = (uint64_t) f->n_entries * (f->entry_bytes / f->chunk_max + 3); // an entry's requests at most
+    f->depth      = (uint32_t) (all < 1024 ? all : 1024);
     f->req        = calloc(f->depth, sizeof(struct pi2_expert_req));
     f->req_free   = calloc(f->depth, sizeof(uint32_t));
     f->iov        = calloc(f->depth, sizeof(struct iovec));
@@ -481,11 +479,10 @@ static void pi2_expert_unqueue(struct pi2_expert_file * f, int32_t k) {
     f->unissued[k] = 0;
 }
 
-// Requests the queued entries' next spans, in order, while less than inflight_max bytes are being read and the ring
-// has room, and submits them; a ring that fails leaves every entry still queued to be read when got.
+// Requests the queued entries' next spans, in order, while the ring has room, and submits them; a ring that fails
+// leaves every entry still queued to be read when got.
 static void pi2_expert_pump(struct pi2_expert_file * f, struct pi2_expert_read_stats * st) {
-    while (f->ring != NULL && f->fifo_n > 0 && f->n_req_free > 0 && f->queued < f->depth &&
-           (f->inflight_bytes == 0 || f->inflight_bytes < f->inflight_max)) {
+    while (f->ring != NULL && f->fifo_n > 0 && f->n_req_free > 0 && f->queued < f->depth) {
         const int32_t k = f->fifo[f->fifo_head];
         if (f->unissued[k] == 0) {
             f->fifo_head = (f->fifo_head + 1) % f->n_entries;
@@ -514,7 +511,6 @@ static void pi2_expert_pump(struct pi2_expert_file * f, struct pi2_expert_read_s
         f->queued++;
         f->pending[k]++;
         f->unissued[k] -= len;
-        f->inflight_bytes += len;
         st->requests++;
     }
     if (f->queued == 0) {
@@ -541,7 +537,6 @@ static void pi2_expert_pump(struct pi2_expert_file * f, struct pi2_expert_read_s
     }
     f->fifo_n = 0;
     f->in_flight = 0;
-    f->inflight_bytes = 0;
 }
 
 // Takes one completion if any arrived (wait: waits for one), then requests more (st NULL: not); false when none was
@@ -562,7 +557,6 @@ static bool pi2_expert_take(struct pi2_expert_file * f, bool wait, struct pi2_ex
         const uint32_t k = q.span / 3;
         f->req_free[f->n_req_free++] = (uint32_t) user;
         f->in_flight--;
-        f->inflight_bytes -= q.len;
         if (f->pending[k] > 0) {
             f->pending[k]--;
         }

@@ -22,11 +22,10 @@ struct pi2_expert_matrices {
 };
 
 // Opens the model file and finds every routed-expert layer's tensors, with an expert cache of `bytes` (at least
-// one entry: pi2_expert_file_entry_bytes); reads go to the disk in requests of at most chunk_max bytes, while less
-// than inflight_max are being read (0: no limit), as the bundles' reads do (PI2_IO_MAX_BYTES, PI2_IO_INFLIGHT_BYTES).
-// NULL with err on failure (naming the file and the tensor).
-struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, uint64_t chunk_max, uint64_t inflight_max,
-                                               char * err, size_t errlen);
+// one entry: pi2_expert_file_entry_bytes); reads go to the disk in requests of at most chunk_max bytes
+// (PI2_IO_MAX_BYTES). NULL with err on failure (naming the file and the tensor).
+struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, uint64_t chunk_max, char * err,
+                                               size_t errlen);
 void pi2_expert_file_free(struct pi2_expert_file * f);
 
 // Bytes one entry takes (the largest expert of any layer, with its alignment slack); 0 with err where the model
@@ -43,9 +42,9 @@ struct pi2_expert_read_stats {
 };
 
 // A batch's experts of one layer, before any computes, in the order they will be got: those cached are pinned for
-// the batch, then the others' reads queued into free entries (none left: read when got), in this order, and the
-// first of them submitted (io_uring where the kernel allows), so the disk reads them one after another while those
-// that arrived compute. The entries of the batch before are no longer pinned. cached[i]: 1 where experts[i] was in
+// the batch, then the others' reads queued into free entries (none left: queued as entries free), in this order,
+// and submitted at once (io_uring where the kernel allows), so the disk has them all while those that arrived
+// compute. The entries of the batch before are no longer pinned. cached[i]: 1 where experts[i] was in
 // the cache already.
 void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
                           struct pi2_expert_read_stats * st);

@@ -280,7 +280,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         uint64_t neuron = neuron_min + (other < cache_bytes / 2 ? other : cache_bytes / 2);
         neuron = neuron + expert_entry > cache_bytes ? cache_bytes - expert_entry : neuron; // at least one expert
         b->experts = pi2_expert_file_open(b->model_path, cache_bytes - neuron, (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
-                                           (uint64_t) pi2_binding_setting(b, PI2_SET_IO_INFLIGHT_BYTES), err, errlen);
+                                           err, errlen);
         if (b->experts == NULL) {
             pthread_mutex_unlock(&b->cache_lock);
             return -1;
