@@ -282,8 +282,8 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
         # MXFP4 is the experts' type (gpt-oss's published files): the other matrices Q8_0
         if k == "ffn_gate_inp" or k.endswith(".bias"):  # the router and biases stay f32 (ADD_ID adds f32 only)
             return QT.F32
-        if k.startswith("attn_"):  # deepseek2's latent attention has rows of 128 (k_b): Q8_0 as its published files
-            return QT.Q8_0 if arch == "deepseek2" and qtype not in (QT.F32, QT.F16) else qtype
+        if arch == "deepseek2" and k.startswith("attn_") and qtype not in (QT.F32, QT.F16):
+            return QT.Q8_0  # its latent attention has rows of 128 (k_b): Q8_0, as its published files keep it
         return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
 
     embeddings = w.embeddings()
