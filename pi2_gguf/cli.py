@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", dest="peers", action="append", metavar="NAME=COMMAND",
                    help="one more row: a peer engine's command under the same limit, {model} {prompt} {n} {threads} "
                         "filled in, e.g. bmoe='bmoe-cli -m {model} -p {prompt} -n {n} -t 1 --moe-stream --cache-mb 96 "
-                        "--force-cache' (docs/BENCH_PEERS.md); repeatable")
+                        "--force-cache' (docs/OTHER_ENGINES.md); repeatable")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_bench)
     return ap

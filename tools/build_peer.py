@@ -9,7 +9,7 @@ path. A build is kept per (peer, source contents, patches, options) and never re
 
     tools/build_peer.py bmoe --source ~/src/BigMoeOnEdge     # ~10 minutes on 2 cores; prints .../bmoe-cli
 
-Peers (docs/BENCH_PEERS.md):
+Peers (docs/OTHER_ENGINES.md):
   bmoe  BigMoeOnEdge (github.com/Helldez/BigMoeOnEdge, checked at v0.19.0, 2d4f2b1): streams routed experts from
         the stock GGUF with O_DIRECT into an LRU. Its own llama.cpp submodule is a fork; it builds against the
         pinned llama.cpp with bmoe-compat.patch (its MTP glue, for two llama.cpp API renames), and

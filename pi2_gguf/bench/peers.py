@@ -1,5 +1,5 @@
 """Peer engines as rows of `pi2-gguf bench` (--peer NAME=COMMAND): a command the user built elsewhere (peers are
-not ours and are not in the repository; docs/BENCH_PEERS.md says how to build them), run in the same cgroup, with the
+not ours and are not in the repository; docs/OTHER_ENGINES.md says how to build them), run in the same cgroup, with the
 same cold page cache and memory limit as every other row. The command is a template: {model}, {prompt}, {n} and
 {threads} are filled in per argument (a prompt with spaces stays one argument). What it printed gives the rates:
 BigMoeOnEdge's report (decode and prefill tok/s, MiB read a token, its expert cache's hit rate), else the last

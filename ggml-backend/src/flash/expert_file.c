@@ -572,6 +572,19 @@ static bool pi2_expert_take(struct pi2_expert_file * f, bool wait, struct pi2_ex
     return true;
 }
 
+// Queues, in order, the reads of the experts not done (done NULL: all) that are neither cached nor being read, while
+// free entries last (the rest wait until computed experts free theirs), and submits them.
+static void pi2_expert_queue_missing(struct pi2_expert_file * f, int layer, const int32_t * experts, const uint8_t * done,
+                                     int n, struct pi2_expert_read_stats * st) {
+    for (int i = 0; f->ring != NULL && i < n; ++i) {
+        if ((done == NULL || !done[i]) && pi2_expert_valid(f, layer, experts[i]) && f->where[layer][experts[i]] < 0 &&
+            !pi2_expert_queue(f, layer, experts[i], st)) {
+            break;
+        }
+    }
+    pi2_expert_pump(f, st);
+}
+
 void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
                           struct pi2_expert_read_stats * st) {
     f->epoch = f->epoch + 1 == 0 ? 1 : f->epoch + 1; // a new batch (0 is none's)
@@ -583,13 +596,7 @@ void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t *
             f->pin[k] = f->epoch;
         }
     }
-    for (int i = 0; f->ring != NULL && i < n; ++i) {
-        if (pi2_expert_valid(f, layer, experts[i]) && f->where[layer][experts[i]] < 0 &&
-            !pi2_expert_queue(f, layer, experts[i], st)) {
-            break; // the rest are read when got
-        }
-    }
-    pi2_expert_pump(f, st);
+    pi2_expert_queue_missing(f, layer, experts, NULL, n, st);
 }
 
 // whether entry k's reads are all done (or failed, to be read again when got)
@@ -623,13 +630,7 @@ int pi2_expert_file_next(struct pi2_expert_file * f, int layer, const int32_t * 
         }
         // experts that found no free entry when wanted take those freed since (experts computed), so that their reads
         // too are queued, not made one at a time when got
-        for (int i = 0; f->ring != NULL && i < n; ++i) {
-            if (!done[i] && pi2_expert_valid(f, layer, experts[i]) && f->where[layer][experts[i]] < 0 &&
-                !pi2_expert_queue(f, layer, experts[i], st)) {
-                break;
-            }
-        }
-        pi2_expert_pump(f, st);
+        pi2_expert_queue_missing(f, layer, experts, done, n, st);
         int unqueued = -1;
         for (int i = 0; i < n; ++i) {
             if (done[i]) {
