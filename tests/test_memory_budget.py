@@ -121,6 +121,49 @@ def _ram_then_flash(model: Path, ram_sidecar: Path, flash_sidecar: Path, mode: s
     return want, got, c, info
 
 
+_LLAMA_REPORT = r"""
+import ctypes, json, re, sys
+import llama_cpp
+from pi2_gguf.runtime import plugin
+from pi2_gguf.runtime.llama_memory import llama_memory
+
+logged = []
+
+@llama_cpp.llama_log_callback
+def capture(level, text, user_data):
+    m = re.search(r"(\S+) compute buffer size\s*=\s*([0-9.]+)\s*MiB", text.decode("utf-8", "replace"))
+    if m:
+        logged.append(float(m.group(2)))
+
+llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+if sys.argv[2] == "pi2":
+    plugin.register()
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, n_batch=int(sys.argv[3]), n_ubatch=int(sys.argv[3]), verbose=True)
+mem = llama_memory(llm._ctx.ctx)
+print(json.dumps({"logged_mib": logged, "compute": mem.compute, "context": mem.context, "model": mem.model}))
+"""
+
+
+@pytest.mark.parametrize("host,n_batch", [("stock", 32), ("pi2", 32), ("pi2", 128)])
+def test_compute_buffers_are_llama_cpp_s_own_report(smollm2: Path, host: str, n_batch: int) -> None:
+    """A budget reserves llama's compute buffers from llama.cpp's own report (llama_get_memory_breakdown through
+    host/llama_memory.cpp), not its log: the report equals the sizes llama logs, to the log's 0.01 MiB, with and
+    without PI2 and at two batch sizes (the buffers grow with n_ubatch)."""
+    r = subprocess.run([sys.executable, "-c", _LLAMA_REPORT, str(smollm2), host, str(n_batch)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["logged_mib"], "llama logged no compute buffer size"
+    assert abs(got["compute"] / 2**20 - sum(got["logged_mib"])) <= 0.01 * len(got["logged_mib"]), got
+    assert got["compute"] > 1 << 20 and got["context"] > 0 and got["model"] > 0, got
+    if n_batch == 128:  # llama sizes compute buffers by n_ubatch: the report follows it
+        small = subprocess.run([sys.executable, "-c", _LLAMA_REPORT, str(smollm2), host, "32"],
+                               capture_output=True, text=True, timeout=300)
+        assert small.returncode == 0, small.stderr[-2000:]
+        assert json.loads(small.stdout.strip().splitlines()[-1])["compute"] < got["compute"]
+
+
+
 @pytest.mark.parametrize("mode", ["predicted", "oracle"])
 def test_budget_decode_equals_in_ram_sparse_decode(relu_model: tuple[Path, Path, list], mode: str) -> None:
     model, sidecar, _ = relu_model

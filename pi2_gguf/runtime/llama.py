@@ -150,7 +150,7 @@ class Llama(llama_cpp.Llama):
         self.pi2_binding = 0
         with plugin.model_load(self.pi2_sidecar, self.pi2_mode, flash=self.pi2_memory_budget is not None, model=path,
                                settings=settings) as self.pi2_binding:
-            with budgets.compute_buffer_log() as compute, llama_load_errors(path, kwargs.get("n_ctx", 512)):
+            with llama_load_errors(path, kwargs.get("n_ctx", 512)):
                 super().__init__(str(path), *args, **kwargs)
         self._pi2_constructed = True
         if self.pi2_memory_budget is not None:
@@ -160,7 +160,7 @@ class Llama(llama_cpp.Llama):
             if why:
                 self.close()
                 raise SidecarError(why)
-            reserved = budgets.compute_reserve(compute, self._n_vocab, self.context_params.n_ubatch,
+            reserved = budgets.compute_reserve(self._ctx.ctx, self._n_vocab, self.context_params.n_ubatch,
                                                self._logits_all or bool(self.context_params.embeddings),
                                                self.scores.nbytes if self._logits_all else 0)
             budgets.drop_page_cache(path)

@@ -1,22 +1,20 @@
-"""Memory budgets: parsing "600MB", the lower bound a model needs before it loads, llama.cpp's compute
-buffer sizes as llama reports them, and the page cache a budgeted load leaves behind.
+"""Memory budgets: parsing "600MB", the lower bound a model needs before it loads, the part of llama.cpp's compute
+buffers a budget reserves, and the page cache a budgeted load leaves behind.
 
 The budget bounds the whole process. After the model and context exist, the plugin measures this
 process's resident memory (llama's non-FFN weights, KV cache, predictors, Python), subtracts it and the
-compute buffers captured here, and makes the rest the neuron cache (pi2_binding_set_budget)."""
+compute buffers reserved here, and makes the rest the neuron cache (pi2_binding_set_budget)."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
 import os
-import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MemoryBudgetError
 from . import native
+from .llama_memory import llama_memory
 
 # n_batch (and n_ubatch) under a budget: llama sizes its compute buffers by it, and a prompt batch reads each
 # layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
@@ -69,39 +67,14 @@ def precheck(budget: int, path: Path, sidecar: Path, output_rows: int | None = N
             "compute buffers)")
 
 
-_COMPUTE = re.compile(r"compute buffer size\s*=\s*([0-9.]+)\s*MiB")
-
-
-@contextmanager
-def compute_buffer_log() -> Iterator[list[int]]:
-    """Collects the compute buffer sizes llama.cpp logs while a context is created (bytes, one per
-    backend); the log still reaches llama-cpp-python's own handler."""
-    import llama_cpp
-    from llama_cpp import _logger
-
-    sizes: list[int] = []
-
-    @llama_cpp.llama_log_callback
-    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        m = _COMPUTE.search(text.decode("utf-8", "replace"))
-        if m:
-            sizes.append(int(float(m.group(1)) * 2**20))
-        _logger.llama_log_callback(level, text, user_data)
-
-    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
-    try:
-        yield sizes
-    finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-
-
-def compute_reserve(compute: list[int], n_vocab: int, n_ubatch: int, all_outputs: bool, scores_bytes: int) -> int:
-    """What llama will still touch after the budget is read: its compute buffers and, with logits_all,
-    the scores array. llama sizes the compute buffer for a batch whose every token has an output, but
+def compute_reserve(ctx: int | ctypes.c_void_p, n_vocab: int, n_ubatch: int, all_outputs: bool, scores_bytes: int) -> int:
+    """What llama will still touch after the budget is read: the compute buffers of the context `ctx` (a
+    llama_context pointer; llama.cpp's own report, llama_memory.py) and, with logits_all, the scores array.
+    llama sizes the compute buffer for a batch whose every token has an output, but
     llama-cpp-python asks for the last token's logits only (unless logits_all or embeddings), so the
     other n_ubatch - 1 rows of the logits tensor are never touched (Qwen2.5-1.5B at n_batch 32: 18.5 of
     the 22 MiB; after a prompt and 16 tokens the process had grown by 5.5 MiB beyond the cold entries)."""
-    total = sum(compute)
+    total = llama_memory(ctx).compute
     unused = (n_ubatch - 1) * n_vocab * 4
     if not all_outputs and total > unused:  # smaller: not the graph this reasons about, nothing discounted
         total -= unused

@@ -4,7 +4,6 @@ logits of every token of a window (perplexity)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -94,11 +93,7 @@ class LlamaRunner:
             self._cb = lc.ggml_backend_sched_eval_callback(self._eval_callback)  # kept alive on self
             cp.cb_eval = self._cb
             cp.cb_eval_user_data = None
-        # llama's compute buffer sizes, which a budget reserves (only llama's log states them)
-        log: contextlib.AbstractContextManager[list[int]] = (
-            budgets.compute_buffer_log() if memory_budget is not None else contextlib.nullcontext([]))
-        with log as compute:
-            self.ctx = lc.llama_init_from_model(self.model, cp)
+        self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
             self._release_binding()
@@ -112,7 +107,7 @@ class LlamaRunner:
                 if why:
                     raise SidecarError(why)
                 # llama's compute buffers, as pi2_gguf.Llama counts them
-                reserved = budgets.compute_reserve(compute, self.n_vocab, cp.n_ubatch, self._all_outputs, 0)
+                reserved = budgets.compute_reserve(self.ctx, self.n_vocab, cp.n_ubatch, self._all_outputs, 0)
                 plugin.set_budget(self._binding, memory_budget, reserved)
             except Pi2Error:
                 self.close()

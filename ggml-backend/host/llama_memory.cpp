@@ -1,0 +1,51 @@
+// Host-side helper, not part of the backend: what llama.cpp allocated for a context (model weights, context
+// memory such as the KV cache, compute buffers), in bytes, as llama.cpp itself reports it through
+// llama_get_memory_breakdown. That function is llama.cpp's staging C++ API (src/llama-ext.h, used by its own
+// common/fit.cpp) and returns a std::map, which ctypes cannot call; this file is the C entry point for it, so a
+// memory budget reads llama's compute buffers from llama.cpp instead of scraping its log.
+//
+// The caller passes the function's address as the loaded libllama exports it, so this library links to no
+// llama.cpp library and always asks the copy the process runs (a wheel ships several copies of each library).
+#include <cstdint>
+#include <exception>
+#include <type_traits>
+
+#include "llama-ext.h"
+
+using pi2_breakdown_fn = llama_memory_breakdown (*)(const struct llama_context *);
+// the caller's address is taken for this signature; a llama.cpp whose header says otherwise fails to build here
+static_assert(std::is_same<decltype(&llama_get_memory_breakdown), pi2_breakdown_fn>::value,
+              "llama_get_memory_breakdown's signature changed: pi2_llama_memory must follow it");
+
+extern "C" {
+
+// Bytes summed over every buffer type llama.cpp uses (CPU, PI2, ...). Layout shared with
+// pi2_gguf/runtime/llama_memory.py (LlamaMemory).
+struct pi2_llama_memory {
+    uint64_t model;    // weight buffers by their size (a PI2 flash buffer's size, not what of it is resident)
+    uint64_t context;  // KV cache and other per-context memory
+    uint64_t compute;  // compute buffers its scheduler reserved
+};
+
+// 0 on success; -1 for a null argument; -2 if llama.cpp threw (the map could not be built).
+__attribute__((visibility("default")))
+int pi2_llama_memory_get(void * breakdown_fn, const struct llama_context * ctx, struct pi2_llama_memory * out) {
+    if (breakdown_fn == nullptr || ctx == nullptr || out == nullptr) {
+        return -1;
+    }
+    try {
+        const llama_memory_breakdown mb = reinterpret_cast<pi2_breakdown_fn>(breakdown_fn)(ctx);
+        struct pi2_llama_memory sum = {0, 0, 0};
+        for (const auto & kv : mb) {
+            sum.model   += kv.second.model;
+            sum.context += kv.second.context;
+            sum.compute += kv.second.compute;
+        }
+        *out = sum;
+        return 0;
+    } catch (const std::exception &) {
+        return -2;
+    }
+}
+
+}  // extern "C"
