@@ -57,6 +57,16 @@ would be flattered by the routing and neurons of that one token.
 With --rounds N the configurations run in turn N times (stock, pi2, stock, pi2, ...), so that a disk
 or a neighbour that slows down for a while slows both; the table gives medians and, per configuration,
 the spread of its per-round ratio to stock (a configuration that fails in a round is not run again).
+
+    pi2-gguf bench MODEL.gguf --sweep 25%,50%,75%,100% [--png sweep.png] [--rounds 3] [--json]
+
+--sweep (instead of --memory-limit) runs stock llama.cpp (repack off) and pi2 (one --sidecar, memory budget =
+the limit) at each limit of a comma-separated list: percentages of the model file's size, or sizes (300MB,
+0.5GiB, a plain number of bytes). Every configuration of every limit runs in turn (each round: each limit,
+stock then pi2). Prints each limit's table and a summary (limit, stock tok/s, pi2 tok/s, pi2 vs stock); a
+configuration that cannot run there keeps its status (OOM-killed, timed out, "budget too small": pi2 refused
+a budget below its minimum). --png FILE (none by default) plots decode tok/s against the limit for both
+(matplotlib: the optional extra `plot`). No --with, --peer or in-RAM row in a sweep.
 """
 
 
@@ -130,25 +140,19 @@ def _check_fits(n_predict: int, ctx: int, prompt_tokens: int = 1, ctx_option: st
                        f"({ctx_option} {ctx})")
 
 
-# SmolLM2 (98 MB file, 55 MB sidecar): the pi2 process needs 170 MB at least (llama's non-FFN weights, KV
-# cache, Python, the margin); at 220 MB the whole FFN fits the cache and nothing is read per token, at 200 MB
-# about half of what a token uses comes from the sidecar on disk
-DEMO_BUDGET = "200MB"
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    """What pi2-gguf is for, on one model: its sidecar (converted once, then reused), predicted sparse decode
-    with the FFN on flash under a memory budget, and stock llama.cpp on the same prompt; each run in a fresh
-    process."""
+    """The main job on one real model (pi2_gguf/demo.py): its sidecar (converted once, then reused), then stock
+    llama.cpp and pi2 under the same memory limit, each in a fresh process."""
     from .converter.convert import convert
+    from .demo import DEMO_MODEL, format_runs, run_demo
     from .gguf_file import check_context, check_model_file
-    from .runtime.isolated import greedy_in_subprocess
     from .runtime.llama import prepare_sidecar
     from .runtime.memory_budget import parse_size
     from .sidecar.reader import read as read_sidecar
 
-    model = check_model_file(resolve_model(args.model))
-    budget = parse_size(args.memory_budget, "--memory-budget")
+    t0 = time.monotonic()
+    model = check_model_file(resolve_model(args.model if args.model is not None else DEMO_MODEL))
+    limit = parse_size(args.memory_limit, "--memory-limit")
     args.ctx = check_context(model, args.ctx, "-c/--ctx", DEMO_CTX)
     _check_fits(args.n_predict, args.ctx, _prompt_tokens(model, args.prompt))  # before converting
     sidecar = fmt.sidecar_path_for(model)
@@ -163,42 +167,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prepare_sidecar(model, sidecar, "predicted")  # made for this model
         made = f"{sidecar} (cached; `pi2-gguf convert` made it)"
     else:
-        print(f"converting {model.name} once (profiling, predictors, neuron bundles; later runs reuse it) ...")
+        print(f"converting {model.name} once (profiling, predictors, neuron bundles, perplexity checks; later runs "
+              "reuse it) ...", flush=True)
         res = convert(model, sidecar)
         made = f"{sidecar} (converted now in {res.seconds:.0f} s)"
-    print(f"running stock llama.cpp and pi2 on the same prompt, {args.n_predict} tokens each ...", flush=True)
-    try:
-        stock = greedy_in_subprocess(model, [args.prompt], args.n_predict, pi2=False, threads=args.threads,
-                                     ctx=args.ctx, logits=False)[0]
-        pi2 = greedy_in_subprocess(model, [args.prompt], args.n_predict, pi2=True, threads=args.threads,
-                                   ctx=args.ctx, sidecar=sidecar, mode="predicted", memory_budget=budget,
-                                   logits=False)[0]
-    except RuntimeError as e:  # the run's own error is the last line its process printed
-        last = str(e).strip().splitlines()[-1]
-        raise Pi2Error(last.split(": ", 1)[1] if last.startswith("pi2_gguf.errors.") else last) from None
-    from .sidecar.reader import read as read_sidecar
-
-    n_ff = int(np.mean(read_sidecar(sidecar).kv[fmt.Key.N_FF]))
-    print(f"\nmodel    {model} ({model.stat().st_size / 1e6:.0f} MB)\nsidecar  {made}")
-    print(f"prompt   {args.prompt!r}, {args.threads} threads\n")
-    rows = [("stock llama.cpp, all in RAM (mmap)", stock, "-", "every neuron"),
-            (f"pi2 predicted, FFN on flash, budget {budget / 1e6:.0f} MB", pi2,
-             f"{pi2.io.get('bundle_bytes', 0) / max(len(pi2.tokens), 1) / 1e6:.2f} MB",
-             f"{pi2.active_fraction:.0%} of {n_ff}")]
-    print("| run | decode tok/s | peak memory | FFN bytes read per token | active neurons per layer |")
-    print("|---|---|---|---|---|")
-    for name, g, read, active in rows:
-        peak = g.io.get("peak_rss", 0) / 1e6
-        within = f" (budget {budget / 1e6:.0f} MB)" if g is pi2 else ""
-        print(f"| {name} | {g.decode_tps:.1f} | {peak:.0f} MB{within} | {read} | {active} |")
-    print(f"\npi2's text: {args.prompt}{_detokenize(model, pi2.tokens)}")
-    return 0
+    size = model.stat().st_size
+    print(f"running stock llama.cpp and pi2 on the same prompt, {args.n_predict} tokens each, under "
+          f"{limit / 1e6:.0f} MB ...", flush=True)
+    runs, why = run_demo(model, sidecar, limit, args.prompt, args.n_predict, args.threads, args.ctx)
+    fits = "larger than" if size > limit else "NOT larger than (this run does not show the main job)"
+    print(f"\nmodel    {model} ({size / 1e6:.0f} MB), {fits} the {limit / 1e6:.0f} MB limit\nsidecar  {made}")
+    if why is None:
+        print(f"limit    {limit / 1e6:.0f} MB for each run: a cgroup v1 memory limit (RSS and page cache), page cache "
+              "dropped before each run")
+    else:
+        print(f"limit    no cgroup here ({why}): pi2 kept itself within its {limit / 1e6:.0f} MB memory budget, "
+              "stock ran with all the memory it wanted")
+    print(f"prompt   {args.prompt!r}, greedy, {args.threads} threads\n")
+    print(format_runs(runs, limit, why))
+    for r in runs:
+        if r.budget_use:
+            print(f"\n{r.name.split(',')[0]}'s {r.budget_use}")
+    for r in runs:
+        if r.tokens is not None:
+            print(f"\n{r.name.split(',')[0]}'s text: {args.prompt}{_detokenize(model, r.tokens)}")
+    print(f"\n(pi2's predicted mode skips the neurons its predictor expects to be ~0, within the +3% perplexity convert "
+          f"checked, so its text may differ from stock's.) Done in {time.monotonic() - t0:.0f} s.")
+    return 0 if runs[-1].status == "ok" else 1  # stock may fail under the limit: the table shows how
 
 
 def _detokenize(model: Path, tokens: list[int]) -> str:
     import llama_cpp
+    from llama_cpp._utils import suppress_stdout_stderr
 
-    vocab_only = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    with suppress_stdout_stderr(disable=False):  # a vocabulary-only context's warnings are not the user's concern
+        vocab_only = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
     try:
         return vocab_only.detokenize(tokens).decode(errors="replace")
     finally:
@@ -242,6 +245,9 @@ def _print_pi2_run(llm: Llama) -> None:
                   "the model file, least recently used replaced)")
         if info.embedding_bytes:
             print(f"token embedding {info.embedding_bytes / 1e6:.0f} MB left in the model file (rows read per token)")
+        use = llm.budget_use()
+        if use is not None:
+            print(f"where it went   {use.line()}")
     c = read_counters()
     print(f"PI2 FFN matmuls {int(c.matmul_calls.sum())} over {c.n_layers} layers")
     if c.sparse_tokens.sum():
@@ -420,15 +426,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peers = [parse_peer(text) for text in args.peers or []]
     args.ctx = check_context(model, args.ctx, "--ctx", BENCH_CTX)
     _check_fits(args.n, args.ctx, ctx_option="--ctx")
-    limit = parse_size(args.memory_limit, "--memory-limit")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if limit > ram:
-        raise Pi2Error(f"--memory-limit {args.memory_limit} is more than this machine's memory ({ram / 1e9:.1f} GB): "
-                       "the limit is for comparing the two below it")
+    if args.sweep is not None:
+        sweep_limits = _sweep_limits(args, model, sidecars, ram)
+    else:
+        if args.png is not None:
+            raise Pi2Error("--png plots a --sweep (e.g. --sweep 25%,50%,100%); drop --png or use --sweep")
+        limit = parse_size(args.memory_limit, "--memory-limit")
+        if limit > ram:
+            raise Pi2Error(f"--memory-limit {args.memory_limit} is more than this machine's memory "
+                           f"({ram / 1e9:.1f} GB): the limit is for comparing the two below it")
     read_bps = parse_size(args.read_bps, "--read-bps") if args.read_bps else None
     why = cgroup.available()
     if why:
         raise Pi2Error(f"bench: {why}")
+    if args.sweep is not None:
+        return _bench_sweep(args, model, sidecars[0], sweep_limits, read_bps)
     if args.variants:
         plugin.register()
     for settings in args.variants or []:
@@ -446,6 +459,95 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print()
     else:
         print(format_table(model, limit, read_bps, rows, args.decode))
+    return 0
+
+
+def _sweep_limits(args: argparse.Namespace, model: Path, sidecars: list[Path], ram: int) -> list[tuple[str, int]]:
+    """--sweep's limits, (entry, bytes) smallest first, after refusing what a sweep does not run; --png checked
+    (writable, matplotlib there) before the sweep runs for minutes."""
+    from .bench.sweep import parse_sweep, resolve_limits
+
+    for flag, given in (("--with", bool(args.variants)), ("--peer", bool(args.peers)),
+                        ("the second --sidecar", len(sidecars) > 1)):
+        if given:
+            raise Pi2Error(f"--sweep compares stock llama.cpp with one pi2 sidecar; drop {flag}")
+    limits = [(e.text, b) for e, b in resolve_limits(parse_sweep(args.sweep), model.stat().st_size)]
+    for text, b in limits:
+        if b > ram:
+            raise Pi2Error(f"--sweep entry '{text}' ({b / 1e6:.0f} MB) is more than this machine's memory "
+                           f"({ram / 1e9:.1f} GB): the limits are for comparing the two below them")
+    if args.png is not None:
+        from .bench.plot import require_matplotlib
+        from .paths import check_output
+
+        check_output(args.png, "--png")
+        require_matplotlib()
+    return limits
+
+
+def _plan_line(model: Path, sidecar: Path, limits: list[int], threads: int, ctx: int, quiet: bool) -> dict[int, float] | None:
+    """`pi2-gguf plan`'s predicted decode tok/s at each limit ({limit: tok/s}, 0 below its minimum), made before
+    the sweep runs (the planner measures this machine once, and must not measure while the sweep does); None, with
+    the reason on stderr, where the planner cannot predict this model."""
+    from .planner.predict import predict_decode
+
+    try:
+        return dict(predict_decode(model, sidecar, limits, ctx=ctx, threads=threads))
+    except Pi2Error as e:
+        if not quiet:
+            print(f"no plan line: {e}", file=sys.stderr)
+        return None
+
+
+def _bench_sweep(args: argparse.Namespace, model: Path, sidecar: Path, limits: list[tuple[str, int]],
+                 read_bps: int | None) -> int:
+    """`pi2-gguf bench --sweep`: each limit's table, the summary, and with --png the plot (bench/sweep.py)."""
+    from .bench.memory_limit import format_table
+    from .bench.sweep import format_summary, run_sweep, series, summary_json
+
+    predicted = _plan_line(model, sidecar, [b for _, b in limits], args.threads, args.ctx, args.json)
+    points = run_sweep(model, sidecar, limits, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
+                       progress=not args.json, rounds=args.rounds, decode=args.decode)
+    png = None
+    if args.png is not None:
+        from .bench.plot import save_sweep_png
+
+        got = series(points)
+        line = None if predicted is None else [(b, t) for b, t in sorted(predicted.items()) if t > 0]
+        png = save_sweep_png(args.png, model.name, got["stock"], got["pi2"], line)
+    if args.json:
+        json.dump({"model": str(model), "read_bps": read_bps, "decode": args.decode,
+                   "sweep": [{"memory_limit": p.limit, "entry": p.entry, "rows": [asdict(r) for r in p.rows]}
+                             for p in points],
+                   "summary": summary_json(points, predicted), "png": None if png is None else str(png)},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    for p in points:
+        print(format_table(model, p.limit, read_bps, p.rows, args.decode) + "\n")
+    print(format_summary(model, points, predicted))
+    if png is not None:
+        print(f"\nplot: {png} (decode tok/s against the memory limit, stock and pi2)")
+    return 0
+
+
+# --- plan ------------------------------------------------------------------------------------------
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .gguf_file import check_context, check_model_file
+    from .planner.predict import load
+    from .planner.report import plan_text, resolve_sidecar
+    from .runtime.llama import prepare_sidecar
+    from .runtime.memory_budget import parse_size
+
+    model = check_model_file(resolve_model(args.model))
+    memory = parse_size(args.memory, "--memory") if args.memory is not None else None
+    sidecar = resolve_sidecar(model, args.sidecar)
+    prepare_sidecar(model, sidecar, "predicted")  # readable, complete and made for this model
+    ctx = check_context(model, args.ctx, "-c/--ctx", RUN_CTX)
+    stats, device = load(model, sidecar, ctx, args.threads, args.remeasure,
+                         progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(plan_text(stats, device, memory, args.threads))
     return 0
 
 
@@ -495,6 +597,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEMO_LIMIT, DEMO_MODEL, DEMO_PROMPT, DEMO_TOKENS
+
     ap = _Parser(prog="pi2-gguf", description="PowerInfer-2 style FFN execution for stock llama.cpp, "
                  "as a ggml backend plugin (PI2).")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -522,15 +626,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="models to fetch (default: list them)")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("demo", help="what pi2-gguf is for, on one model: converted once, then decoded with its FFN "
-                       "on flash under a memory budget next to stock llama.cpp (make run)")
-    p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
-    p.add_argument("-p", "--prompt", default="The three most important ideas in physics are")
-    p.add_argument("-n", "--n-predict", type=count(1), default=64)
+    p = sub.add_parser("demo", help="what pi2-gguf is for, on one model larger than the memory it is given: "
+                       "converted once, then stock llama.cpp and pi2 decode it under the same memory limit (make run)")
+    p.add_argument("model", nargs="?", help=f"GGUF file or a known model name (default: {DEMO_MODEL}, fetched)")
+    p.add_argument("-p", "--prompt", default=DEMO_PROMPT)
+    p.add_argument("-n", "--n-predict", type=count(1), default=DEMO_TOKENS)
     p.add_argument("-t", "--threads", type=THREADS, default=os.cpu_count() or 1)
     p.add_argument("-c", "--ctx", type=count(1), help=f"context size (default {DEMO_CTX}, or the model's "
                    "training context if shorter)")
-    p.add_argument("--memory-budget", default=DEMO_BUDGET, help="the pi2 process's budget (default %(default)s)")
+    p.add_argument("--memory-limit", "--memory-budget", dest="memory_limit", default=DEMO_LIMIT,
+                   help="the memory each run gets: a cgroup limit for both where one can be made (root), and pi2's "
+                   "memory budget (default %(default)s)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-cpp-python's) with the model through PI2",
@@ -620,7 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "needs root)", description=BENCH_HELP.split("\n\n")[0], epilog=BENCH_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path)
-    p.add_argument("--memory-limit", required=True, help="cgroup memory limit and pi2's budget, e.g. 600MB")
+    limits = p.add_mutually_exclusive_group(required=True)
+    limits.add_argument("--memory-limit", help="cgroup memory limit and pi2's budget, e.g. 600MB")
+    limits.add_argument("--sweep", metavar="LIMIT[,LIMIT...]",
+                        help="instead of --memory-limit: stock (repack off) and pi2 at each of these limits, "
+                             "percentages of the model file's size or sizes, e.g. 25%%,50%%,75%%,100%% or 300MB,600MB; "
+                             "prints a summary of decode tok/s against the limit")
+    p.add_argument("--png", type=Path, help="with --sweep: plot decode tok/s against the memory limit for stock and "
+                   "pi2 to this PNG (default: no plot; needs matplotlib: pip install 'pi2-gguf[plot]')")
     p.add_argument("--read-bps", help="cap disk reads, e.g. 1GB (per second; UFS 4.0 random 4 KiB reads ~1GB)")
     p.add_argument("--sidecar", type=Path, action="append",
                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
@@ -645,6 +758,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "--force-cache' (docs/OTHER_ENGINES.md); repeatable")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plan", help="predict decode speed and bytes read per token under memory budgets on this "
+                       "machine; recommend a budget for --memory",
+                       description="Measure this machine once (O_DIRECT reads of the sidecar at the sizes a budget "
+                                   "reads, ggml-cpu's dot products on the model's weight types; cached under the cache "
+                                   "dir), combine it with the sidecar's statistics (densities, predictor densities, "
+                                   "neuron frequencies), and print the predicted decode speed and bytes read per token "
+                                   "for budgets from the minimum to all in RAM, the budget recommended for --memory, "
+                                   "and the command to run. Dense FFN models (not MoE).")
+    p.add_argument("model", nargs="?", help="GGUF file or a known model name (default: smollm2-135m, fetched)")
+    p.add_argument("--memory", help="memory this machine can give the model, e.g. 8GB: the budget recommended for it")
+    p.add_argument("--sidecar", type=Path, help="the model's pi2 sidecar (default: MODEL.pi2.gguf beside it)")
+    p.add_argument("-t", "--threads", type=THREADS, default=2, help="decode threads (default %(default)s)")
+    p.add_argument("-c", "--ctx", type=count(16), help=f"context size (default {RUN_CTX}, or the model's training "
+                   "context if shorter): its KV cache counts in the budget")
+    p.add_argument("--remeasure", action="store_true", help="measure this machine again instead of using the cache")
+    p.set_defaults(func=cmd_plan)
     return ap
 
 

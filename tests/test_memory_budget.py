@@ -764,3 +764,40 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
     assert "2 rounds in turn" in table
     assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\dx\) \|", table), table
     assert f"| {pi2['hot_mb']:.0f} + {pi2['cold_mb']:.0f} |" in table
+
+
+def test_budget_use_states_every_item_and_adds_up(smollm2: Path, smol_sidecar: Path) -> None:
+    """Where a budget went, item by item (runtime, llama.cpp's weights in RAM and KV cache from llama.cpp's own
+    report, predictors, compute buffers, tables, margin): under a tight budget the caches got the rest (to the
+    plan's rounding, 1 MB); under a loose one every bundle is cached and the line says how much went unused."""
+    code = (
+        "import json, re, sys, pi2_gguf\n"
+        "from pi2_gguf.runtime.llama_memory import llama_memory\n"
+        "def rss():\n"
+        "    return int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
+        "budget = rss() + int(sys.argv[3])\n"
+        "llm = pi2_gguf.Llama(sys.argv[1], sidecar=sys.argv[2], memory_budget=budget, n_ctx=256, n_threads=2,\n"
+        "                     verbose=False)\n"
+        "use, ci = llm.budget_use(), llm.cache_info()\n"
+        "mem = llama_memory(llm._ctx.ctx)\n"
+        "print(json.dumps([budget, use.to_json(), use.unused, use.line(), ci.fixed_bytes, mem.context,\n"
+        "                  [b.buffer_type for b in mem.buffers]]))\n")
+
+    def run(above_rss: int) -> tuple[int, dict, int, str, int, int, list[str]]:
+        r = subprocess.run([sys.executable, "-c", code, str(smollm2), str(smol_sidecar), str(above_rss)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return tuple(json.loads(r.stdout.strip().splitlines()[-1]))  # type: ignore[return-value]
+
+    loose = run(400_000_000)
+    assert loose[2] > 50_000_000 and "unused (every bundle cached)" in loose[3], loose  # SmolLM2's bundles: ~110 MB
+    budget, use, unused, line, predictors, kv, bufts = run(150_000_000)
+    items = dict(use["items"])
+    assert use["budget"] == budget and unused < 1_000_000, (use, unused)
+    assert abs(sum(items.values()) + use["cache"] - budget) <= 1_000_000, (items, use)
+    assert items["margin"] == 32 << 20 and items["predictors"] == predictors and items["KV cache"] == kv > 0
+    assert "PI2" in bufts and "CPU" in bufts  # PI2's flash buffers hold no weights: not counted as weights in RAM
+    # SmolLM2's non-FFN weights in RAM: attention and norms, ~20 MB in Q4_1; the token embedding stays in the file
+    assert 5_000_000 < items["llama.cpp's weights in RAM"] < 60_000_000, items
+    assert items["runtime (Python, libraries, heap)"] > 20_000_000 and items["compute buffers"] > 0, items
+    assert line.startswith(f"budget {budget / 1e6:.0f} MB: runtime") and "the caches got" in line

@@ -196,23 +196,28 @@ def test_serve_refuses_bad_settings_at_load(smollm2: Path, smol_sidecar: Path, a
 
 
 def test_demo_converts_once_then_runs_within_the_budget(smollm2: Path, tmp_path: Path) -> None:
-    """`make run`: the default model's sidecar made once beside it, then stock and pi2 (FFN on flash under the
-    budget) side by side; the second run reuses the sidecar."""
+    """`make run`'s command on a small model: its sidecar made once beside it, then stock and pi2 (FFN on flash
+    under the budget) under the same limit; the second run reuses the sidecar."""
     import shutil
 
     model = tmp_path / smollm2.name
     shutil.copyfile(smollm2, model)
-    cmd = [sys.executable, "-m", "pi2_gguf.cli", "demo", str(model), "-n", "16"]
+    cmd = [sys.executable, "-m", "pi2_gguf.cli", "demo", str(model), "-n", "16", "--memory-limit", "200MB"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "converted now" in first.stdout and (tmp_path / (model.stem + ".pi2.gguf")).is_file()
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0 and "(cached" in second.stdout
-    row = next(line for line in second.stdout.splitlines() if line.startswith("| pi2 predicted"))
+    assert "NOT larger than" in second.stdout  # SmolLM2 (98 MB) fits 200 MB: the screen says so
+    row = next(line for line in second.stdout.splitlines() if line.startswith("| pi2, predicted"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[1]) > 0
-    assert int(cells[2].split()[0]) <= 200  # peak memory within the default budget
-    assert float(cells[3].split()[0]) > 0  # FFN bytes read per token from the sidecar
+    assert int(cells[4].split()[0]) <= 200 and "(limit 200 MB)" in cells[4]  # peak memory within the limit
+    assert float(cells[5].split()[0]) > 0  # bytes read from disk per token (the sidecar's bundles)
+    assert any(line.startswith("| stock llama.cpp") for line in second.stdout.splitlines())
+    from pi2_gguf.demo import DEMO_PROMPT
+
+    assert "pi2's text: " + DEMO_PROMPT in second.stdout and "stock llama.cpp's text: " + DEMO_PROMPT in second.stdout
     # a cached sidecar of an earlier format version (an older pi2-gguf made it) is made again, not an error
     made = tmp_path / (model.stem + ".pi2.gguf")
     data = bytearray(made.read_bytes())

@@ -19,30 +19,31 @@ static_assert(std::is_same<decltype(&llama_get_memory_breakdown), pi2_breakdown_
 
 extern "C" {
 
-// Bytes summed over every buffer type llama.cpp uses (CPU, PI2, ...). Layout shared with
-// pi2_gguf/runtime/llama_memory.py (LlamaMemory).
+// One buffer type's bytes (CPU, PI2, ...). Layout shared with pi2_gguf/runtime/llama_memory.py (_Entry).
 struct pi2_llama_memory {
-    uint64_t model;    // weight buffers by their size (a PI2 flash buffer's size, not what of it is resident)
-    uint64_t context;  // KV cache and other per-context memory
-    uint64_t compute;  // compute buffers its scheduler reserved
+    const void * buft;  // ggml_backend_buffer_type_t: its name is ggml_backend_buft_name's
+    uint64_t     model;    // weight buffers by their size (a PI2 flash buffer's size, not what of it is resident)
+    uint64_t     context;  // KV cache and other per-context memory
+    uint64_t     compute;  // compute buffers its scheduler reserved
 };
 
-// 0 on success; -1 for a null argument; -2 if llama.cpp threw (the map could not be built).
+// Fills out[0 .. n) with one entry a buffer type and returns how many there are (more than max: only max
+// filled); -1 for a null argument, -2 if llama.cpp threw.
 __attribute__((visibility("default")))
-int pi2_llama_memory_get(void * breakdown_fn, const struct llama_context * ctx, struct pi2_llama_memory * out) {
-    if (breakdown_fn == nullptr || ctx == nullptr || out == nullptr) {
+int pi2_llama_memory_get(void * breakdown_fn, const struct llama_context * ctx, struct pi2_llama_memory * out, int max) {
+    if (breakdown_fn == nullptr || ctx == nullptr || (out == nullptr && max > 0) || max < 0) {
         return -1;
     }
     try {
         const llama_memory_breakdown mb = reinterpret_cast<pi2_breakdown_fn>(breakdown_fn)(ctx);
-        struct pi2_llama_memory sum = {0, 0, 0};
+        int n = 0;
         for (const auto & kv : mb) {
-            sum.model   += kv.second.model;
-            sum.context += kv.second.context;
-            sum.compute += kv.second.compute;
+            if (n < max) {
+                out[n] = {kv.first, kv.second.model, kv.second.context, kv.second.compute};
+            }
+            ++n;
         }
-        *out = sum;
-        return 0;
+        return n;
     } catch (const std::exception &) {
         return -2;
     }

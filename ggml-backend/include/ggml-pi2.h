@@ -117,6 +117,11 @@ struct pi2_cache_info {
     uint32_t io_ring;       // 1 when bundle reads go through io_uring (PI2_IO_ENGINE), 0 on I/O threads
     uint32_t n_expert_entries; // PI2_EXPERT_READS=model: routed experts the expert cache holds (0: none)
     uint64_t expert_bytes;  // and its bytes
+    // how the budget was spent when the cache was sized: the budget, the process's resident memory then (llama.cpp's
+    // weights and KV cache, the predictors, the runtime), what the frontend reserved for later (llama's compute
+    // buffers), the cache's tables and the margin; the cache got the rest
+    uint64_t budget_bytes, resident_bytes, reserved_bytes, tables_bytes, margin_bytes;
+    uint64_t output_copy_bytes; // of the resident memory: the output matrix's in-RAM copy (PI2_OUTPUT_ROWS; 0: none)
 };
 // -1 for an unknown id or a binding without a cache
 GGML_BACKEND_API int  pi2_binding_cache_info(int id, struct pi2_cache_info * out);

@@ -4,11 +4,13 @@ and the columns are described in cli.BENCH_HELP."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 from ..runtime.isolated import greedy_command, parse_results
+from ..runtime.memory_budget import BudgetUse
 from . import PROMPT, cgroup, heldout_text
 from .peers import Peer, parse_output, peer_command
 from .rounds import Series, ratio, run_in_turn
@@ -36,18 +38,24 @@ class Row:
     cold_mb: float = 0.0             # pi2: its cold segment (CLOCK-managed bundles read on misses)
     major_faults: int = 0
     peer: bool = False               # a peer engine's row (--peer): its rates are what it printed (peers.py)
+    budget_use: str = ""             # pi2 under a budget: where the budget went (memory_budget.BudgetUse.line)
     rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
+
+
+# the row every other is compared with: stock's best fair setting under a limit (it runs from mmap)
+STOCK_BASE = "stock llama.cpp, mmap, repack off"
 
 
 def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
              skip_unlimited: bool, variants: list[dict[str, str]] | None = None,
-             forced_text: str | None = None, peers: list[Peer] | None = None) -> list[tuple[Row, list[str], int | None]]:
+             forced_text: str | None = None, peers: list[Peer] | None = None,
+             stock_defaults: bool = True) -> list[tuple[Row, list[str], int | None]]:
     command = partial(greedy_command, model, [PROMPT], n, threads=threads, ctx=ctx, logits=False,
                       forced_text=forced_text)
-    rows: list[tuple[Row, list[str], int | None]] = [
-        (Row("stock llama.cpp, defaults (mmap, repack)", True), command(pi2=False), limit),
-        (Row("stock llama.cpp, mmap, repack off", True), command(pi2=False, repack=False), limit),
-    ]
+    rows: list[tuple[Row, list[str], int | None]] = []
+    if stock_defaults:
+        rows.append((Row("stock llama.cpp, defaults (mmap, repack)", True), command(pi2=False), limit))
+    rows.append((Row(STOCK_BASE, True), command(pi2=False, repack=False), limit))
     for sc in sidecars:
         name = f" ({sc.name})" if len(sidecars) > 1 else ""
         for settings in [{}, *(variants or [])]:
@@ -106,6 +114,8 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         # (PI2_EXPERT_READS=model: routed experts read whole from the model file, least recently used replaced)
         row.hot_mb = g.io.get("hot_bytes", 0) / 1e6
         row.cold_mb = (g.io.get("cold_bytes", 0) + g.io.get("expert_bytes", 0)) / 1e6
+        if "budget_use" in g.io:
+            row.budget_use = BudgetUse.from_json(g.io["budget_use"]).line()
     return row
 
 
@@ -134,15 +144,36 @@ def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: in
     configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks (a
     peer's cannot: it decodes greedily). peers: one row each, under the same limit (peers.py)."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
-    files = [model] + sidecars  # the page cache is dropped for each before every configuration
     forced = heldout_text(n) if decode == "text" else None
-    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced, peers)
-    runs = [(row.name, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
-    series = run_in_turn(runs, rounds, failure=lambda r: "" if r.status == "ok" else r.status, progress=progress)
-    return [_summary_row(row, s) for (row, _, _), s in zip(configs, series, strict=True)]
+    runs = bench_runs(model, sidecars, limit, read_bps, n, threads, ctx, mode, timeout, skip_unlimited, variants,
+                      forced, peers)
+    series = run_in_turn([(row.name, run) for row, run in runs], rounds, failure=row_failure, progress=progress)
+    return summarize([row for row, _ in runs], series)
 
 
-def _ratio(r: Row, base: Row | None) -> str:
+def bench_runs(model: Path, sidecars: list[Path], limit: int, read_bps: int | None, n: int, threads: int, ctx: int,
+               mode: str | None, timeout: float, skip_unlimited: bool = False,
+               variants: list[dict[str, str]] | None = None, forced_text: str | None = None,
+               peers: list[Peer] | None = None, stock_defaults: bool = True) -> list[tuple[Row, Callable[[], Row]]]:
+    """The configurations under one limit, each (its row's template, a run measuring it once), for run_in_turn;
+    stock_defaults False: no row of stock's defaults (repack), which under a limit below the model is OOM-killed."""
+    files = [model] + sidecars  # the page cache is dropped for each before every configuration
+    configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced_text, peers,
+                       stock_defaults)
+    return [(row, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
+
+
+def row_failure(row: Row) -> str:
+    """run_in_turn's failure test: a configuration whose run did not end "ok" is not run again."""
+    return "" if row.status == "ok" else row.status
+
+
+def summarize(templates: list[Row], series: list[Series[Row]]) -> list[Row]:
+    """One summary row per configuration (_summary_row), from run_in_turn's series of bench_runs' runs."""
+    return [_summary_row(row, s) for row, s in zip(templates, series, strict=True)]
+
+
+def decode_ratio(r: Row, base: Row | None) -> str:
     """decode vs the base row: the ratio of medians, and with rounds the range of the per-round ratios."""
     if r.status != "ok" or base is None or base.status != "ok":
         return "-"
@@ -151,7 +182,7 @@ def _ratio(r: Row, base: Row | None) -> str:
 
 
 def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row], decode: str = "greedy") -> str:
-    base = next((r for r in rows if r.name.startswith("stock llama.cpp, mmap, repack off") and r.status == "ok"), None)
+    base = next((r for r in rows if r.name.startswith(STOCK_BASE) and r.status == "ok"), None)
     pi2_ram = next((r for r in rows if not r.limited and r.status == "ok"), None)
     n_rounds = max((len(r.rounds) for r in rows), default=0)
     moe = any(r.moe for r in rows)  # routed experts: their hit rate too
@@ -173,5 +204,8 @@ def format_table(model: Path, limit: int, read_bps: int | None, rows: list[Row],
                    if moe else "")
         lines.append(f"| {r.name} | {r.status} | {r.prompt_tps:.2f} | {r.decode_tps:.2f} | {r.peak_mb:.0f} | "
                      f"{r.disk_read_mb:.0f} | {r.read_per_token_mb:.1f} | {wait} | {busy} | {cache} | {hits}{experts} | "
-                     f"{_ratio(r, base)} | {_ratio(r, pi2_ram)} |")
+                     f"{decode_ratio(r, base)} | {decode_ratio(r, pi2_ram)} |")
+    for r in rows:  # the memory outside the cache, item by item (as the first round measured it)
+        if r.status == "ok" and r.budget_use:
+            lines.append(f"\n{r.name}: {r.budget_use}")
     return "\n".join(lines)

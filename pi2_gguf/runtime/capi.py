@@ -83,6 +83,12 @@ class Pi2CacheInfo(ctypes.Structure):
         ("io_ring", c_uint32),
         ("n_expert_entries", c_uint32),
         ("expert_bytes", c_uint64),
+        ("budget_bytes", c_uint64),
+        ("resident_bytes", c_uint64),
+        ("reserved_bytes", c_uint64),
+        ("tables_bytes", c_uint64),
+        ("margin_bytes", c_uint64),
+        ("output_copy_bytes", c_uint64),
     ]
 
 

@@ -118,6 +118,13 @@ class CacheInfo:
     io_ring: bool  # bundle reads through io_uring (PI2_IO_ENGINE=uring where the kernel allows), else I/O threads
     expert_entries: int = 0
     expert_bytes: int = 0
+    # how the budget was spent when the cache was sized (memory_budget.budget_use itemizes it)
+    budget_bytes: int = 0
+    resident_bytes: int = 0   # the process then: llama.cpp's weights and KV cache, the predictors, the runtime
+    reserved_bytes: int = 0   # llama's compute buffers (the part it touches)
+    tables_bytes: int = 0     # the cache's tables
+    margin_bytes: int = 0
+    output_copy_bytes: int = 0  # of the resident memory: the output matrix's in-RAM copy (PI2_OUTPUT_ROWS)
 
 
 def cache_info(binding: int) -> CacheInfo | None:
@@ -128,4 +135,5 @@ def cache_info(binding: int) -> CacheInfo | None:
     return CacheInfo(int(raw.fixed_bytes), int(raw.hot_bytes), int(raw.cold_bytes), int(raw.hot_neurons),
                      int(raw.n_cold), bool(raw.direct_io), float(raw.freq_cutoff), raw.ffn_ns / 1e9,
                      int(raw.embd_bytes), int(raw.n_prefetch), bool(raw.io_ring), int(raw.n_expert_entries),
-                     int(raw.expert_bytes))
+                     int(raw.expert_bytes), int(raw.budget_bytes), int(raw.resident_bytes), int(raw.reserved_bytes),
+                     int(raw.tables_bytes), int(raw.margin_bytes), int(raw.output_copy_bytes))

@@ -32,6 +32,7 @@ BASE_SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ggml_quantize_chunk": (c_size_t, [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p]),
     "ggml_quantize_requires_imatrix": (c_bool, [c_int]),
     "ggml_get_type_traits": (POINTER(_TypeTraits), [c_int]),
+    "ggml_backend_buft_name": (c_char_p, [c_void_p]),
 }
 
 # name -> (restype, argtypes): libggml.so.0, the backend registry (ggml-backend.h)

@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             info = pi2_llm.cache_info()  # the neuron cache's segments, with a memory budget
             if info is not None:
                 g.io.update(hot_bytes=info.hot_bytes, cold_bytes=info.cold_bytes, expert_bytes=info.expert_bytes)
+            use = pi2_llm.budget_use()
+            if use is not None:  # where the budget went: bench and the demo print it
+                g.io["budget_use"] = use.to_json()
         g.io["peak_rss"] = peak_rss()
         res.append(asdict(g))
     json.dump(res, sys.stdout)

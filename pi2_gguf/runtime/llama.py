@@ -175,6 +175,16 @@ class Llama(llama_cpp.Llama):
         """The neuron cache's segments, with a memory budget; None without."""
         return cache_info(self.pi2_binding) if self.pi2_binding else None
 
+    def budget_use(self) -> budgets.BudgetUse | None:
+        """Where the memory budget went, item by item (runtime, llama.cpp's weights and KV cache, predictors, compute
+        buffers, tables, margin) and what the caches got; None without a budget."""
+        info = self.cache_info()
+        if info is None or self.pi2_memory_budget is None or not info.budget_bytes:
+            return None
+        from .llama_memory import llama_memory
+
+        return budgets.budget_use(info, llama_memory(self._ctx.ctx))
+
     def configure(self, **settings: str | int | float | bool) -> None:
         """Per-model PI2_* settings (docs/SETTINGS.md) for this model, e.g. configure(down_sparse_max=1.0,
         prompt="pi2"). A model without a sidecar has no binding of its own: then this sets the defaults that

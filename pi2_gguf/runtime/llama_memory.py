@@ -22,15 +22,38 @@ HELPER_FILE = "libpi2-llama-memory.so"
 BREAKDOWN_SYMBOL = "_Z26llama_get_memory_breakdownPK13llama_context"
 
 
-class _Memory(Structure):  # struct pi2_llama_memory (host/llama_memory.cpp)
-    _fields_ = [("model", c_uint64), ("context", c_uint64), ("compute", c_uint64)]
+class _Entry(Structure):  # struct pi2_llama_memory (host/llama_memory.cpp)
+    _fields_ = [("buft", c_void_p), ("model", c_uint64), ("context", c_uint64), ("compute", c_uint64)]
+
+
+@dataclass(frozen=True)
+class BufferMemory:
+    buffer_type: str  # ggml's name of the buffer type: "CPU", "PI2", ...
+    model: int        # weight buffers by their size (a PI2 flash buffer's size, not what of it is resident)
+    context: int      # KV cache and other per-context memory
+    compute: int      # compute buffers llama's scheduler reserved
 
 
 @dataclass(frozen=True)
 class LlamaMemory:
-    model: int     # weight buffers by their size (a PI2 flash buffer's size, not what of it is resident)
-    context: int   # KV cache and other per-context memory
-    compute: int   # compute buffers llama's scheduler reserved
+    buffers: tuple[BufferMemory, ...]
+
+    @property
+    def compute(self) -> int:
+        return sum(b.compute for b in self.buffers)
+
+    @property
+    def context(self) -> int:
+        return sum(b.context for b in self.buffers)
+
+    @property
+    def model(self) -> int:
+        return sum(b.model for b in self.buffers)
+
+    def model_except(self, prefix: str) -> int:
+        """Weight buffers of every buffer type whose name does not start with prefix (PI2's hold no weights
+        under a budget: they reserve address space only)."""
+        return sum(b.model for b in self.buffers if not b.buffer_type.startswith(prefix))
 
 
 _lock = threading.Lock()
@@ -49,7 +72,7 @@ def _open() -> tuple[ctypes.CDLL, int]:
                                   "tools/bootstrap.py")
             lib = ctypes.CDLL(str(path))
             lib.pi2_llama_memory_get.restype = c_int
-            lib.pi2_llama_memory_get.argtypes = [c_void_p, c_void_p, POINTER(_Memory)]
+            lib.pi2_llama_memory_get.argtypes = [c_void_p, c_void_p, POINTER(_Entry), c_int]
             try:
                 fn = ctypes.cast(getattr(lc._lib, BREAKDOWN_SYMBOL), c_void_p).value
             except AttributeError as e:
@@ -61,10 +84,18 @@ def _open() -> tuple[ctypes.CDLL, int]:
 
 
 def llama_memory(ctx: int | ctypes.c_void_p) -> LlamaMemory:
-    """llama.cpp's own report of what the context `ctx` (a llama_context pointer) and its model allocated."""
+    """llama.cpp's own report of what the context `ctx` (a llama_context pointer) and its model allocated, a
+    buffer type at a time."""
+    from .ggml_base import lib as ggml
+
     lib, fn = _open()
-    out = _Memory()
-    rc = lib.pi2_llama_memory_get(fn, ctx, ctypes.byref(out))
-    if rc != 0:
-        raise PluginError(f"llama_get_memory_breakdown failed ({'no context' if rc == -1 else 'llama.cpp threw'})")
-    return LlamaMemory(int(out.model), int(out.context), int(out.compute))
+    entries = (_Entry * 16)()
+    n = lib.pi2_llama_memory_get(fn, ctx, entries, len(entries))
+    if n < 0:
+        raise PluginError(f"llama_get_memory_breakdown failed ({'no context' if n == -1 else 'llama.cpp threw'})")
+    if n > len(entries):
+        entries = (_Entry * n)()
+        n = lib.pi2_llama_memory_get(fn, ctx, entries, n)
+    g = ggml()
+    return LlamaMemory(tuple(BufferMemory((g.ggml_backend_buft_name(e.buft) or b"?").decode(), int(e.model),
+                                          int(e.context), int(e.compute)) for e in entries[:n]))

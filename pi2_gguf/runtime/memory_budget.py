@@ -10,11 +10,16 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import MemoryBudgetError
 from . import native
-from .llama_memory import llama_memory
+from .llama_memory import LlamaMemory, llama_memory
+
+if TYPE_CHECKING:
+    from .counters import CacheInfo
 
 # n_batch (and n_ubatch) under a budget: llama sizes its compute buffers by it, and a prompt batch reads each
 # layer's bundles once. 128 against 32 (2026-11-26): SmallThinker-shaped prompts under half the file 5x faster,
@@ -88,3 +93,45 @@ def drop_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class BudgetUse:
+    """Where a memory budget went when the cache was sized, item by item (bytes), the caches last."""
+
+    budget: int
+    items: tuple[tuple[str, int], ...]
+    cache: int  # the neuron cache's hot and cold segments and the expert cache
+
+    def to_json(self) -> dict[str, object]:
+        return {"budget": self.budget, "items": [list(i) for i in self.items], "cache": self.cache}
+
+    @classmethod
+    def from_json(cls, d: dict) -> BudgetUse:
+        return cls(int(d["budget"]), tuple((str(n), int(b)) for n, b in d["items"]), int(d["cache"]))
+
+    @property
+    def unused(self) -> int:
+        """What the caches could have had and did not need (every bundle cached), or the plan's rounding."""
+        return max(self.budget - sum(size for _, size in self.items) - self.cache, 0)
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {size / 1e6:.0f}" for name, size in self.items)
+        unused = f", {self.unused / 1e6:.0f} MB unused (every bundle cached)" if self.unused >= 1_000_000 else ""
+        return (f"budget {self.budget / 1e6:.0f} MB: {parts} MB; the caches got {self.cache / 1e6:.0f} MB "
+                f"({self.cache / self.budget:.0%} of the budget){unused}")
+
+
+def budget_use(info: CacheInfo, mem: LlamaMemory) -> BudgetUse:
+    """Itemizes the budget from the plugin's accounting when it sized the cache (info) and llama.cpp's own report
+    (mem): the resident memory split into llama.cpp's weights in RAM (its buffers other than PI2's, which hold no
+    weights under a budget), its KV cache, the predictors and the rest (Python, libraries, heap)."""
+    weights = mem.model_except("PI2")
+    kv = mem.context
+    runtime = max(info.resident_bytes - weights - kv - info.fixed_bytes - info.output_copy_bytes, 0)
+    cache = info.hot_bytes + info.cold_bytes + info.expert_bytes
+    items = [("runtime (Python, libraries, heap)", runtime), ("llama.cpp's weights in RAM", weights), ("KV cache", kv),
+             ("output matrix copy", info.output_copy_bytes), ("predictors", info.fixed_bytes),
+             ("compute buffers", info.reserved_bytes),
+             ("cache tables", info.tables_bytes), ("margin", info.margin_bytes)]
+    return BudgetUse(info.budget_bytes, tuple(items), cache)

@@ -305,6 +305,10 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     b->pipe = pi2_pipeline_create(b->sc, &plan, &io, err, errlen);
     pi2_cache_plan_free(&plan);
     b->ffn_ns = 0;
+    b->budget_use = (struct pi2_budget_use) {
+        .budget = budget, .resident = resident, .reserved = reserved, .tables = overhead - PI2_BUDGET_MARGIN,
+        .margin = PI2_BUDGET_MARGIN,
+    };
     pthread_mutex_unlock(&b->cache_lock);
     return b->pipe != NULL ? 0 : -1;
 }

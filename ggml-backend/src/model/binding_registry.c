@@ -331,6 +331,13 @@ int pi2_binding_cache_info(int id, struct pi2_cache_info * out) {
         out->embd_bytes  = b->embd != NULL ? b->embd->row_size * (uint64_t) b->embd->n_rows : 0;
         out->n_expert_entries = b->experts != NULL ? pi2_expert_file_entries(b->experts) : 0;
         out->expert_bytes     = b->experts != NULL ? pi2_expert_file_bytes(b->experts) : 0;
+        out->budget_bytes     = b->budget_use.budget;
+        out->resident_bytes   = b->budget_use.resident;
+        out->reserved_bytes   = b->budget_use.reserved;
+        out->tables_bytes     = b->budget_use.tables;
+        out->margin_bytes     = b->budget_use.margin;
+        out->output_copy_bytes = b->output != NULL && b->output->proxy != NULL
+                                     ? b->output->proxy_row_size * (uint64_t) b->output->table->n_rows : 0;
         r = 0;
     }
     pthread_mutex_unlock(&b->cache_lock);

@@ -60,6 +60,9 @@ struct pi2_binding {
     struct pi2_expert_guess   guess;       // MoE on flash: guessing the next layer's experts (expert_speculate.h)
     char *                    model_path;  // flash: the model file (NULL: unknown)
     uint64_t                  ffn_ns;      // time in flash FFN layers since the cache was made (cache_lock)
+    struct pi2_budget_use {                // how the budget was spent when the cache was sized (memory_budget.c)
+        uint64_t budget, resident, reserved, tables, margin;
+    }                         budget_use;
 };
 
 // flash: an upload of blk.<layer>.ffn_* weight `matrix` (the whole tensor) is checked, then dropped

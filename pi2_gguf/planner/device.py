@@ -1,0 +1,354 @@
+"""This machine, measured once: O_DIRECT random reads of the sidecar file itself (no extra disk) at the request
+sizes a memory budget issues, and per-core compute throughput of ggml-cpu's dot products (the kernels llama.cpp and
+the plugin compute with) on the model's weight types, with 1 and 2 threads. Cached as JSON under
+`<cache dir>/plan/`, keyed by the host, the CPU model and the block device the file lives on; `--remeasure` drops it.
+
+Limits, stated: reads come from Python threads blocking in `preadv` (the plugin submits through io_uring, 32 in
+flight), so very small requests may be measured below the disk's request rate; compute is timed on random values
+quantized to each type (a dot product's speed does not depend on the values) over 64 MB of weights, more than the
+CPU's caches, as decode streams them."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import platform
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import Pi2Error
+
+CACHE_VERSION = 1
+READ_THREADS = 8          # reads in flight while the throughput at a size is measured
+READ_SECONDS = 0.35       # per size, the concurrent part; as long again for the one-at-a-time latency
+COMPUTE_SECONDS = 0.25    # per type and thread count
+COMPUTE_BYTES = 64 << 20  # weights a dot-product pass streams (beyond the CPU's caches)
+CHUNK_VALUES = 1 << 16    # values per vec_dot call: its activation vector stays in L2, the call overhead small
+IO_ALIGN = 4096
+
+
+@dataclass
+class ReadPoint:
+    size: int             # bytes per request
+    latency_s: float      # one request alone (median)
+    throughput_bps: float  # READ_THREADS requests in flight, random aligned offsets
+    direct: bool          # O_DIRECT (else buffered with the page cache dropped)
+
+
+@dataclass
+class DeviceProfile:
+    key: str
+    machine: dict[str, str]
+    reads: dict[str, ReadPoint] = field(default_factory=dict)   # str(size) -> point
+    compute: dict[str, float] = field(default_factory=dict)     # "TYPE@threads" -> weight bytes/s
+    measured: list[str] = field(default_factory=list)           # what this call measured (not cached)
+
+    def read_points(self) -> list[ReadPoint]:
+        return sorted(self.reads.values(), key=lambda p: p.size)
+
+    def request_cost(self) -> tuple[float, float]:
+        """(seconds per request with READ_THREADS in flight, seconds per byte): the least-squares line through the
+        measured sizes of size / throughput = a + size * b, so that n requests of s bytes take n * a + n * s * b."""
+        pts = self.read_points()
+        if not pts:
+            raise Pi2Error("no read measurements")
+        x = np.array([p.size for p in pts], dtype=np.float64)
+        y = np.array([p.size / p.throughput_bps for p in pts], dtype=np.float64)
+        if len(pts) == 1:
+            return 0.0, float(y[0] / x[0])
+        b, a = np.polyfit(x, y, 1)
+        if a < 0 or b <= 0:  # noise: fall back to the largest size's bandwidth
+            return 0.0, float(y[-1] / x[-1])
+        return float(a), float(b)
+
+    def latency(self, size: float) -> float:
+        """One request alone, interpolated in log size between the measured sizes."""
+        pts = self.read_points()
+        xs = np.log([p.size for p in pts])
+        return float(np.interp(np.log(max(size, 1.0)), xs, [p.latency_s for p in pts]))
+
+    def compute_bps(self, type_name: str, threads: int) -> float:
+        """Weight bytes a second the dot products of this type stream with `threads` threads (the nearest thread count
+        measured, scaled linearly beyond it)."""
+        counts = sorted(int(k.split("@")[1]) for k in self.compute if k.split("@")[0] == type_name)
+        if not counts:
+            raise Pi2Error(f"no compute measurement for {type_name}")
+        best = max((c for c in counts if c <= threads), default=counts[0])
+        return self.compute[f"{type_name}@{best}"] * threads / best
+
+
+# --- the machine's identity ---------------------------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _block_device(path: Path) -> str:
+    """The block device a file lives on (name from sysfs where known, else major:minor)."""
+    dev = path.stat().st_dev
+    mm = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        for line in Path(f"/sys/dev/block/{mm}/uevent").read_text().splitlines():
+            if line.startswith("DEVNAME="):
+                return line.split("=", 1)[1]
+    except OSError:
+        pass
+    return mm
+
+
+def machine(path: Path) -> dict[str, str]:
+    return {"host": socket.gethostname(), "cpu": _cpu_model(), "cores": str(os.cpu_count() or 1),
+            "disk": _block_device(path)}
+
+
+def cache_path(cache_root: Path, ident: dict[str, str]) -> tuple[str, Path]:
+    key = "|".join(f"{k}={ident[k]}" for k in sorted(ident))
+    return key, cache_root / "plan" / f"device-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _load(path: Path, key: str) -> DeviceProfile | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("version") != CACHE_VERSION or raw.get("key") != key:
+        return None
+    try:
+        reads = {k: ReadPoint(**v) for k, v in raw["reads"].items()}
+        return DeviceProfile(key, dict(raw["machine"]), reads, {k: float(v) for k, v in raw["compute"].items()})
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _save(path: Path, prof: DeviceProfile) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"version": CACHE_VERSION, "key": prof.key, "machine": prof.machine,
+            "reads": {k: asdict(v) for k, v in prof.reads.items()}, "compute": prof.compute}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+# --- reads -----------------------------------------------------------------------------------------------
+
+def _open_direct(path: Path) -> tuple[int, bool]:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        return os.open(path, flags), bool(getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, os.O_RDONLY), False
+
+
+def measure_reads(path: Path, size: int, threads: int = READ_THREADS, seconds: float = READ_SECONDS,
+                  seed: int = 0) -> ReadPoint:
+    """Random 4 KiB-aligned reads of `size` bytes (rounded up to 4 KiB) from the file, O_DIRECT where the file system
+    takes it (else buffered after dropping the file's cached pages)."""
+    size = -(-size // IO_ALIGN) * IO_ALIGN
+    fsize = path.stat().st_size
+    if fsize < size + IO_ALIGN:
+        raise Pi2Error(f"{path} ({fsize} bytes) is too small to measure {size}-byte reads from")
+    span = (fsize - size) // IO_ALIGN
+    fd, direct = _open_direct(path)
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        rng = random.Random(seed)
+        buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+        try:
+            lat: list[float] = []
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop or len(lat) < 8:
+                off = rng.randrange(span) * IO_ALIGN
+                t0 = time.perf_counter()
+                os.preadv(fd, [buf], off)
+                lat.append(time.perf_counter() - t0)
+                if len(lat) >= 2000:
+                    break
+        finally:
+            buf.close()
+        done = [0] * threads
+        errors: list[OSError] = []
+
+        def worker(i: int) -> None:
+            r = random.Random(seed * 1000 + i + 1)
+            b = mmap.mmap(-1, size)
+            try:
+                while time.perf_counter() < deadline:
+                    os.preadv(fd, [b], r.randrange(span) * IO_ALIGN)
+                    done[i] += 1
+            except OSError as e:
+                errors.append(e)
+            finally:
+                b.close()
+
+        deadline = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise Pi2Error(f"reading {path} to measure the disk: {errors[0]}")
+    finally:
+        os.close(fd)
+    return ReadPoint(size, float(np.median(lat)), sum(done) * size / elapsed, direct)
+
+
+# --- compute ---------------------------------------------------------------------------------------------
+
+_VecDot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p,
+                           ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_FromFloat = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int64)
+
+
+class _CpuTraits(ctypes.Structure):  # struct ggml_type_traits_cpu (ggml-cpu.h)
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+def _ggml_cpu() -> ctypes.CDLL:
+    from ..runtime import ggml_base
+
+    path = ggml_base._wheel_lib("libggml-cpu.so")
+    if not path.is_file():
+        cands = sorted(path.parent.glob("libggml-cpu*.so*"))
+        if not cands:
+            raise Pi2Error(f"no libggml-cpu in {path.parent}: cannot time ggml-cpu's dot products")
+        path = cands[0]
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_CpuTraits)
+    lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    lib.ggml_cpu_init.restype = None
+    lib.ggml_cpu_init.argtypes = []
+    lib.ggml_cpu_init()
+    return lib
+
+
+def measure_compute(qtype: int, threads: int, seconds: float = COMPUTE_SECONDS) -> float:
+    """Weight bytes a second that ggml-cpu's vec_dot of type qtype streams over COMPUTE_BYTES of weights with `threads`
+    threads at once (ctypes releases the GIL during each call), as a decode's matrix-vector products do."""
+    from gguf import GGMLQuantizationType
+
+    from ..runtime import ggml_base
+    from ..sidecar.format import row_size
+
+    cpu = _ggml_cpu()
+    tr = cpu.ggml_get_type_traits_cpu(qtype).contents
+    if not tr.vec_dot:
+        raise Pi2Error(f"ggml-cpu has no dot product for {GGMLQuantizationType(qtype).name}")
+    vec_dot = _VecDot(tr.vec_dot)
+    n = CHUNK_VALUES
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal(n).astype(np.float32)
+    chunk_bytes = row_size(qtype, n)
+    chunk = np.zeros(chunk_bytes, dtype=np.uint8)
+    base = ggml_base.lib()
+    if base.ggml_quantize_requires_imatrix(qtype):
+        raise Pi2Error(f"{GGMLQuantizationType(qtype).name} needs an importance matrix to quantize: not timed")
+    base.ggml_quantize_chunk(qtype, src.ctypes.data, chunk.ctypes.data, 0, 1, n, None)
+    reps = max(1, COMPUTE_BYTES // chunk_bytes)
+    x = np.tile(chunk, reps)
+    vt = int(tr.vec_dot_type)
+    y = np.zeros(row_size(vt, n) + 64, dtype=np.uint8)
+    if vt == qtype or vt == 0:  # F32 / same type: plain bytes of the type
+        if vt == 0:
+            y[:n * 4] = src.view(np.uint8)
+        else:
+            y[:chunk_bytes] = chunk
+    else:
+        ff = cpu.ggml_get_type_traits_cpu(vt).contents.from_float
+        if not ff:
+            base.ggml_quantize_chunk(vt, src.ctypes.data, y.ctypes.data, 0, 1, n, None)
+        else:
+            _FromFloat(ff)(src.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), y.ctypes.data, n)
+    per = reps // threads or 1
+    done = [0] * threads
+    xp, yp = x.ctypes.data, y.ctypes.data
+
+    def worker(i: int) -> None:
+        s = ctypes.c_float()
+        first = i * per
+        k = 0
+        while time.perf_counter() < deadline:
+            vec_dot(n, ctypes.byref(s), 0, xp + ((first + k % per) % reps) * chunk_bytes, 0, yp, 0, 1)
+            k += 1
+        done[i] = k
+
+    deadline = time.perf_counter() + 0.05  # warm-up: pages touched, clocks up
+    worker(0)
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return sum(done) * chunk_bytes / (time.perf_counter() - t0)
+
+
+# --- the profile -----------------------------------------------------------------------------------------
+
+def read_sizes(bundle_sizes: Iterable[int], max_request: int = 1 << 20) -> list[int]:
+    """The request sizes a budget issues: each bundle size (4 KiB-rounded), and requests of bridged and consecutive
+    bundles up to PI2_IO_MAX_BYTES (powers of two from 16 KiB)."""
+    sizes = {-(-int(s) // IO_ALIGN) * IO_ALIGN for s in bundle_sizes if s > 0}
+    s = 16 << 10
+    while s <= max_request:
+        sizes.add(s)
+        s *= 2
+    return sorted(sizes)
+
+
+def profile(file: Path, sizes: list[int], types: dict[str, int], threads: list[int], cache_root: Path,
+            remeasure: bool = False, progress: Callable[[str], None] | None = None) -> DeviceProfile:
+    """The device profile for reads of `file`'s disk at `sizes` and compute on `types` (name -> ggml type) with each
+    thread count: from the cache, measuring (and caching) only what it lacks; all of it with remeasure."""
+    ident = machine(file)
+    key, path = cache_path(cache_root, ident)
+    prof = None if remeasure else _load(path, key)
+    if prof is None:
+        prof = DeviceProfile(key, ident)
+    fsize = file.stat().st_size
+    for size in sizes:
+        size = -(-size // IO_ALIGN) * IO_ALIGN
+        if str(size) in prof.reads or fsize < size + IO_ALIGN:
+            continue
+        if progress:
+            progress(f"measuring {size // 1024} KiB reads of {file.name} (O_DIRECT) ...")
+        prof.reads[str(size)] = measure_reads(file, size)
+        prof.measured.append(f"read {size}")
+    if not prof.reads:
+        raise Pi2Error(f"{file} is too small to measure reads from")
+    for name, qtype in sorted(types.items()):
+        for t in threads:
+            k = f"{name}@{t}"
+            if k in prof.compute:
+                continue
+            if progress:
+                progress(f"measuring {name} dot products on {t} thread{'s' if t > 1 else ''} ...")
+            try:
+                prof.compute[k] = measure_compute(qtype, t)
+            except Pi2Error:
+                continue  # a type ggml cannot quantize without an importance matrix: its neighbours stand in
+            prof.measured.append(f"compute {k}")
+    if prof.measured:
+        _save(path, prof)
+    return prof

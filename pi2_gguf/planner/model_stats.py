@@ -1,0 +1,323 @@
+"""What a model and its sidecar tell the planner: per FFN layer the bundles (size, neurons, how often a decode token
+requests each: the profiled neuron frequencies `pi2_freq` scaled to the predictor's density where the predictor runs,
+every bundle where it does not), the weight bytes a token computes, and what a memory budget gives to everything but
+the neuron cache (the plugin's floor, native.budget_floor, plus the predictors kept, the KV cache and llama's compute
+buffers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ..errors import Pi2Error
+from ..sidecar import format as fmt
+from ..sidecar.format import Key
+from ..sidecar.reader import Sidecar
+
+BUDGET_MARGIN = 32 << 20    # flash/memory_budget.h, PI2_BUDGET_MARGIN
+PREFETCH_BYTES = 8 << 20    # PI2_PREFETCH_BYTES' default
+CACHE_TABLE_BYTES = 64      # per bundle: bundle map, entry, frequencies (pi2_cache_overhead_bytes, about)
+N_UBATCH = 32               # memory_budget.N_BATCH: llama's compute buffers are sized by it under a budget
+Q8_0 = int(GGMLQuantizationType.Q8_0)
+F16 = int(GGMLQuantizationType.F16)
+
+
+class PlanError(Pi2Error):
+    """The planner cannot model this model or sidecar (the message says why)."""
+
+
+def type_name(qtype: int) -> str:
+    return GGMLQuantizationType(qtype).name
+
+
+@dataclass
+class LayerStats:
+    n_ff: int
+    bundle_size: int
+    neurons: int             # per bundle
+    want: np.ndarray         # [n_bundles], slot (= file) order: chance a decode token requests the bundle
+    freq: np.ndarray         # [n_bundles]: the cache plan's hotness, the bundle's first slot's profiled frequency
+    predictor_runs: bool     # PI2_PREDICTOR=auto: where its bytes are below the gate bytes it saves
+    predictor_bytes: int     # kept in RAM under a budget where it runs (Q8_0 or F16, as the plugin keeps it)
+    density: float
+    pred_density: float
+    dense_bytes: int         # gate, up and down of every neuron in the bundles' types
+    cost: float              # the plugin's sparse / dense time estimate for the layer (pi2_sidecar_sparse_cost)
+    gate_type: str
+
+    @property
+    def n_bundles(self) -> int:
+        return int(self.want.size)
+
+
+@dataclass
+class ModelStats:
+    model: Path
+    sidecar: Path
+    layers: list[LayerStats]
+    non_ffn_budget: dict[str, int]   # type -> weight bytes a token computes outside the FFN under a budget
+    non_ffn_ram: dict[str, int]      # the same without a budget (the output matrix whole)
+    fixed: dict[str, int]            # what a budget gives to all but the neuron cache, by item
+    read_extra: int                  # bytes a token reads besides bundles (embedding row, exact output rows)
+    ram_bytes: int                   # a run without a budget: the process with every weight in RAM
+    relu_family: bool
+    types: dict[str, int] = field(default_factory=dict)  # type name -> ggml type, the types compute is timed on
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(self.fixed.values())
+
+    @property
+    def entry(self) -> int:
+        """A cold entry: as large as the largest bundle (pi2_cache_entry_size)."""
+        return max(L.bundle_size for L in self.layers)
+
+    @property
+    def max_n_bundles(self) -> int:
+        return max(L.n_bundles for L in self.layers)
+
+    @property
+    def min_cache(self) -> int:
+        """The smallest neuron cache: one layer's bundles in cold entries (pi2_cache_min_bytes)."""
+        return self.max_n_bundles * self.entry
+
+    @property
+    def bundle_bytes(self) -> int:
+        return sum(L.n_bundles * L.bundle_size for L in self.layers)
+
+    @property
+    def prefetch_entries_wanted(self) -> int:
+        """Cold entries kept for prefetching the next layer where some layer reads every bundle (PI2_PREFETCH_BYTES)."""
+        return PREFETCH_BYTES // self.entry if any(not L.predictor_runs for L in self.layers) else 0
+
+    @property
+    def min_budget(self) -> int:
+        return self.fixed_bytes + self.min_cache
+
+    def all_hot_budget(self) -> int:
+        """The least budget whose cache plan makes every bundle hot (nothing read per token)."""
+        n_pf = self.prefetch_entries_wanted
+        need = self.bundle_bytes + n_pf * self.entry
+        # the prefetch room is at most a quarter of what the cache has beyond one layer
+        return self.fixed_bytes + need
+
+
+def want_probabilities(freq_slots: np.ndarray, neurons: int, density: float, pred_density: float,
+                       predictor_runs: bool) -> np.ndarray:
+    """Per bundle, the chance a token requests it: every bundle without a predictor; with one, each neuron's profiled
+    frequency (slot order) scaled so that the layer's expected requested neurons match the predictor's held-out
+    density (its predicted set is a superset of the active neurons, the frequent ones first), neurons of a bundle
+    taken as independent."""
+    n = freq_slots.size
+    n_b = -(-n // neurons)
+    if not predictor_runs:
+        return np.ones(n_b)
+    f = np.clip(freq_slots.astype(np.float64), 0.0, 1.0)
+    target = min(max(pred_density, 0.0), 1.0) * n
+    q = f.copy()
+    if q.sum() > 0 and target > 0:
+        for _ in range(8):  # scale to the target, the neurons at 1 held there
+            s = q.sum()
+            if abs(s - target) < 1e-6 * n:
+                break
+            free = q < 1.0
+            room = target - (n - free.sum())
+            part = q[free].sum()
+            if part <= 0 or room <= 0:
+                break
+            q[free] = np.minimum(q[free] * room / part, 1.0)
+    pad = np.ones(n_b * neurons)
+    pad[:n] = 1.0 - q
+    pad[n:] = 1.0
+    return 1.0 - pad.reshape(n_b, neurons).prod(axis=1)
+
+
+def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
+    """The predictor as a budget keeps it (sparse/predictor.c: Q8_0 where the widths allow, else F16), biases too."""
+    w1 = fmt.row_size(Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else F16, n_embd)
+    w2 = fmt.row_size(Q8_0 if n_ff % 32 == 0 else F16, n_ff)
+    return rank * w1 + rank * w2 + 4 * (rank + n_ff)
+
+
+def predictor_pays(n_embd: int, n_ff: int, rank: int, gate_type: int, pred_density: float) -> bool:
+    """pi2_predictor_pays: its bytes (all of w2 counted) below the gate bytes it saves."""
+    w1 = fmt.row_size(Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else F16, n_embd)
+    w2 = fmt.row_size(Q8_0 if n_ff % 32 == 0 else F16, n_ff)
+    return rank * w1 + rank * w2 < (1.0 - pred_density) * n_ff * fmt.row_size(gate_type, n_embd)
+
+
+def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
+    kv = sc.kv
+    if kv.get(Key.MOE_EXPERT_COUNT):
+        raise PlanError(f"sidecar {sc.path} is of an MoE model: `pi2-gguf plan` models dense FFN models for now "
+                        "(routed experts' reads depend on routing locality it does not model yet); measure an MoE "
+                        "model with `pi2-gguf bench`")
+    n_embd = int(kv[Key.N_EMBD])
+    out = []
+    for il in range(sc.n_layer):
+        n_ff = int(kv[Key.N_FF][il])
+        gate_t = int(kv[Key.BUNDLE_GATE_TYPE][il])
+        rank = int(kv[Key.PREDICTOR_RANK][il])
+        pd = float(kv[Key.PREDICTOR_DENSITY][il])
+        runs = predictor_pays(n_embd, n_ff, rank, gate_t, pd)
+        neurons = int(kv[Key.BUNDLE_NEURONS][il])
+        freq = sc.layer_tensor(il, "pi2_freq").astype(np.float64).reshape(-1)
+        order = sc.layer_tensor(il, "pi2_order").astype(np.int64).reshape(-1)
+        ranked = freq[order]
+        dense = n_ff * sum(fmt.row_size(int(kv[k][il]), n_embd)
+                           for k in (Key.BUNDLE_GATE_TYPE, Key.BUNDLE_UP_TYPE, Key.BUNDLE_DOWN_TYPE))
+        out.append(LayerStats(
+            n_ff=n_ff, bundle_size=int(kv[Key.BUNDLE_SIZE][il]), neurons=neurons,
+            want=want_probabilities(ranked, neurons, float(kv[Key.SPARSITY_DENSITY][il]), pd, runs),
+            freq=ranked[::neurons].copy(), predictor_runs=runs,
+            predictor_bytes=predictor_bytes(n_embd, n_ff, rank) if runs else 0,
+            density=float(kv[Key.SPARSITY_DENSITY][il]), pred_density=pd, dense_bytes=dense, cost=float(cost[il]),
+            gate_type=type_name(gate_t)))
+    return out
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    qtype: int
+    shape: list[int]     # ggml order (ne0 first)
+    n_bytes: int
+
+
+def read_tensor_infos(path: Path, wanted: set[str]) -> tuple[dict[str, int | str], list[TensorInfo]]:
+    """The wanted scalar keys and every tensor's name, type, shape and size from a GGUF header, read directly (gguf-py's
+    reader builds an object per vocabulary entry, hundreds of MB for a large vocabulary, which this process would then
+    count as resident in the budget floor)."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES
+
+    scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    found: dict[str, int | str] = {}
+    with open(path, "rb") as f:
+        def take(code: str) -> tuple:
+            size = struct.calcsize("<" + code)
+            raw = f.read(size)
+            if len(raw) != size:
+                raise PlanError(f"model file {path}: truncated header")
+            return struct.unpack("<" + code, raw)
+
+        def string() -> str:
+            (n,) = take("Q")
+            return f.read(n).decode("utf-8", "replace")
+
+        def skip(vtype: int) -> None:
+            if vtype in scalars:
+                f.seek(struct.calcsize("<" + scalars[vtype]), 1)
+            elif vtype == 8:
+                f.seek(take("Q")[0], 1)
+            elif vtype == 9:
+                etype, n = take("IQ")
+                if etype in scalars:
+                    f.seek(n * struct.calcsize("<" + scalars[etype]), 1)
+                else:
+                    for _ in range(n):
+                        skip(etype)
+            else:
+                raise PlanError(f"model file {path}: unknown GGUF value type {vtype}")
+
+        magic, _version, n_tensors, n_kv = take("4sIQQ")
+        if magic != b"GGUF":
+            raise PlanError(f"model file {path} is not GGUF")
+        for _ in range(n_kv):
+            key = string()
+            (vtype,) = take("I")
+            if key in wanted and vtype in scalars:
+                found[key] = take(scalars[vtype])[0]
+            elif key in wanted and vtype == 8:
+                found[key] = string()
+            else:
+                skip(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            (nd,) = take("I")
+            shape = list(take("Q" * nd)) if nd else []
+            qtype, _off = take("IQ")
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            n = int(np.prod(shape)) if shape else 1
+            infos.append(TensorInfo(name, int(qtype), [int(x) for x in shape], n // block * size))
+    return found, infos
+
+
+def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | None = None,
+                output_rows: int | None = None) -> ModelStats:
+    """The statistics of a model and its sidecar (the sidecar checked to be this model's by the caller)."""
+    import gc
+
+    from ..runtime import native
+    from ..sidecar.reader import read
+
+    gc.collect()  # the floor counts this process as it is now: before the files below are read
+    floor = native.budget_floor(model, sidecar, output_rows)
+    sc = read(sidecar)
+    relu = sc.kv[Key.ACTIVATION] in fmt.RELU_FAMILY
+    layers = layer_stats(sc, native.sparse_cost_c(sidecar) if cost is None else cost)
+    rows = output_rows if output_rows is not None else int(sc.kv.get(Key.BUDGET_OUTPUT_ROWS, 0) or 0)
+    copy = str(sc.kv.get(Key.BUDGET_OUTPUT_COPY, "q3_k"))
+    n_embd = int(sc.kv[Key.N_EMBD])
+    arch = str(sc.kv[Key.SOURCE_ARCHITECTURE])
+    del sc
+    keys = {f"{arch}.{k}" for k in ("block_count", "attention.head_count", "attention.head_count_kv",
+                                      "embedding_length", "attention.key_length", "attention.value_length")}
+    kv, infos = read_tensor_infos(model, keys)
+    get = lambda k: int(kv[f"{arch}.{k}"]) if isinstance(kv.get(f"{arch}.{k}"), int) else None  # noqa: E731
+    tensors = {t.name: t for t in infos}
+    tied = "output.weight" not in tensors
+    ram: dict[str, int] = {}
+    budget: dict[str, int] = {}
+    read_extra = 0
+
+    def add(d: dict[str, int], qtype: int, nbytes: int) -> None:
+        d[type_name(qtype)] = d.get(type_name(qtype), 0) + nbytes
+
+    for name, t in tensors.items():
+        if any(f".{p}." in name or f".{p}_" in name for p in ("ffn_gate", "ffn_up", "ffn_down")):
+            continue  # the FFN (dense, fused, experts, shared experts): the bundles' part
+        if name == "token_embd.weight":
+            read_extra += fmt.row_size(t.qtype, n_embd)  # one row a token, read from the file under a budget
+            if not tied:
+                continue
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            add(ram, t.qtype, t.n_bytes)
+            if rows > 0 and not tied:
+                n_vocab_out = t.shape[1] if len(t.shape) > 1 else 0
+                ctype = GGMLQuantizationType.Q2_K if copy == "q2_k" else GGMLQuantizationType.Q3_K
+                if n_embd % 256:
+                    ctype = GGMLQuantizationType.Q4_0
+                add(budget, int(ctype), n_vocab_out * fmt.row_size(int(ctype), n_embd))
+                read_extra += rows * fmt.row_size(t.qtype, n_embd)
+            else:
+                add(budget, t.qtype, t.n_bytes)
+            continue
+        add(ram, t.qtype, t.n_bytes)
+        add(budget, t.qtype, t.n_bytes)
+    n_layer_model = get("block_count") or len(layers)
+    n_head = get("attention.head_count") or 1
+    n_head_kv = get("attention.head_count_kv") or n_head
+    emb = get("embedding_length") or n_embd
+    k_len = get("attention.key_length") or emb // n_head
+    v_len = get("attention.value_length") or emb // n_head
+    n_vocab = tensors["token_embd.weight"].shape[1] if "token_embd.weight" in tensors else 0
+    file_size = model.stat().st_size
+    kv_cache = n_layer_model * ctx * n_head_kv * (k_len + v_len) * 2  # F16
+    n_ff_max = max(L.n_ff for L in layers)
+    # llama's compute buffers at n_ubatch 32 (their logits rows but the last discounted, memory_budget.compute_reserve):
+    # a batch's activations, the attention scores and one row of logits; an estimate, the plugin reads the real ones
+    compute = N_UBATCH * 4 * (8 * emb + 3 * n_ff_max) + N_UBATCH * ctx * n_head * 4 + n_vocab * 4
+    fixed = {"process": int(floor.resident), "non-FFN weights": int(floor.non_ffn), "margin": int(floor.margin),
+             "predictors": sum(L.predictor_bytes for L in layers), "KV cache": kv_cache,
+             "compute buffers": compute, "cache tables": CACHE_TABLE_BYTES * sum(L.n_bundles for L in layers)}
+    types = {n: int(GGMLQuantizationType[n]) for n in {*ram, *budget, *(L.gate_type for L in layers), "Q8_0"}
+             if n not in ("F32", "I32")}
+    ram_bytes = int(floor.resident) + file_size + kv_cache + compute
+    return ModelStats(model, sidecar, layers, budget, ram, fixed, read_extra, ram_bytes, relu, types)
