@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from .errors import OutputWriteError, Pi2Error
 
@@ -30,6 +31,21 @@ def check_output(path: str | Path, what: str) -> Path:
     os.close(fd)
     os.unlink(probe)
     return p
+
+
+def write_png(fig: Any, path: str | Path, what: str = "--png") -> Path:
+    """Writes a matplotlib figure to path as PNG, atomically (a temp file beside it, renamed over it); the path
+    checked as check_output does, and OutputWriteError naming `what` when the write fails."""
+    out = check_output(path, what)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        tmp.replace(out)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {what} {out}: {e.strerror or e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def read_head(path: str | Path, what: str, error: type[Pi2Error], n: int = 4) -> tuple[Path, bytes]:

@@ -128,10 +128,10 @@ def test_prediction_monotone_in_the_budget(tmp_path: Path, neurons: int) -> None
     assert preds[0].read_bytes > stats.read_extra  # the minimum reads bundles ...
     assert preds[-1].read_bytes == stats.read_extra and preds[-1].hit_rate == 1.0  # ... every bundle hot reads none
     assert preds[-1].io_s == 0.0
-    # all hot: the FFN's compute at 18 GB/s x 1.2 (the repacked GEMV's gain) for the plugin's cost 0.6, the
-    # predictors where they run, and the other weights (10 MB of Q4_0)
+    # all hot: the FFN's compute at 18 GB/s x 1.2 (the repacked GEMV's gain) for the plugin's cost 0.6, computed from
+    # cache entries (FLASH_COMPUTE_FACTOR), the predictors where they run, and the other weights (10 MB of Q4_0)
     rate = 18e9 * pr.REPACK_GAIN
-    want = (sum(L.dense_bytes * 0.6 + L.predictor_bytes for L in stats.layers) + 10 * MB) / rate
+    want = (sum(L.dense_bytes * 0.6 * pr.FLASH_COMPUTE_FACTOR + L.predictor_bytes for L in stats.layers) + 10 * MB) / rate
     assert preds[-1].token_s == pytest.approx(want + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
 
 
@@ -210,6 +210,21 @@ def test_compute_measurement() -> None:
             assert 0.2e9 < device_mod.measure_compute(qtype, threads, seconds=0.05) < 200e9
     with pytest.raises(Pi2Error, match="importance matrix"):
         device_mod.measure_compute(16, 1, seconds=0.05)  # GGML_TYPE_IQ2_XXS
+
+
+def test_plugin_times_its_decode_product_and_refuses_what_it_cannot_time() -> None:
+    """pi2_time_dense_rows: Q4_K rows of 4,096 values on two threads at a plausible rate; a type out of range, rows
+    that are not whole blocks (Q4_K's are 256 values), no rows, no threads or an unbounded time are refused."""
+    import ctypes
+
+    from pi2_gguf.runtime import capi
+
+    lib, out = capi.lib(), ctypes.c_double()
+    assert lib.pi2_time_dense_rows(12, 4096, 2048, 2, 0.05, ctypes.byref(out)) == 0  # GGML_TYPE_Q4_K
+    assert 0.2e9 < out.value < 200e9
+    for args in [(-1, 4096, 64, 1, 0.05), (999, 4096, 64, 1, 0.05), (12, 4000, 64, 1, 0.05), (12, 4096, 0, 1, 0.05),
+                 (12, 4096, 64, 0, 0.05), (12, 4096, 64, 1, 0.0), (12, 4096, 64, 1, 1e9)]:
+        assert lib.pi2_time_dense_rows(*args, ctypes.byref(out)) == -1, args
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -182,6 +182,12 @@ GGML_BACKEND_API size_t pi2_struct_size(const char * name);
 GGML_BACKEND_API int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a,
                                      const void * const * cols);
 
+// Planning (pi2-gguf plan): weight bytes a second of PI2's dense decode product (one token) on this machine, on
+// n_rows random rows of k values of a ggml type with `threads` threads for about `seconds`. 0, or -1 for a type
+// without a dot product or one that needs an importance matrix to quantize, or a k that is not whole blocks.
+GGML_BACKEND_API int pi2_time_dense_rows(int type, int64_t k, int64_t n_rows, int threads, double seconds,
+                                         double * bytes_per_s);
+
 // The pi2 sidecar <model>.pi2.gguf (docs/FORMAT.md). Each returns 0 on success, or -1 with err set to
 // "sidecar PATH: problem" (truncated to errlen; err may be NULL). Nothing here registers the backend.
 GGML_BACKEND_API int pi2_sidecar_validate(const char * path, char * err, size_t errlen);

@@ -4,11 +4,10 @@ when a plot is made, drawn on its Agg canvas (no display, no global pyplot state
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from ..errors import MissingExtraError, OutputWriteError
-from ..paths import check_output
+from ..errors import MissingExtraError
+from ..paths import write_png
 
 Points = list[tuple[int, float]]  # (memory limit in bytes, decode tok/s)
 
@@ -65,13 +64,4 @@ def save_sweep_png(path: str | Path, model_name: str, stock: Points, pi2: Points
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"{model_name}: decode speed against the memory limit")
     ax.grid(True, which="both", alpha=0.3)
-    out = check_output(path, "--png")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        tmp.replace(out)
-    except OSError as e:
-        raise OutputWriteError(f"cannot write --png {out}: {e.strerror or e}") from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return write_png(fig, path)

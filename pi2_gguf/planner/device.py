@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import json
 import mmap
 import os
@@ -28,12 +29,13 @@ import numpy as np
 
 from ..errors import Pi2Error
 
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 2: compute timed by the plugin's own kernel; 3: reads in file order
 READ_THREADS = 8          # reads in flight while the throughput at a size is measured
 READ_SECONDS = 0.35       # per size, the concurrent part; as long again for the one-at-a-time latency
-COMPUTE_SECONDS = 0.25    # per type and thread count
+COMPUTE_SECONDS = 0.6     # per type and thread count, in COMPUTE_SAMPLES samples
+COMPUTE_SAMPLES = 3
 COMPUTE_BYTES = 64 << 20  # weights a dot-product pass streams (beyond the CPU's caches)
-CHUNK_VALUES = 1 << 16    # values per vec_dot call: its activation vector stays in L2, the call overhead small
+ROW_VALUES = 4096         # values a timed row holds: whole blocks of every type, a 7B model's n_embd
 IO_ALIGN = 4096
 
 
@@ -157,8 +159,11 @@ def _open_direct(path: Path) -> tuple[int, bool]:
 
 def measure_reads(path: Path, size: int, threads: int = READ_THREADS, seconds: float = READ_SECONDS,
                   seed: int = 0) -> ReadPoint:
-    """Random 4 KiB-aligned reads of `size` bytes (rounded up to 4 KiB) from the file, O_DIRECT where the file system
-    takes it (else buffered after dropping the file's cached pages)."""
+    """Reads of `size` bytes (rounded up to 4 KiB) from the file, O_DIRECT where the file system takes it (else
+    buffered after dropping the file's cached pages): the latency of one alone at a random 4 KiB-aligned offset, and
+    the throughput with `threads` in flight in ascending file order from a random start, as the engine reads a
+    layer's missing bundles (in order, several requests in flight; random offsets measured about half of what the
+    engine then reached here: 0.9-1.0 against 1.8-2.0 GB/s, docs/MEASUREMENTS.md 2026-11-28)."""
     size = -(-size // IO_ALIGN) * IO_ALIGN
     fsize = path.stat().st_size
     if fsize < size + IO_ALIGN:
@@ -184,13 +189,15 @@ def measure_reads(path: Path, size: int, threads: int = READ_THREADS, seconds: f
             buf.close()
         done = [0] * threads
         errors: list[OSError] = []
+        n_slots = max(span * IO_ALIGN // size, 1)  # whole requests the file holds
+        start = rng.randrange(n_slots)
+        taken = itertools.count()  # next() is atomic under the GIL: each request is handed out once
 
         def worker(i: int) -> None:
-            r = random.Random(seed * 1000 + i + 1)
             b = mmap.mmap(-1, size)
             try:
                 while time.perf_counter() < deadline:
-                    os.preadv(fd, [b], r.randrange(span) * IO_ALIGN)
+                    os.preadv(fd, [b], ((start + next(taken)) % n_slots) * size)
                     done[i] += 1
             except OSError as e:
                 errors.append(e)
@@ -214,94 +221,25 @@ def measure_reads(path: Path, size: int, threads: int = READ_THREADS, seconds: f
 
 # --- compute ---------------------------------------------------------------------------------------------
 
-_VecDot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p,
-                           ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_FromFloat = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int64)
-
-
-class _CpuTraits(ctypes.Structure):  # struct ggml_type_traits_cpu (ggml-cpu.h)
-    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
-                ("nrows", ctypes.c_int64)]
-
-
-def _ggml_cpu() -> ctypes.CDLL:
-    from ..runtime import ggml_base
-
-    path = ggml_base._wheel_lib("libggml-cpu.so")
-    if not path.is_file():
-        cands = sorted(path.parent.glob("libggml-cpu*.so*"))
-        if not cands:
-            raise Pi2Error(f"no libggml-cpu in {path.parent}: cannot time ggml-cpu's dot products")
-        path = cands[0]
-    lib = ctypes.CDLL(str(path))
-    lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_CpuTraits)
-    lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    lib.ggml_cpu_init.restype = None
-    lib.ggml_cpu_init.argtypes = []
-    lib.ggml_cpu_init()
-    return lib
-
-
 def measure_compute(qtype: int, threads: int, seconds: float = COMPUTE_SECONDS) -> float:
-    """Weight bytes a second that ggml-cpu's vec_dot of type qtype streams over COMPUTE_BYTES of weights with `threads`
-    threads at once (ctypes releases the GIL during each call), as a decode's matrix-vector products do."""
+    """Weight bytes a second of the plugin's own decode product (pi2_time_dense_rows: one token, row spans over
+    `threads` OpenMP threads, ggml-cpu's dot products) over COMPUTE_BYTES of rows of ROW_VALUES values of type
+    qtype: the kernel and threading a decode runs, from beyond the CPU's caches."""
     from gguf import GGMLQuantizationType
 
-    from ..runtime import ggml_base
+    from ..runtime import capi
     from ..sidecar.format import row_size
 
-    cpu = _ggml_cpu()
-    tr = cpu.ggml_get_type_traits_cpu(qtype).contents
-    if not tr.vec_dot:
-        raise Pi2Error(f"ggml-cpu has no dot product for {GGMLQuantizationType(qtype).name}")
-    vec_dot = _VecDot(tr.vec_dot)
-    n = CHUNK_VALUES
-    rng = np.random.default_rng(0)
-    src = rng.standard_normal(n).astype(np.float32)
-    chunk_bytes = row_size(qtype, n)
-    chunk = np.zeros(chunk_bytes, dtype=np.uint8)
-    base = ggml_base.lib()
-    if base.ggml_quantize_requires_imatrix(qtype):
-        raise Pi2Error(f"{GGMLQuantizationType(qtype).name} needs an importance matrix to quantize: not timed")
-    base.ggml_quantize_chunk(qtype, src.ctypes.data, chunk.ctypes.data, 0, 1, n, None)
-    reps = max(1, COMPUTE_BYTES // chunk_bytes)
-    x = np.tile(chunk, reps)
-    vt = int(tr.vec_dot_type)
-    y = np.zeros(row_size(vt, n) + 64, dtype=np.uint8)
-    if vt == qtype or vt == 0:  # F32 / same type: plain bytes of the type
-        if vt == 0:
-            y[:n * 4] = src.view(np.uint8)
-        else:
-            y[:chunk_bytes] = chunk
-    else:
-        ff = cpu.ggml_get_type_traits_cpu(vt).contents.from_float
-        if not ff:
-            base.ggml_quantize_chunk(vt, src.ctypes.data, y.ctypes.data, 0, 1, n, None)
-        else:
-            _FromFloat(ff)(src.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), y.ctypes.data, n)
-    per = reps // threads or 1
-    done = [0] * threads
-    xp, yp = x.ctypes.data, y.ctypes.data
-
-    def worker(i: int) -> None:
-        s = ctypes.c_float()
-        first = i * per
-        k = 0
-        while time.perf_counter() < deadline:
-            vec_dot(n, ctypes.byref(s), 0, xp + ((first + k % per) % reps) * chunk_bytes, 0, yp, 0, 1)
-            k += 1
-        done[i] = k
-
-    deadline = time.perf_counter() + 0.05  # warm-up: pages touched, clocks up
-    worker(0)
-    deadline = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    return sum(done) * chunk_bytes / (time.perf_counter() - t0)
+    n_rows = max(COMPUTE_BYTES // row_size(qtype, ROW_VALUES), 1)
+    best = 0.0
+    for _ in range(COMPUTE_SAMPLES):  # the fastest sample: a shared machine's other work only ever slows one
+        out = ctypes.c_double()
+        if capi.lib().pi2_time_dense_rows(qtype, ROW_VALUES, n_rows, threads, seconds / COMPUTE_SAMPLES,
+                                          ctypes.byref(out)) != 0:
+            raise Pi2Error(f"the plugin cannot time {GGMLQuantizationType(qtype).name} dot products (no dot product, "
+                           "or quantizing it needs an importance matrix)")
+        best = max(best, float(out.value))
+    return best
 
 
 # --- the profile -----------------------------------------------------------------------------------------

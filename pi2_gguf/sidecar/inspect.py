@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..errors import MissingExtraError, OutputWriteError
-from ..paths import check_output
+from ..errors import MissingExtraError
+from ..paths import write_png
 from ..runtime import native
 from .format import RELU_FAMILY, Key, moe_layer_first
 from .reader import Sidecar
@@ -175,13 +174,4 @@ def save_hotness_png(sc: Sidecar, path: str | Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{sc.path.name}: neuron hotness")
     fig.colorbar(im, ax=ax, label="share of tokens the neuron fired on")
-    out = check_output(path, "--png")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        tmp.replace(out)
-    except OSError as e:
-        raise OutputWriteError(f"cannot write --png {out}: {e.strerror or e}") from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return write_png(fig, path)

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/build_info.h"
+#include "dense/ffn_exec.h"
 #include "sparse/column_axpy.h"
 #include "ggml-pi2.h"
 #include "core/pi2_context.h"
@@ -53,6 +54,13 @@ int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float 
     pi2_column_sum_finish(&sum);
     free(tmp);
     return 0;
+}
+
+int pi2_time_dense_rows(int type, int64_t k, int64_t n_rows, int threads, double seconds, double * bytes_per_s) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || !(seconds > 0.0 && seconds < 60.0)) {
+        return -1;
+    }
+    return pi2_exec_time_rows((enum ggml_type) type, k, n_rows, threads, seconds, bytes_per_s);
 }
 
 const char * pi2_build_info(void) {

@@ -2,11 +2,13 @@
 
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <omp.h>
 
 #include "dense/dense_matmul.h"
 #include "graph/ffn_names.h"
+#include "core/pi2_clock.h"
 #include "core/pi2_log.h"
 
 static int pi2_threads_for(const struct pi2_backend_ctx * ctx, int64_t units) {
@@ -259,4 +261,53 @@ enum ggml_status pi2_exec_gate_up_act(struct pi2_backend_ctx * ctx, const struct
     pi2_count_matmul(c, wu, x->ne[1]);
     pi2_count_glu(c, wg, r->out);
     return GGML_STATUS_SUCCESS;
+}
+
+int pi2_exec_time_rows(enum ggml_type type, int64_t k, int64_t n_rows, int threads, double seconds, double * bytes_per_s) {
+    const struct ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(type);
+    if (type < 0 || type >= GGML_TYPE_COUNT || tr->vec_dot == NULL || k <= 0 || n_rows <= 0 || threads <= 0 ||
+        k % ggml_blck_size(type) != 0 || bytes_per_s == NULL || ggml_quantize_requires_imatrix(type)) {
+        return -1;
+    }
+    const size_t row = ggml_row_size(type, k);
+    float *      src = malloc((size_t) k * sizeof(float));
+    char *       w   = malloc(row * (size_t) n_rows);
+    float *      out = malloc((size_t) n_rows * sizeof(float));
+    int          rc  = -1;
+    struct pi2_backend_ctx ctx = { .n_threads = threads };
+    if (src != NULL && w != NULL && out != NULL) {
+        uint32_t seed = 12345u; // any values: the time of a dot product does not depend on them
+        for (int64_t i = 0; i < k; ++i) {
+            seed = seed * 1664525u + 1013904223u;
+            src[i] = (float) (seed >> 8) / (float) (1u << 24) - 0.5f;
+        }
+        for (int64_t r = 0; r < n_rows; ++r) { // one row quantized, copied: the weights' bytes are all that stream
+            if (r == 0) {
+                ggml_quantize_chunk(type, src, w, 0, 1, k, NULL);
+            } else {
+                memcpy(w + (size_t) r * row, w, row);
+            }
+        }
+        struct ggml_tensor x = { .type = GGML_TYPE_F32, .data = src };
+        x.ne[0] = k; x.ne[1] = 1; x.ne[2] = 1; x.ne[3] = 1;
+        x.nb[0] = sizeof(float); x.nb[1] = (size_t) k * sizeof(float); x.nb[2] = x.nb[1]; x.nb[3] = x.nb[1];
+        struct pi2_dense_args a = { .w = w, .w_stride = row, .k = k, .n_tokens = 1, .dst = out, .dst_stride = n_rows,
+                                    .vec_dot = tr->vec_dot };
+        const uint64_t t0 = pi2_now_ns();
+        uint64_t passes = 0;
+        rc = 0;
+        do {
+            if (pi2_run_spans(&ctx, &x, tr->vec_dot_type, n_rows, pi2_mul_mat_span, &a) != GGML_STATUS_SUCCESS) {
+                rc = -1;
+                break;
+            }
+            ++passes;
+        } while ((double) (pi2_now_ns() - t0) < seconds * 1e9);
+        *bytes_per_s = rc == 0 ? (double) passes * (double) row * (double) n_rows / ((double) (pi2_now_ns() - t0) / 1e9) : 0.0;
+    }
+    free(ctx.work);
+    free(out);
+    free(w);
+    free(src);
+    return rc;
 }

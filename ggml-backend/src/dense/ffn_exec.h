@@ -18,3 +18,9 @@ enum ggml_status pi2_exec_glu(struct pi2_backend_ctx * ctx, struct ggml_tensor *
 // an FFN region's gate, up and act(gate) * up in one pass over the threads: activations converted once,
 // each span's activation computed right after its gate/up rows (no barrier between them)
 enum ggml_status pi2_exec_gate_up_act(struct pi2_backend_ctx * ctx, const struct pi2_ffn_region * r);
+
+// Planning (pi2-gguf plan): the weight bytes a second this machine's decode product streams, timed as
+// pi2_exec_mul_mat runs it (one token, spans over `threads` threads) on n_rows random rows of k values of `type`
+// for about `seconds`. 0 with *bytes_per_s set, or -1 (a type ggml-cpu cannot dot, k not a multiple of its block,
+// out of memory).
+int pi2_exec_time_rows(enum ggml_type type, int64_t k, int64_t n_rows, int threads, double seconds, double * bytes_per_s);
