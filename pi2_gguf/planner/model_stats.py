@@ -249,6 +249,26 @@ def read_tensor_infos(path: Path, wanted: set[str]) -> tuple[dict[str, int | str
     return found, infos
 
 
+def vocabulary_bytes(model: Path) -> int:
+    """Resident bytes llama.cpp's vocabulary of the model adds to a process: measured by loading it alone (no
+    weights, no context) and freeing it again."""
+    import llama_cpp as lc
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    from ..runtime import native
+
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    before = native.resident_bytes()
+    with suppress_stdout_stderr(disable=False):
+        handle = lc.llama_model_load_from_file(str(model).encode(), params)
+    if not handle:
+        raise Pi2Error(f"{model}: llama.cpp could not load its vocabulary")
+    grown = native.resident_bytes() - before
+    lc.llama_model_free(handle)
+    return max(grown, 0)
+
+
 def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | None = None,
                 output_rows: int | None = None) -> ModelStats:
     """The statistics of a model and its sidecar (the sidecar checked to be this model's by the caller)."""
@@ -314,7 +334,12 @@ def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | No
     # llama's compute buffers at n_ubatch 32 (their logits rows but the last discounted, memory_budget.compute_reserve):
     # a batch's activations, the attention scores and one row of logits; an estimate, the plugin reads the real ones
     compute = N_UBATCH * 4 * (8 * emb + 3 * n_ff_max) + N_UBATCH * ctx * n_head * 4 + n_vocab * 4
-    fixed = {"process": int(floor.resident), "non-FFN weights": int(floor.non_ffn), "margin": int(floor.margin),
+    # the process: this one now (Python, llama_cpp, the plugin) and llama.cpp's vocabulary, which a run loads and this
+    # process has not (measured: SmolLM2 17 MB, Qwen2.5's 152k tokens 40 MB; without it the planner counted 20 and
+    # 51 MB less than `budget_use` showed those runs hold); the weights a budget keeps in RAM as the plugin keeps them
+    # (the output matrix as its recorded copy)
+    fixed = {"process": int(floor.resident) + vocabulary_bytes(model), "non-FFN weights": sum(budget.values()),
+             "margin": int(floor.margin),
              "predictors": sum(L.predictor_bytes for L in layers), "KV cache": kv_cache,
              "compute buffers": compute, "cache tables": CACHE_TABLE_BYTES * sum(L.n_bundles for L in layers)}
     types = {n: int(GGMLQuantizationType[n]) for n in {*ram, *budget, *(L.gate_type for L in layers), "Q8_0"}
