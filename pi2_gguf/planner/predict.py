@@ -16,8 +16,9 @@ Model of a token (2 threads unless told):
   - outside the FFN: the other weights at the measured rate, plus a fixed cost per token and per layer.
 Calibration (docs/MEASUREMENTS.md 2026-11-28, "Decode speed against the memory limit, and pi2-gguf plan against
 bench"): ENGINE_BYTE_GAIN, FLASH_COMPUTE_FACTOR and OVERLAP_REST were fitted together on eight bench points of two
-models (Qwen2.5-Coder-1.5B at 450-1000 MB, two runs; SmolLM2-135M at 170-240 MB): all eight within 25% (in-sample:
-no third model has checked them). The two overheads stay 0."""
+models (Qwen2.5-Coder-1.5B at 450-1000 MB, two runs; SmolLM2-135M at 170-240 MB): all eight within 25%, in-sample. A
+third model, sparse with predictors and read in ~100 KB requests, came out 2-4x slower than predicted: the byte
+gain holds for 1 MiB requests only. The two overheads stay 0."""
 
 from __future__ import annotations
 
