@@ -36,8 +36,8 @@ IO_MAX_BYTES = 1 << 20    # PI2_IO_MAX_BYTES's default
 SAMPLED_TOKENS = 48
 OVERLAP_REST = 0.5        # share of the shorter of a layer's compute and reads that does not overlap the longer
 # The engine reads bytes faster than device.py measures: Qwen under 450-800 MB read 1.8-2.0 GB/s where device.py
-# (and an io_uring probe alike) measured 0.9-1.1 at the same 1 MiB requests; the engine reads the same bundles token
-# after token, which this VM's host may cache. Fitted with the two below (module docstring).
+# (and an io_uring probe alike) measured 0.9-1.1 at the same 1 MiB requests, why is not known yet (not the host's
+# cache: re-reads measured alike). Fitted with the two below (module docstring).
 ENGINE_BYTE_GAIN = 2.2
 # Under a budget a layer computes from cache entries (a neuron's gate row, up row and down column together, down by
 # columns), not streamed rows: Qwen with every bundle cached decoded 14-16 tok/s where streamed rows predict ~25
