@@ -184,12 +184,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"limit    no cgroup here ({why}): pi2 kept itself within its {limit / 1e6:.0f} MB memory budget, "
               "stock ran with all the memory it wanted")
     print(f"prompt   {args.prompt!r}, greedy, {args.threads} threads\n")
-    print(format_runs(runs, limit, why))
+    print(format_runs(runs, limit))
     for r in runs:
         if r.budget_use:
             print(f"\n{r.name.split(',')[0]}'s {r.budget_use}")
     for r in runs:
-        if r.tokens is not None:
+        if r.status == "ok":
             print(f"\n{r.name.split(',')[0]}'s text: {args.prompt}{_detokenize(model, r.tokens)}")
     print(f"\n(pi2's predicted mode skips the neurons its predictor expects to be ~0, within the +3% perplexity convert "
           f"checked, so its text may differ from stock's.) Done in {time.monotonic() - t0:.0f} s.")
@@ -212,23 +212,13 @@ def _prompt_tokens(model: Path, text: str) -> int:
     """Tokens of text (with BOS where the model adds one) by the model's tokenizer alone (its vocabulary
     loaded, no weights, no context): for checks before the work."""
     import llama_cpp as lc
-    from llama_cpp._utils import suppress_stdout_stderr
 
-    params = lc.llama_model_default_params()
-    params.vocab_only = True
-    with suppress_stdout_stderr(disable=False):  # the loader's warnings, as llama_cpp.Llama silences them
-        m = lc.llama_model_load_from_file(str(model).encode(), params)
-    if not m:
-        from .runtime.llama import llama_load_errors
+    from .runtime.llama import vocab_only_model
 
-        with llama_load_errors(model, 0):
-            raise ValueError("Failed to load model")
-    try:
+    with vocab_only_model(model) as m:
         data = text.encode()
         n = lc.llama_tokenize(lc.llama_model_get_vocab(m), data, len(data), None, 0, True, False)
         return -n  # with no room for the tokens: minus their count
-    finally:
-        lc.llama_model_free(m)
 
 
 def _print_pi2_run(llm: Llama) -> None:
@@ -761,8 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict decode speed and bytes read per token under memory budgets on this "
                        "machine; recommend a budget for --memory",
-                       description="Measure this machine once (O_DIRECT reads of the sidecar at the sizes a budget "
-                                   "reads, ggml-cpu's dot products on the model's weight types; cached under the cache "
+                       description="Measure this machine once (O_DIRECT reads of the sidecar in file order at the sizes "
+                                   "a budget reads, the plugin's own decode product on the model's weight types; cached "
+                                   "under the cache "
                                    "dir), combine it with the sidecar's statistics (densities, predictor densities, "
                                    "neuron frequencies), and print the predicted decode speed and bytes read per token "
                                    "for budgets from the minimum to all in RAM, the budget recommended for --memory, "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .errors import ModelFileError, Pi2Error
 from .paths import read_head
@@ -45,55 +48,98 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+@dataclass
+class TensorInfo:
+    name: str
+    qtype: int
+    shape: list[int]     # ggml order (ne0 first)
+    n_bytes: int
+
+
+def _walk_header(f: BinaryIO, wanted: set[str], max_keys: int | None,
+                 tensors: bool) -> tuple[dict[str, str | int | float], list[TensorInfo]]:
+    """The scalar and string values of the wanted keys among the first max_keys keys (None: all) of the GGUF file f,
+    and with `tensors` every tensor's name, type, shape and size; EOFError or ValueError where the header is
+    truncated or malformed. Reads the header alone: gguf-py would build every vocabulary entry first."""
+    def take(fmt_: str) -> tuple:
+        size = struct.calcsize("<" + fmt_)
+        raw = f.read(size)
+        if len(raw) != size:
+            raise EOFError
+        return struct.unpack("<" + fmt_, raw)
+
+    def string() -> str:
+        (n,) = take("Q")
+        if n > 1 << 16:
+            raise EOFError
+        return f.read(n).decode("utf-8", "replace")
+
+    def skip(vtype: int) -> None:
+        if vtype in _SCALARS:
+            f.seek(struct.calcsize("<" + _SCALARS[vtype]), os.SEEK_CUR)
+        elif vtype == _STRING:
+            f.seek(take("Q")[0], os.SEEK_CUR)
+        elif vtype == _ARRAY:
+            etype, n = take("IQ")
+            if etype in _SCALARS:
+                f.seek(n * struct.calcsize("<" + _SCALARS[etype]), os.SEEK_CUR)
+            else:
+                for _ in range(n):
+                    skip(etype)
+        else:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+
+    found: dict[str, str | int | float] = {}
+    magic, _version, n_tensors, n_kv = take("4sIQQ")
+    if magic != GGUF_MAGIC:
+        raise ValueError("not a GGUF file")
+    for _ in range(n_kv if max_keys is None else min(n_kv, max_keys)):
+        key = string()
+        (vtype,) = take("I")
+        if key in wanted and vtype == _STRING:
+            (n,) = take("Q")
+            found[key] = f.read(min(n, 1 << 16)).decode("utf-8", "replace")
+            f.seek(max(n - (1 << 16), 0), os.SEEK_CUR)  # past the rest of a longer value: the next key follows it
+        elif key in wanted and vtype in _SCALARS:
+            found[key] = take(_SCALARS[vtype])[0]
+        else:
+            skip(vtype)
+        if not tensors and len(found) == len(wanted):
+            break
+    infos: list[TensorInfo] = []
+    for _ in range(n_tensors if tensors else 0):
+        name = string()
+        (nd,) = take("I")
+        shape = [int(x) for x in take("Q" * nd)] if nd else []
+        qtype, _offset = take("IQ")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        infos.append(TensorInfo(name, int(qtype), shape, math.prod(shape) // block * type_size))
+    return found, infos
+
+
 def _header_values(path: str | Path, wanted: set[str], max_keys: int = 128) -> dict[str, str | int | float]:
     """The scalar and string values of the wanted keys among a GGUF file's first max_keys keys, read from its
-    header alone (gguf-py would build every vocabulary entry first); {} if the header is malformed."""
-    found: dict[str, str | int | float] = {}
+    header alone; {} if the header is malformed."""
     try:
         with open(path, "rb") as f:
-            def take(fmt_: str) -> tuple:
-                size = struct.calcsize("<" + fmt_)
-                raw = f.read(size)
-                if len(raw) != size:
-                    raise EOFError
-                return struct.unpack("<" + fmt_, raw)
+            return _walk_header(f, wanted, max_keys, tensors=False)[0]
+    except (OSError, EOFError, ValueError, struct.error):
+        return {}
 
-            def skip(vtype: int) -> None:
-                if vtype in _SCALARS:
-                    f.seek(struct.calcsize("<" + _SCALARS[vtype]), os.SEEK_CUR)
-                elif vtype == _STRING:
-                    f.seek(take("Q")[0], os.SEEK_CUR)
-                elif vtype == _ARRAY:
-                    etype, n = take("IQ")
-                    if etype in _SCALARS:
-                        f.seek(n * struct.calcsize("<" + _SCALARS[etype]), os.SEEK_CUR)
-                    else:
-                        for _ in range(n):
-                            skip(etype)
-                else:
-                    raise EOFError
 
-            magic, _version, _n_tensors, n_kv = take("4sIQQ")
-            if magic != GGUF_MAGIC:
-                return {}
-            for _ in range(min(n_kv, max_keys)):
-                (n,) = take("Q")
-                if n > 1 << 16:
-                    raise EOFError
-                key = f.read(n).decode("utf-8", "replace")
-                (vtype,) = take("I")
-                if key in wanted and vtype == _STRING:
-                    (n,) = take("Q")
-                    found[key] = f.read(min(n, 1 << 16)).decode("utf-8", "replace")
-                elif key in wanted and vtype in _SCALARS:
-                    found[key] = take(_SCALARS[vtype])[0]
-                else:
-                    skip(vtype)
-                if len(found) == len(wanted):
-                    break
-    except (OSError, EOFError, struct.error):
-        pass
-    return found
+def header_tensors(path: Path, wanted: set[str]) -> tuple[dict[str, str | int | float], list[TensorInfo]]:
+    """The wanted keys' scalar and string values and every tensor's name, type, shape and size, from a GGUF file's
+    header alone (gguf-py's reader builds an object per vocabulary entry, hundreds of MB for a large vocabulary);
+    ModelFileError naming the file where the header is truncated or malformed."""
+    try:
+        with open(path, "rb") as f:
+            return _walk_header(f, wanted, None, tensors=True)
+    except (EOFError, struct.error):
+        raise ModelFileError(f"model file {path}: truncated header") from None
+    except ValueError as e:
+        raise ModelFileError(f"model file {path}: {e}") from None
+    except OSError as e:
+        raise ModelFileError(f"model file {path}: {e.strerror or e}") from None
 
 
 def gguf_architecture(path: str | Path) -> str | None:

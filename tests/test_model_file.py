@@ -134,3 +134,21 @@ def test_sidecar_for_a_model_without_ffn_layers_is_refused(tmp_path: Path, smol_
         prepare_sidecar(no_ffn, smol_sidecar, None, model_summary_c(no_ffn))
     with pytest.raises(SidecarError, match="was made for another model"):
         prepare_sidecar(_write_model(tmp_path / "m.gguf", [_ffn()]), smol_sidecar, None)
+
+
+def test_header_tensors_match_gguf_py_and_refuse_a_truncated_header(smollm2: Path, tmp_path: Path) -> None:
+    """The planner's header reader (gguf_file.header_tensors, the walker gguf_architecture uses too) gives every
+    tensor's name, type, shape and size as gguf-py reads them, the wanted keys' values, and a header cut short is a
+    ModelFileError naming the file."""
+    from gguf import GGUFReader
+
+    from pi2_gguf.gguf_file import header_tensors
+
+    kv, infos = header_tensors(smollm2, {"general.architecture", "llama.block_count"})
+    assert kv == {"general.architecture": "llama", "llama.block_count": 30}
+    want = [(t.name, int(t.tensor_type), [int(x) for x in t.shape], int(t.n_bytes)) for t in GGUFReader(smollm2).tensors]
+    assert [(t.name, t.qtype, t.shape, t.n_bytes) for t in infos] == want
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2.read_bytes()[:1 << 20])  # inside the tokenizer's arrays
+    with pytest.raises(ModelFileError, match=r"cut\.gguf: truncated header"):
+        header_tensors(cut, set())

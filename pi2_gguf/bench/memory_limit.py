@@ -39,6 +39,7 @@ class Row:
     major_faults: int = 0
     peer: bool = False               # a peer engine's row (--peer): its rates are what it printed (peers.py)
     budget_use: str = ""             # pi2 under a budget: where the budget went (memory_budget.BudgetUse.line)
+    tokens: list[int] = field(default_factory=list)  # the tokens decoded (greedy picks, or the text evaluated)
     rounds: list[Row] = field(default_factory=list)  # with --rounds: each round's row (this one: medians)
 
 
@@ -71,7 +72,8 @@ def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n:
     return rows
 
 
-def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_bps: int | None, timeout: float) -> Row:
+def measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_bps: int | None, timeout: float) -> Row:
+    """A copy of row filled from one run of cmd in fresh cgroups (limit mem, the files' page cache dropped first)."""
     row = replace(row, rounds=[])
     r = cgroup.run(cmd, mem, files, read_bps=read_bps, timeout=timeout)
     row.peak_mb = r.peak_bytes / 1e6
@@ -81,11 +83,19 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
         row.status = f"timed out ({timeout:.0f} s)"
     elif r.oom_kills > 0:
         row.status = "OOM-killed"
-    elif r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+    else:
+        record(row, r.returncode, r.stdout, r.stderr)
+    return row
+
+
+def record(row: Row, returncode: int, stdout: str, stderr: str) -> Row:
+    """Fills row from a finished run's exit code and output: its status, rates, bytes read a token and, for pi2, its
+    cache, experts and where its budget went; the peak from the run's own peak RSS where no cgroup measured one."""
+    if returncode != 0:
+        last = (stderr.strip().splitlines() or ["?"])[-1]
         row.status = f"failed: {last[:120]}"
     elif row.peer:
-        got = parse_output(r.stdout + "\n" + r.stderr)
+        got = parse_output(stdout + "\n" + stderr)
         if got is None:
             row.status = "failed: printed no tok/s"
         else:
@@ -94,8 +104,9 @@ def _measure(row: Row, cmd: list[str], mem: int | None, files: list[Path], read_
             if got.expert_hit_rate is not None:
                 row.moe, row.expert_hit_rate = True, got.expert_hit_rate
     else:
-        g = parse_results(r.stdout)[0]
-        row.prompt_tps, row.decode_tps, row.decoded = g.prompt_tps, g.decode_tps, len(g.tokens)
+        g = parse_results(stdout)[0]
+        row.prompt_tps, row.decode_tps, row.decoded, row.tokens = g.prompt_tps, g.decode_tps, len(g.tokens), g.tokens
+        row.peak_mb = row.peak_mb or g.io.get("peak_rss", 0) / 1e6
         steps = max(len(g.tokens) - 1, 1)  # the last sampled token is not evaluated
         row.read_per_token_mb = g.io.get("process_read_bytes", 0) / steps / 1e6
         if g.decode_seconds > 0:
@@ -160,7 +171,7 @@ def bench_runs(model: Path, sidecars: list[Path], limit: int, read_bps: int | No
     files = [model] + sidecars  # the page cache is dropped for each before every configuration
     configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced_text, peers,
                        stock_defaults)
-    return [(row, partial(_measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
+    return [(row, partial(measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
 
 
 def row_failure(row: Row) -> str:

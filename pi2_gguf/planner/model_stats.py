@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..errors import Pi2Error
+from ..gguf_file import header_tensors
 from ..sidecar import format as fmt
 from ..sidecar.format import Key
 from ..sidecar.reader import Sidecar
@@ -136,18 +137,22 @@ def want_probabilities(freq_slots: np.ndarray, neurons: int, density: float, pre
     return 1.0 - pad.reshape(n_b, neurons).prod(axis=1)
 
 
-def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
-    """The predictor as a budget keeps it (sparse/predictor.c: Q8_0 where the widths allow, else F16), biases too."""
+def _predictor_weight_bytes(n_embd: int, n_ff: int, rank: int) -> int:
+    """The predictor's two matrices as a budget keeps them (sparse/predictor.c: Q8_0 where the widths allow, else
+    F16)."""
     w1 = fmt.row_size(Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else F16, n_embd)
     w2 = fmt.row_size(Q8_0 if n_ff % 32 == 0 else F16, n_ff)
-    return rank * w1 + rank * w2 + 4 * (rank + n_ff)
+    return rank * w1 + rank * w2
+
+
+def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
+    """The predictor as a budget keeps it, biases too."""
+    return _predictor_weight_bytes(n_embd, n_ff, rank) + 4 * (rank + n_ff)
 
 
 def predictor_pays(n_embd: int, n_ff: int, rank: int, gate_type: int, pred_density: float) -> bool:
     """pi2_predictor_pays: its bytes (all of w2 counted) below the gate bytes it saves."""
-    w1 = fmt.row_size(Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else F16, n_embd)
-    w2 = fmt.row_size(Q8_0 if n_ff % 32 == 0 else F16, n_ff)
-    return rank * w1 + rank * w2 < (1.0 - pred_density) * n_ff * fmt.row_size(gate_type, n_embd)
+    return _predictor_weight_bytes(n_embd, n_ff, rank) < (1.0 - pred_density) * n_ff * fmt.row_size(gate_type, n_embd)
 
 
 def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
@@ -180,93 +185,15 @@ def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
     return out
 
 
-@dataclass
-class TensorInfo:
-    name: str
-    qtype: int
-    shape: list[int]     # ggml order (ne0 first)
-    n_bytes: int
-
-
-def read_tensor_infos(path: Path, wanted: set[str]) -> tuple[dict[str, int | str], list[TensorInfo]]:
-    """The wanted scalar keys and every tensor's name, type, shape and size from a GGUF header, read directly (gguf-py's
-    reader builds an object per vocabulary entry, hundreds of MB for a large vocabulary, which this process would then
-    count as resident in the budget floor)."""
-    import struct
-
-    from gguf import GGML_QUANT_SIZES
-
-    scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-    found: dict[str, int | str] = {}
-    with open(path, "rb") as f:
-        def take(code: str) -> tuple:
-            size = struct.calcsize("<" + code)
-            raw = f.read(size)
-            if len(raw) != size:
-                raise PlanError(f"model file {path}: truncated header")
-            return struct.unpack("<" + code, raw)
-
-        def string() -> str:
-            (n,) = take("Q")
-            return f.read(n).decode("utf-8", "replace")
-
-        def skip(vtype: int) -> None:
-            if vtype in scalars:
-                f.seek(struct.calcsize("<" + scalars[vtype]), 1)
-            elif vtype == 8:
-                f.seek(take("Q")[0], 1)
-            elif vtype == 9:
-                etype, n = take("IQ")
-                if etype in scalars:
-                    f.seek(n * struct.calcsize("<" + scalars[etype]), 1)
-                else:
-                    for _ in range(n):
-                        skip(etype)
-            else:
-                raise PlanError(f"model file {path}: unknown GGUF value type {vtype}")
-
-        magic, _version, n_tensors, n_kv = take("4sIQQ")
-        if magic != b"GGUF":
-            raise PlanError(f"model file {path} is not GGUF")
-        for _ in range(n_kv):
-            key = string()
-            (vtype,) = take("I")
-            if key in wanted and vtype in scalars:
-                found[key] = take(scalars[vtype])[0]
-            elif key in wanted and vtype == 8:
-                found[key] = string()
-            else:
-                skip(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            (nd,) = take("I")
-            shape = list(take("Q" * nd)) if nd else []
-            qtype, _off = take("IQ")
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-            n = int(np.prod(shape)) if shape else 1
-            infos.append(TensorInfo(name, int(qtype), [int(x) for x in shape], n // block * size))
-    return found, infos
-
-
 def vocabulary_bytes(model: Path) -> int:
     """Resident bytes llama.cpp's vocabulary of the model adds to a process: measured by loading it alone (no
     weights, no context) and freeing it again."""
-    import llama_cpp as lc
-    from llama_cpp._utils import suppress_stdout_stderr
-
     from ..runtime import native
+    from ..runtime.llama import vocab_only_model
 
-    params = lc.llama_model_default_params()
-    params.vocab_only = True
     before = native.resident_bytes()
-    with suppress_stdout_stderr(disable=False):
-        handle = lc.llama_model_load_from_file(str(model).encode(), params)
-    if not handle:
-        raise Pi2Error(f"{model}: llama.cpp could not load its vocabulary")
-    grown = native.resident_bytes() - before
-    lc.llama_model_free(handle)
-    return max(grown, 0)
+    with vocab_only_model(model):
+        return max(native.resident_bytes() - before, 0)
 
 
 def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | None = None,
@@ -289,7 +216,7 @@ def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | No
     del sc
     keys = {f"{arch}.{k}" for k in ("block_count", "attention.head_count", "attention.head_count_kv",
                                       "embedding_length", "attention.key_length", "attention.value_length")}
-    kv, infos = read_tensor_infos(model, keys)
+    kv, infos = header_tensors(model, keys)
     get = lambda k: int(kv[f"{arch}.{k}"]) if isinstance(kv.get(f"{arch}.{k}"), int) else None  # noqa: E731
     tensors = {t.name: t for t in infos}
     tied = "output.weight" not in tensors

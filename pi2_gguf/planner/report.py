@@ -37,7 +37,7 @@ def resolve_sidecar(model: Path, sidecar: Path | None) -> Path:
     if not path.is_file():
         if sidecar is not None:
             raise SidecarError(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model} -o {sidecar}`")
-        raise SidecarError(no_sidecar(model).replace("a memory budget needs", "plan needs"))
+        raise SidecarError(no_sidecar(model, "plan"))
     return path
 
 

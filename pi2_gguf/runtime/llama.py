@@ -56,6 +56,25 @@ def llama_load_errors(path: Path, n_ctx: int) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def vocab_only_model(path: Path) -> Iterator[Any]:
+    """llama.cpp's handle of the model's vocabulary alone (no weights, no context), freed on exit: for tokenizing, or
+    measuring what a vocabulary holds, before any real load. The loader's warnings are silenced as llama_cpp.Llama
+    silences them; a file llama.cpp cannot load is the ModelFileError naming it."""
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with suppress_stdout_stderr(disable=False):
+        handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not handle:
+        raise load_failure(path)
+    try:
+        yield handle
+    finally:
+        llama_cpp.llama_model_free(handle)
+
+
 def resolve_mode(mode: str | None, sidecar: Path | None) -> str:
     """mode, else PI2_MODE, else predicted with a sidecar and dense without; sparse modes need a sidecar."""
     chosen = mode or os.environ.get("PI2_MODE") or ("predicted" if sidecar is not None else "dense")

@@ -45,15 +45,15 @@ def parse_size(value: str | int | float, what: str = "memory budget") -> int:
     return size
 
 
-def no_sidecar(path: Path) -> str:
-    """What a budget without the model's sidecar is refused with: the convert to run, or why convert cannot make
-    one for this model's FFN layout (docs/ARCHITECTURES.md)."""
+def no_sidecar(path: Path, who: str = "a memory budget") -> str:
+    """What `who` (a budget, the planner) without the model's sidecar is refused with: the convert to run, or why
+    convert cannot make one for this model's FFN layout (docs/ARCHITECTURES.md)."""
     from ..converter.model_ffn import gguf_layout_refusal
 
     why = gguf_layout_refusal(path)
     if why is not None:
-        return f"a memory budget needs the model's sidecar, and {path.name} can have none: {why}"
-    return f"a memory budget needs the model's sidecar; run `pi2-gguf convert {path}`"
+        return f"{who} needs the model's sidecar, and {path.name} can have none: {why}"
+    return f"{who} needs the model's sidecar; run `pi2-gguf convert {path}`"
 
 
 def precheck(budget: int, path: Path, sidecar: Path, output_rows: int | None = None) -> None:
