@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pi2_gguf.converter import synthetic, synthetic_moe  # noqa: E402
+from pi2_gguf.converter import activation_stats, synthetic, synthetic_moe  # noqa: E402
 from pi2_gguf.errors import Pi2Error  # noqa: E402
 
 
@@ -39,12 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-head-kv", type=int, default=d.n_head_kv)
     ap.add_argument("--type", default="Q4_K", help="ggml type of the matrices (F32, F16, Q8_0, Q4_0, Q4_K, ...)")
     ap.add_argument("--activation", default="relu", choices=synthetic.ACTIVATIONS)
+    ap.add_argument("--stats", default="real", choices=synthetic.STATS_MODES,
+                    help="real (default): firing as published ReLU-family models' (per-neuron Beta propensities, a "
+                         "TurboSparse-Mistral-like layer profile, persistence across tokens; MoE: Beta inside experts) "
+                         "and an output layer whose greedy decode walks a cycle of real text's tokens; uniform: the "
+                         "earlier models (--hot-fraction neurons at --hot-frequency, the rest log-normal, tokens "
+                         "independent, tied output), the worst case for a cache")
     ap.add_argument("--threshold", type=float, default=synthetic.FATRELU_THRESHOLD,
                     help="FATReLU's threshold t (gate fires iff gate > t); only with --activation fatrelu")
     s = synthetic.Sparsity()
     ap.add_argument("--density", type=float, default=s.density, help="mean fraction of FFN neurons active per token")
-    ap.add_argument("--hot-fraction", type=float, default=s.hot_fraction, help="fraction of neurons that fire on most tokens")
-    ap.add_argument("--hot-frequency", type=float, default=s.hot_frequency)
+    ap.add_argument("--hot-fraction", type=float, default=None,
+                    help=f"fraction of neurons that fire on most tokens (--stats uniform; default {s.hot_fraction}); "
+                         "with --stats real only the report's top-share column")
+    ap.add_argument("--hot-frequency", type=float, default=None,
+                    help=f"how often they fire (--stats uniform only; default {s.hot_frequency})")
     ap.add_argument("--gates", choices=synthetic.GATE_MODES, default=s.gates,
                     help="lowrank: gate rows of rank n_embd/32 (a predictor finds them easily); context: full-rank "
                          "rows with a trained FFN's spectrum, firing that a low-rank predictor sees only in part")
@@ -74,10 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown ggml type {args.type}")
     if args.n_expert < 0:
         ap.error(f"--n-expert must be >= 0, got {args.n_expert}")
+    if args.stats == "real" and args.hot_frequency is not None:
+        ap.error("--hot-frequency shapes --stats uniform's hot neurons; --stats real draws every neuron's propensity "
+                 "from a Beta distribution (use --density, or --stats uniform)")
+    if args.hot_fraction is None:
+        args.hot_fraction = s.hot_fraction
+    elif not 0.0 < args.hot_fraction < 1.0:
+        ap.error(f"--hot-fraction must be in (0, 1), got {args.hot_fraction}")
+    if args.hot_frequency is None:
+        args.hot_frequency = s.hot_frequency
     if args.n_expert:
         return _make_moe(args, qtype)
     shape = synthetic.Shape(args.n_embd, args.n_ff, args.n_layer, args.n_head, args.n_head_kv)
-    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
+    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates,
+                                  stats=args.stats)
     try:
         report = synthetic.make(args.output, shape, sparsity, args.activation, qtype, args.seed, text=args.text,
                                 calib_tokens=args.calib_tokens, heldout_tokens=args.heldout_tokens,
@@ -91,7 +110,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.hot_fraction:.0%}")
     for il, lr in enumerate(report):
         print(f"{il:5d} | {lr.target_density:14.3f} | {lr.density:27.3f} | {lr.hot_share:.3f}")
+    _print_stats([lr.stats for lr in report if lr.stats is not None], activation_stats.DENSE_ANCHORS, "neurons",
+                 args.heldout_tokens)
     return 0
+
+
+def _print_stats(layers: list[activation_stats.ActivationStats], anchors: activation_stats.Anchors, unit: str,
+                 n_tokens: int) -> None:
+    if not layers:
+        return
+    print(f"\nactivation statistics on {n_tokens} held-out tokens through llama.cpp, mean of {len(layers)} layers "
+          f"(static hot set ranked on the calibration text; cold: caches empty at the first token; steady: the first "
+          f"quarter of the tokens not counted; hits counted over the {unit} each token needed):")
+    print(activation_stats.format_table(activation_stats.mean_stats(layers), anchors, unit))
+    print(f"anchors: {anchors.source}; [fit] = a generator fitted to published figures, not a measured model")
 
 
 def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
@@ -100,7 +132,8 @@ def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
     if args.arch == "deepseek2":  # latent attention: one KV head of MLA's sizes; dense first layers, shared experts
         shape = replace(shape, n_head_kv=1, n_rot=synthetic_moe.MLA_ROPE, n_dense_lead=args.n_dense_lead,
                         n_ff_dense=args.n_ff_dense, n_shared=args.n_shared)
-    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates)
+    sparsity = synthetic.Sparsity(args.density, args.hot_fraction, args.hot_frequency, gates=args.gates,
+                                  stats=args.stats)
     routing = synthetic_moe.Routing(args.router_skew, args.router_locality)
     try:
         report = synthetic_moe.make_moe(args.output, shape, sparsity, routing, args.arch, args.activation, qtype,
@@ -127,6 +160,11 @@ def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
     print("mean LRU hit rate by cache size (this layer's experts): "
           + ", ".join(f"{c}: {mean[c]:.3f}" for c in sizes)
           + f" (uniform routing would give about {', '.join(f'{c}: {c / args.n_expert:.3f}' for c in sizes)})")
+    _print_stats([x.stats for x in report if x.stats is not None], activation_stats.MOE_ANCHORS, "experts",
+                 args.heldout_tokens)
+    if args.stats == "real":
+        print("--stats real sets the experts' neurons (Beta propensities) and the output walk; the router is still "
+              "--router-skew and --router-locality's (no session working set yet)")
     return 0
 
 

@@ -26,10 +26,26 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from ..errors import Pi2Error
-from . import bundles
+from . import activation_stats, bundles
+from .activation_stats import ActivationStats
 
 ACTIVATIONS = ("relu", "drelu", "fatrelu", "silu")
 GATE_MODES = ("lowrank", "context")
+# "uniform": neurons' firing frequencies as Sparsity.frequencies draws them (a few hot, the rest log-normal), tokens
+# independent; "real": as published models' (a Beta propensity per neuron, a layer profile, persistence over tokens)
+STATS_MODES = ("uniform", "real")
+# stats "real" [fit] (TurboSparse-Mistral-7B-like, fitted to PowerInfer arXiv 2312.12456 and PowerInfer-2 arXiv
+# 2406.06282 figures): propensity p ~ Beta(mu c, (1 - mu) c) with mu the layer's active fraction, c 4; the first two
+# layers ~0.15 active, the last ~0.20, the middle 0.07-0.10 (at a mean of 0.10: scaled with --density); and a lag-1
+# autocorrelation of each neuron's on/off series of 0.4, which LLM in a Flash's (arXiv 2312.11514) 5-token union
+# reproduces (24% of the FFN holding ~76% of the next token's neurons)
+REAL_CONCENTRATION = 4.0
+REAL_PHI = 0.4
+CONTEXT_DIMS_DIV = 8  # stats "real": n_embd / this residual dimensions carry context (written by attention only)
+# stats "real": attention heads' memory, in tokens: a head's queries read the RoPE pairs of frequency <= 1 / L and
+# its scores fall with distance so that about L recent tokens share its average (cycled over the heads)
+REAL_HEAD_MEMORY = (2.0, 4.0)
+WALK_TOKENS = 4096  # stats "real": the output layer's walk, distinct tokens of real text in order of first appearance
 # SmolLM2-135M's ffn_gate singular values fall as i^-0.40 to i^-0.48 (layers 3, 15, 27; fit over i >= 5),
 # and its top n_embd/16 directions hold 20-24% of the energy
 GATE_SPECTRUM_ALPHA = 0.45
@@ -64,6 +80,25 @@ class Sparsity:
     # "context" (full rank, singular values falling as i^-GATE_SPECTRUM_ALPHA as in a trained FFN, so a
     # predictor of rank n_embd/16 sees a fifth of the gate's energy, as on SmolLM2)
     gates: str = "lowrank"
+    stats: str = "uniform"  # STATS_MODES
+
+    def layer_density(self, il: int, n_layer: int) -> float:
+        """stats "real": layer il's mean active fraction, TurboSparse-Mistral-7B's profile scaled to this density:
+        the first two layers 1.5x, the last 2x, the middle rising from 0.7x to 1.0x."""
+        if il == n_layer - 1 and n_layer > 1:
+            f = 2.0
+        elif il < 2:
+            f = 1.5
+        else:
+            mid = max(n_layer - 3, 1)
+            f = 0.7 + 0.3 * (il - 2) / max(mid - 1, 1)
+        return min(self.density * f, 0.5)
+
+    def real_frequencies(self, n_ff: int, mu: float, rng: np.random.Generator,
+                         concentration: float = REAL_CONCENTRATION) -> np.ndarray:
+        """stats "real": each neuron's firing propensity ~ Beta(mu c, (1 - mu) c)."""
+        f = rng.beta(mu * concentration, (1.0 - mu) * concentration, n_ff)
+        return np.clip(f, 1e-4, 0.95).astype(np.float32)
 
     def frequencies(self, n_ff: int, rng: np.random.Generator) -> np.ndarray:
         n_hot = int(round(self.hot_fraction * n_ff))
@@ -97,16 +132,69 @@ class _Weights:
 
     def __init__(self, shape: Shape, sparsity: Sparsity, n_vocab: int, seed: int) -> None:
         self.shape, self.sparsity, self.n_vocab, self.seed = shape, sparsity, n_vocab, seed
-        rng = np.random.default_rng(seed)
-        self.freq = [sparsity.frequencies(shape.n_ff, rng) for _ in range(shape.n_layer)]
+        self.real = sparsity.stats == "real"
+        if self.real:
+            self.freq = [sparsity.real_frequencies(shape.n_ff, sparsity.layer_density(il, shape.n_layer),
+                                                   np.random.default_rng([seed, 6, il])) for il in range(shape.n_layer)]
+        else:
+            rng = np.random.default_rng(seed)
+            self.freq = [sparsity.frequencies(shape.n_ff, rng) for _ in range(shape.n_layer)]
         self.bias = [np.zeros(shape.n_ff, np.float32) for _ in range(shape.n_layer)]  # set by calibration
         self.resid_const = float(np.sqrt(3.0 * shape.n_embd))  # residual dim 0; others have variance ~1
+        self.n_ctx_dims = max(1, shape.n_embd // CONTEXT_DIMS_DIV)
+        # stats "real": per layer the gate's scale on the token dimensions and on the context dimensions (set by
+        # calibration to give the target persistence)
+        self.mix = [(1.0, 0.5) for _ in range(shape.n_layer)]
+        self.walk: list[int] | None = None  # stats "real": the output layer's cycle of tokens
 
     def embeddings(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1])
         e = rng.standard_normal((self.n_vocab, self.shape.n_embd), dtype=np.float32)
         e[:, 0] = self.resid_const
+        if self.real:
+            e[:, 1:1 + self.n_ctx_dims] = 0.0  # context dimensions: attention writes them
         return e
+
+    def output(self, embeddings: np.ndarray) -> np.ndarray | None:
+        """stats "real": an output matrix whose greedy pick after token walk[i] is walk[i + 1] (a cycle): row
+        walk[i + 1] is walk[i]'s embedding on the token dimensions, and every token off the cycle gets a large
+        negative logit from the constant dimension 0. None: tied to the embedding."""
+        if self.walk is None:
+            return None
+        return walk_output(embeddings, self.walk, 1 + self.n_ctx_dims)
+
+    def ctx_gate(self, il: int) -> np.ndarray:
+        """stats "real": the gate's columns on the context dimensions [n_ff, m], before the layer's scale."""
+        rng = np.random.default_rng([self.seed, 7, il])
+        return rng.standard_normal((self.shape.n_ff, self.n_ctx_dims), dtype=np.float32)
+
+    def _real_attention(self, il: int, w: dict[str, np.ndarray]) -> None:
+        """stats "real": attention that carries context. Queries and keys read the constant dimension 0 alone, so
+        a score depends on the distance between positions only (RoPE); a head's queries read only the rotary
+        pairs of frequency <= 1 / L, so its softmax spreads over about the L last tokens. Values read the token
+        dimensions; the output writes the context dimensions alone (and the FFN never does): they hold
+        recency-weighted means of recent tokens, a slowly varying part of every later FFN's input."""
+        s, m = self.shape, self.n_ctx_dims
+        rng = np.random.default_rng([self.seed, 5, il])
+        hd = s.n_embd // s.n_head
+        x0 = float(np.sqrt(0.75 * s.n_embd))  # dimension 0 after the norm
+        theta = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+        q = np.zeros((s.n_embd, s.n_embd), np.float32)
+        k = np.zeros((hd * s.n_head_kv, s.n_embd), np.float32)
+        k[:, 0] = 1.0 / x0
+        o = np.zeros((s.n_embd, s.n_embd), np.float32)
+        for h in range(s.n_head):
+            mem = REAL_HEAD_MEMORY[h % len(REAL_HEAD_MEMORY)]
+            sel = np.repeat(theta <= 1.0 / mem, 2)  # llama's RoPE rotates pairs of adjacent dimensions
+            amp, keff = _head_amplitude(theta[theta <= 1.0 / mem], mem)
+            # score(d) = (2 a_q a_k / sqrt(hd)) sum cos(theta d) with a_k 1: a_q = amp sqrt(hd) / 2
+            q[h * hd:(h + 1) * hd, 0] = np.where(sel, amp * np.sqrt(hd) / 2.0 / x0, 0.0)
+            o[1:1 + m, h * hd:(h + 1) * hd] = rng.standard_normal((m, hd), dtype=np.float32) * np.float32(
+                np.sqrt(keff / (0.22 * hd * s.n_head)))
+        v = np.zeros((hd * s.n_head_kv, s.n_embd), np.float32)
+        v[:, 1 + m:] = rng.standard_normal((hd * s.n_head_kv, s.n_embd - 1 - m), dtype=np.float32) / np.float32(
+            np.sqrt(s.n_embd))
+        w["attn_q"], w["attn_k"], w["attn_v"], w["attn_output"] = q, k, v, o
 
     def layer(self, il: int) -> dict[str, np.ndarray]:
         s = self.shape
@@ -144,6 +232,14 @@ class _Weights:
         down = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * (2.0 / np.sqrt(s.n_ff * self.sparsity.density))
         down[0, :] = 0.0
         w["ffn_down"] = down
+        if self.real:
+            m = self.n_ctx_dims
+            self._real_attention(il, w)
+            a_tok, a_ctx = self.mix[il]
+            gate[:, 1 + m:] *= np.float32(a_tok)
+            gate[:, 1:1 + m] = self.ctx_gate(il) * np.float32(a_ctx)
+            down *= np.float32(np.sqrt(self.sparsity.density / float(self.freq[il].mean())))
+            down[1:1 + m, :] = 0.0  # the FFN never writes the context dimensions
         return w
 
 
@@ -202,12 +298,52 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
     return path
 
 
+def walk_output(embeddings: np.ndarray, walk: list[int], first_token_dim: int) -> np.ndarray:
+    """An output matrix whose greedy pick after token walk[i] is walk[i + 1] (walk[0] after the last): row
+    walk[i + 1] is walk[i]'s embedding on the token dimensions (first_token_dim on), and every token off the walk
+    gets a negative logit from the constant dimension 0, so a decode fed no text still varies its tokens."""
+    n = embeddings.shape[1]
+    out = np.zeros_like(embeddings)
+    out[:, 0] = -2.0 / np.sqrt(n)  # times the normed x_0 (~sqrt(3n)/2): about -sqrt(3)
+    cyc = np.asarray(walk, np.int64)
+    nxt = np.roll(cyc, -1)
+    out[nxt, 0] = 0.0
+    out[nxt, first_token_dim:] = embeddings[cyc, first_token_dim:] / np.float32(np.sqrt(n))
+    return out
+
+
+def _head_amplitude(theta: np.ndarray, memory: float, n: int = 4096) -> tuple[float, float]:
+    """(A, effective tokens) for a head whose scores are A sum_i cos(theta_i d) at distance d: the A whose softmax
+    over distances 0..n spreads over `memory` tokens (1 / sum of squared weights), by bisection."""
+    d = np.arange(n, dtype=np.float64)
+    base = np.cos(np.outer(d, theta)).sum(axis=1)
+    base -= base[0]
+
+    def keff(a: float) -> float:
+        wt = np.exp(a * base)
+        wt /= wt.sum()
+        return float(1.0 / np.sum(wt * wt))
+
+    lo, hi = 0.05, 64.0
+    for _ in range(40):
+        mid = np.sqrt(lo * hi)
+        if keff(mid) > memory:
+            lo = mid
+        else:
+            hi = mid
+    a = float(np.sqrt(lo * hi))
+    return a, keff(a)
+
+
 def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtype: QT, name: str,
                 progress: bool = True, threshold: float = 0.0) -> Path:
     """Writes the GGUF atomically (temp file in the same directory, then rename)."""
+    embeddings = w.embeddings()
+    out = w.output(embeddings)
     return write_gguf(path, "llama", name, w.shape, tok_fields, activation, threshold,
-                      "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless", w.embeddings(),
-                      lambda il: {k: as_tensor(a, qtype) for k, a in w.layer(il).items()}, qtype, progress=progress)
+                      "synthetic model made by pi2-gguf tools/make_model.py: its text is meaningless", embeddings,
+                      lambda il: {k: as_tensor(a, qtype) for k, a in w.layer(il).items()}, qtype, progress=progress,
+                      output=None if out is None else as_tensor(out, QT.F16 if qtype == QT.F32 else qtype))
 
 
 def as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
@@ -228,6 +364,54 @@ class LayerReport:
     target_density: float
     density: float      # measured on held-out text
     hot_share: float    # share of all activations carried by the top hot_fraction of neurons
+    # skew, persistence and cache hit rates on held-out text, the hot ranking from the calibration text
+    stats: ActivationStats | None = None
+    target_overlap: float | None = None  # stats "real": the lag-1 overlap calibration aimed at
+
+
+def target_overlap(freq: np.ndarray, phi: float = REAL_PHI) -> float:
+    """The lag-1 overlap (of a token's active neurons, the share active on the token before) of two-state Markov
+    neurons of these propensities and lag-1 autocorrelation phi: E[p (p + phi (1 - p))] / E[p]."""
+    p = freq.astype(np.float64)
+    return float(np.sum(p * (p + phi * (1.0 - p))) / np.sum(p))
+
+
+def _active(z: np.ndarray, activation: str, threshold: float) -> np.ndarray:
+    return z > threshold if activation in ("relu", "drelu", "fatrelu") else np.abs(z / (1 + np.exp(-z))) > 0.1
+
+
+def _calibrate_real(w: _Weights, xs: list[np.ndarray], window: int, threshold: float = 0.0) -> None:
+    """stats "real": per layer, the mix of token and context dimensions in the gate rows whose firing has the
+    target lag-1 overlap (bisection), and each neuron's bias for its target frequency at that mix."""
+    m = w.n_ctx_dims
+    for il, x16 in enumerate(xs):
+        x = x16.astype(np.float32)
+        w.mix[il] = (1.0, 0.0)
+        gate = w.layer(il)["ffn_gate"]
+        gate[:, 0] = 0.0
+        z_tok = x @ gate.T
+        z_ctx = x[:, 1:1 + m] @ w.ctx_gate(il).T
+        s_tok, s_ctx = float(z_tok.std()) or 1.0, float(z_ctx.std()) or 1.0
+        target = target_overlap(w.freq[il])
+        t = z_tok.shape[0]
+        idx = np.clip(np.floor((1.0 - w.freq[il]) * (t - 1)).astype(int), 0, t - 1)
+
+        def fire(lam: float) -> tuple[np.ndarray, np.ndarray]:
+            z = np.sqrt(1.0 - lam * lam) / s_tok * z_tok + lam / s_ctx * z_ctx
+            cut = np.sort(z, axis=0)[idx, np.arange(z.shape[1])]
+            return z > cut, cut
+
+        lo, hi = 0.0, 0.995
+        for _ in range(8):
+            mid = 0.5 * (lo + hi)
+            if activation_stats.lag1_overlap(fire(mid)[0], window) < target:
+                lo = mid
+            else:
+                hi = mid
+        lam = 0.5 * (lo + hi)
+        w.mix[il] = (float(np.sqrt(1.0 - lam * lam) / s_tok), float(lam / s_ctx))
+        cut = fire(lam)[1]
+        w.bias[il] = ((threshold - cut) / float(np.mean(x[:, 0]))).astype(np.float32)
 
 
 def _calibrate(w: _Weights, xs: list[np.ndarray], threshold: float = 0.0) -> None:
@@ -245,18 +429,28 @@ def _calibrate(w: _Weights, xs: list[np.ndarray], threshold: float = 0.0) -> Non
         w.bias[il] = ((threshold - cut) / float(np.mean(x[:, 0]))).astype(np.float32)
 
 
-def _measure(w: _Weights, xs: list[np.ndarray], activation: str, threshold: float = 0.0) -> list[LayerReport]:
+def _measure(w: _Weights, xs: list[np.ndarray], activation: str, threshold: float = 0.0,
+             window: int | None = None, ranked: list[np.ndarray] | None = None) -> list[LayerReport]:
     """Per layer: the share of gates that fire (for dReLU a neuron is active only if its up is positive
-    too, about half of those)."""
+    too, about half of those). With window (tokens of consecutive text in xs), also the activation statistics
+    (activation_stats), the static hot set ranked by `ranked`'s inputs (other text; default: these)."""
     out = []
     for il, x16 in enumerate(xs):
         x = x16.astype(np.float32)
-        g = x @ w.layer(il)["ffn_gate"].T
-        active = g > threshold if activation in ("relu", "drelu", "fatrelu") else np.abs(g / (1 + np.exp(-g))) > 0.1
+        gate = w.layer(il)["ffn_gate"]
+        active = _active(x @ gate.T, activation, threshold)
         per_neuron = active.sum(axis=0)
         top = np.sort(per_neuron)[::-1][: max(1, int(round(w.sparsity.hot_fraction * per_neuron.size)))]
+        st = None
+        if window is not None:
+            rank = None
+            if ranked is not None:
+                counts = _active(ranked[il].astype(np.float32) @ gate.T, activation, threshold).sum(axis=0)
+                rank = np.argsort(-counts, kind="stable")
+            st = activation_stats.activation_stats(active, rank, window)
         out.append(LayerReport(float(w.freq[il].mean()), float(active.mean()),
-                               float(top.sum() / max(per_neuron.sum(), 1))))
+                               float(top.sum() / max(per_neuron.sum(), 1)), st,
+                               target_overlap(w.freq[il]) if w.real else None))
     return out
 
 
@@ -274,6 +468,10 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
         raise Pi2Error(f"activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
     if sparsity.gates not in GATE_MODES:
         raise Pi2Error(f"gate mode '{sparsity.gates}' is not one of {', '.join(GATE_MODES)}")
+    if sparsity.stats not in STATS_MODES:
+        raise Pi2Error(f"stats '{sparsity.stats}' is not one of {', '.join(STATS_MODES)}")
+    if sparsity.stats == "real" and shape.n_embd // CONTEXT_DIMS_DIV < 4:
+        raise Pi2Error(f"stats real needs n_embd of 32 or more (context dimensions), got {shape.n_embd}")
     if not (np.isfinite(threshold) and threshold >= 0):
         raise Pi2Error(f"the FATReLU threshold must be finite and >= 0, got {threshold}")
     t = threshold if activation == "fatrelu" else 0.0
@@ -292,22 +490,51 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _Weights(shape, sparsity, _n_vocab(tok_fields), seed)
     name = f"pi2-synthetic-{activation}-{sparsity.gates}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}-d{sparsity.density:g}"
+    if w.real:
+        name += "-real"
     corpus = corpus_mod.load(text)
     # Calibrating layer i moves the inputs of every later layer, so a round's biases are set on inputs
     # the next round changes: with two rounds a 16-layer model ended at 0.10 in its first layers and
     # 0.17-0.20 in its last. Rounds go on until the calibration tokens, run through the model as
     # written, give every layer its density within density_tolerance (relative).
     write_model(out, w, tok_fields, activation, qtype, name, progress, t)
+    if w.real:
+        w.walk = walk_tokens(out, corpus, min(WALK_TOKENS, w.n_vocab))
     for r in range(max_rounds + 1):
         prof = run_profile(out, corpus, calib_tokens, 16, threads=threads, progress=progress)
         if r > 0:
-            worst = max(abs(x.density - x.target_density) / x.target_density
-                        for x in _measure(w, prof.train, activation, t))
+            got = _measure(w, prof.train, activation, t, prof.window if w.real else None)
+            worst = max(abs(x.density - x.target_density) / x.target_density for x in got)
+            # stats real: the lag-1 overlap within 0.03 of its target too
+            worst_overlap = max((abs(x.stats.lag1_overlap - x.target_overlap) for x in got
+                                 if x.stats is not None and x.target_overlap is not None), default=0.0)
             if progress:
-                tqdm.write(f"calibration round {r}: densities within {worst:.1%} of the target")
-            if worst <= density_tolerance or r == max_rounds:
+                tqdm.write(f"calibration round {r}: densities within {worst:.1%} of the target"
+                           + (f", lag-1 overlap within {worst_overlap:.3f}" if w.real else ""))
+            if (worst <= density_tolerance and worst_overlap <= 0.03) or r == max_rounds:
                 break
-        _calibrate(w, prof.train, t)
+        if w.real:
+            _calibrate_real(w, prof.train, prof.window, t)
+        else:
+            _calibrate(w, prof.train, t)
         write_model(out, w, tok_fields, activation, qtype, name, progress, t)
+    calib_inputs = prof.train
     prof = run_profile(out, corpus, 64, heldout_tokens, threads=threads, progress=progress)
-    return _measure(w, prof.heldout, activation, t)
+    return _measure(w, prof.heldout, activation, t, prof.window, calib_inputs)
+
+
+def walk_tokens(model: Path, corpus: Any, n: int) -> list[int]:
+    """The first n distinct tokens of the corpus's training documents in order of first appearance (fewer if it
+    has fewer): a synthetic model's output walks them (_Weights.output)."""
+    from ..runtime.runner import LlamaRunner
+
+    seen: dict[int, None] = {}
+    with LlamaRunner(model, n_ctx=64) as r:
+        for doc in corpus.split()[0]:
+            for tok in r.tokenize(doc + "\n\n"):
+                seen.setdefault(tok, None)
+            if len(seen) >= n:
+                break
+    if len(seen) < 2:
+        raise Pi2Error(f"the corpus {corpus.name} gives fewer than 2 distinct tokens for the output walk")
+    return list(seen)[:n]

@@ -34,13 +34,20 @@ from tqdm import tqdm
 from ..errors import Pi2Error
 from . import bundles
 from .profile import FFN_INPUT, FFN_INPUT_OF_ARCH, routed_experts
-from .synthetic import ACTIVATIONS, FATRELU_THRESHOLD, Sparsity, _n_vocab, _tokenizer_fields, as_tensor, write_gguf
+from . import activation_stats
+from .activation_stats import ActivationStats
+from .synthetic import (ACTIVATIONS, FATRELU_THRESHOLD, STATS_MODES, WALK_TOKENS, Sparsity, _n_vocab, _tokenizer_fields,
+                        as_tensor, walk_output, walk_tokens, write_gguf)
 
 ARCHS = ("llama", "qwen3moe", "smallthinker", "gpt-oss", "deepseek2")
 # gpt-oss's graph computes SwiGLU-OAI whatever a file states, on biased experts: the model states no activation and
 # its gates fire as a SiLU model's (about half the neurons, no sparsity to calibrate)
 ARCH_BUILT_ACTIVATION = {"gpt-oss": "silu"}
 CONTEXT_DIMS_DIV = 8  # n_embd / this residual dimensions carry context (written by attention only)
+# stats "real" inside experts [fit] (TurboSparse-Mixtral, 85% sparse inside each expert, TurboSparse arXiv 2406.05955):
+# propensities Beta(mu c, (1 - mu) c), mu 1.5x the density (0.15 at the default 0.10), c 2
+EXPERT_DENSITY_FACTOR = 1.5
+EXPERT_CONCENTRATION = 2.0
 # deepseek2's multi-head latent attention, at DeepSeek-V2's sizes: query and key-value latents of these ranks, and
 # per head 128 dimensions without RoPE and 64 with it for keys, 128 for values (the model states them)
 MLA_Q_LORA, MLA_KV_LORA, MLA_NOPE, MLA_ROPE, MLA_V = 1536, 512, 128, 64, 128
@@ -117,6 +124,7 @@ class _MoeWeights:
         self.n_ctx_dims = max(1, shape.n_embd // CONTEXT_DIMS_DIV)
         self.resid_const = float(np.sqrt(3.0 * shape.n_embd))
         self.bias: list[np.ndarray | None] = [None] * shape.n_layer  # [n_expert, n_ff] once calibrated
+        self.walk: list[int] | None = None  # stats "real": the output layer's cycle of tokens
 
     def embeddings(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1])
@@ -129,6 +137,9 @@ class _MoeWeights:
         """Target firing frequency of each neuron of expert e in layer il (regenerable from the seed)."""
         if self.activation == "silu":
             return np.full(self.shape.n_ff, 0.5, np.float32)
+        if self.sparsity.stats == "real":  # TurboSparse-Mixtral-like [fit]: Beta(mu c, (1 - mu) c) inside each expert
+            return self.sparsity.real_frequencies(self.shape.n_ff, min(EXPERT_DENSITY_FACTOR * self.sparsity.density, 0.5),
+                                                  np.random.default_rng([self.seed, 8, il, e]), EXPERT_CONCENTRATION)
         return self.sparsity.frequencies(self.shape.n_ff, np.random.default_rng([self.seed, 3, il, e]))
 
     def layer(self, il: int, arch: str) -> dict[str, np.ndarray]:
@@ -287,7 +298,10 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
         return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
 
     embeddings = w.embeddings()
+    out_type = QT.Q8_0 if qtype == QT.MXFP4 else QT.F16 if qtype == QT.F32 else qtype
     output = as_tensor(embeddings, QT.Q8_0 if qtype == QT.MXFP4 else qtype) if arch == "gpt-oss" else None
+    if w.walk is not None:
+        output = as_tensor(walk_output(embeddings, w.walk, 1 + w.n_ctx_dims), out_type)
     return write_gguf(path, arch, name, s, tok_fields, None if arch in ARCH_BUILT_ACTIVATION else w.activation, w.threshold,
                       "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless", embeddings,
                       lambda il: {k: as_tensor(a, tensor_type(k)) for k, a in w.layer(il, arch).items()},
@@ -301,6 +315,9 @@ class MoeLayerReport:
     top_expert_share: float  # share of routed choices that went to the layer's most used expert
     lru_hits: dict[int, float]  # cache size in experts (this layer's) -> LRU hit rate over the tokens
     layer: int = -1             # the model layer (deepseek2's dense first layers have no report)
+    # routing's skew, persistence and expert-cache hit rates (activation_stats), the static hot set ranked on the
+    # calibration text's routing (else the held-out text's own)
+    stats: ActivationStats | None = None
 
 
 def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
@@ -359,7 +376,7 @@ def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
         w.bias[il] = bias
 
 
-def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerReport]:
+def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None = None) -> list[MoeLayerReport]:
     s = w.shape
     out = []
     sizes = sorted({max(1, s.n_expert // 8), max(1, s.n_expert // 4), max(1, s.n_expert // 2), s.n_expert_used})
@@ -370,8 +387,13 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> list[MoeLayerRepor
         fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
         counts = np.bincount(routed.ravel(), minlength=s.n_expert)
         target = float(np.mean([w.freq(il, e).mean() for e in range(s.n_expert)]))
+        rank = None
+        if calib_lg is not None and il in calib_lg:
+            seen = np.bincount(routed_experts(calib_lg[il], s.n_expert_used).ravel(), minlength=s.n_expert)
+            rank = np.argsort(-seen, kind="stable")
+        st = activation_stats.activation_stats(activation_stats.routed_active(routed, s.n_expert), rank)
         out.append(MoeLayerReport(target, fired / (routed.size * s.n_ff), float(counts.max() / counts.sum()),
-                                  {c: lru_hit_rate(list(routed), c) for c in sizes}, il))
+                                  {c: lru_hit_rate(list(routed), c) for c in sizes}, il, st))
     return out
 
 
@@ -412,6 +434,8 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
             raise Pi2Error(f"{qtype.name} rows need a multiple of {bundles.GGML_QUANT_SIZES[qtype][0]} values; {what} is {n}")
     if not 0.0 < sparsity.density < 1.0:
         raise Pi2Error(f"density must be in (0, 1), got {sparsity.density}")
+    if sparsity.stats not in STATS_MODES:
+        raise Pi2Error(f"stats '{sparsity.stats}' is not one of {', '.join(STATS_MODES)}")
     out = Path(path)
     if not out.parent.is_dir():
         raise Pi2Error(f"output directory {out.parent} does not exist")
@@ -421,12 +445,17 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
                     _n_vocab(tok_fields), seed)
     name = (f"pi2-synthetic-moe-{arch}-{activation}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}"
             f"-e{shape.n_expert}k{shape.n_expert_used}-d{sparsity.density:g}")
+    if sparsity.stats == "real":
+        name += "-real"
     write_moe_model(out, w, tok_fields, arch, qtype, name, progress)
-    if not (calib_tokens or heldout_tokens):
+    corpus = corpus_mod.load(text) if (calib_tokens or heldout_tokens or sparsity.stats == "real") else None
+    if corpus is not None and sparsity.stats == "real":
+        w.walk = walk_tokens(out, corpus, min(WALK_TOKENS, w.n_vocab))
+        write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
+    if not (calib_tokens or heldout_tokens) or corpus is None:
         return []
     from ..runtime.runner import LlamaRunner
 
-    corpus = corpus_mod.load(text)
     train_docs, held_docs = corpus.split()
     def first_tokens(r: LlamaRunner, docs: list[str], n: int) -> list[int]:
         toks: list[int] = []
@@ -442,8 +471,12 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
     if len(calib) < calib_tokens or len(held) < heldout_tokens:
         raise Pi2Error(f"the corpus {corpus.name} gives {len(calib)} calibration and {len(held)} held-out tokens; "
                        f"{calib_tokens} and {heldout_tokens} were asked")
+    calib_lg: dict | None = None
     if calib_tokens and activation != "silu":
         for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
-            _calibrate(w, arch, *routing_profile(out, calib, shape.n_layer, threads, arch))
+            cx, calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)
+            _calibrate(w, arch, cx, calib_lg)
             write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads, arch)) if heldout_tokens else []
+    elif calib_tokens:
+        calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)[1]
+    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads, arch), calib_lg) if heldout_tokens else []
