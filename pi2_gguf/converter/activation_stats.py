@@ -240,3 +240,26 @@ def format_table(stats: ActivationStats, anchors: Anchors, unit: str = "neurons"
                          f"{_fmt(stats.cold[p][f])} / {_fmt(stats.steady[p][f])}", _fmt(a)))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def markov_active(freq: np.ndarray, n_tokens: int, phi: float, rng: np.random.Generator) -> np.ndarray:
+    """The [fit] generator's firing [n_tokens, n_units]: unit i a two-state Markov chain of stationary propensity
+    freq[i] and lag-1 autocorrelation phi (P(on | on before) = p + phi (1 - p), P(on | off before) = p (1 - phi))."""
+    p = np.asarray(freq, np.float64)
+    a = np.zeros((n_tokens, p.size), dtype=bool)
+    a[0] = rng.random(p.size) < p
+    on, off = p + phi * (1.0 - p), p * (1.0 - phi)
+    for t in range(1, n_tokens):
+        a[t] = rng.random(p.size) < np.where(a[t - 1], on, off)
+    return a
+
+
+def markov_fit_stats(freq: np.ndarray, n_tokens: int, phi: float, seed: int = 0, window: int | None = None,
+                     calib_tokens: int | None = None) -> ActivationStats:
+    """What the [fit] generator gives for these propensities over as many tokens as a measurement had (counting
+    noise included), its static hot set ranked on calib_tokens (default n_tokens) of another run: the value a
+    model of these propensities should reach."""
+    rng = np.random.default_rng(seed)
+    calib = markov_active(freq, calib_tokens or n_tokens, phi, rng)
+    rank = np.argsort(-calib.sum(axis=0), kind="stable")
+    return activation_stats(markov_active(freq, n_tokens, phi, rng), rank, window)

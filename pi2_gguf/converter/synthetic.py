@@ -396,9 +396,18 @@ def _calibrate_real(w: _Weights, xs: list[np.ndarray], window: int, threshold: f
         t = z_tok.shape[0]
         idx = np.clip(np.floor((1.0 - w.freq[il]) * (t - 1)).astype(int), 0, t - 1)
 
+        # a propensity below a few firings in the calibration text: its cut from the normal tail of the neuron's
+        # pre-activations (the sample quantile would make it fire about once in t tokens, whatever its target)
+        rare = w.freq[il] * t < 8
+        from .synthetic_moe import _inv_norm_cdf
+
+        tail = _inv_norm_cdf(1.0 - w.freq[il][rare].astype(np.float64)).astype(np.float32)
+
         def fire(lam: float) -> tuple[np.ndarray, np.ndarray]:
             z = np.sqrt(1.0 - lam * lam) / s_tok * z_tok + lam / s_ctx * z_ctx
             cut = np.sort(z, axis=0)[idx, np.arange(z.shape[1])]
+            zr = z[:, rare]
+            cut[rare] = zr.mean(axis=0) + zr.std(axis=0) * tail
             return z > cut, cut
 
         lo, hi = 0.0, 0.995

@@ -1,0 +1,132 @@
+"""tools/make_model.py --stats real|uniform: a real model's firing statistics measured through llama.cpp on held-out
+text land near what the fitted generator gives for its propensities (skew, persistence, cache hits); uniform is the
+earlier model byte for byte; a real model's greedy decode walks varied tokens; bad flags are refused."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from pi2_gguf.converter import activation_stats as st
+from pi2_gguf.converter import synthetic
+from pi2_gguf.errors import Pi2Error
+
+REAL_SHAPE = synthetic.Shape(n_embd=128, n_ff=1024, n_layer=4, n_head=4, n_head_kv=2, n_ctx=512)
+HELDOUT = 512
+# tools/make_model.py TINY --stats uniform, made by the code before --stats existed (commit 7b3eecd): same bytes
+TINY = ["--n-embd", "64", "--n-ff", "256", "--n-layer", "2", "--n-head", "2", "--n-head-kv", "1", "--type", "F32",
+        "--calib-tokens", "256", "--heldout-tokens", "64"]
+TINY_UNIFORM_SHA256 = "3e069cf07fcba79765fff97ee8a653d204e3f4b02ac756c4cb5a9f4890dffd4d"
+
+
+def test_fit_generator_reproduces_the_published_fit() -> None:
+    """The measuring module on the [fit] generator (Beta(0.4, 3.6), phi 0.4) gives the anchors' values: it counts
+    as they were counted."""
+    rng = np.random.default_rng(0)
+    freq = np.clip(rng.beta(0.4, 3.6, 4096), 1e-4, 0.95)
+    s = st.markov_fit_stats(freq, 1024, 0.4, seed=1, calib_tokens=512)
+    a = st.DENSE_ANCHORS
+    for share, v in s.carry.items():
+        assert abs(v - a.carry[share]) < 0.03, (share, v)
+    assert abs(s.union5 - 0.24) < 0.02 and abs(s.union5_holds - 0.76) < 0.03, (s.union5, s.union5_holds)
+    assert abs(s.phi - 0.4) < 0.02 and abs(s.lag1_overlap - 0.57) < 0.02
+    for f, v in a.hits["hot+LRU"].items():
+        assert abs(s.steady["hot+LRU"][f] - v) < 0.03, (f, s.steady["hot+LRU"][f])
+
+
+def test_cache_policies_on_a_known_sequence() -> None:
+    """LRU keeps the most recent units, static-hot its ranked ones; hits count the units a token needed."""
+    a = np.zeros((4, 4), dtype=bool)
+    a[0, [0, 1]] = a[1, [1, 2]] = a[2, [2, 3]] = a[3, [3, 0]] = True
+    cold, _ = st.cache_hit_rates(a, np.array([0, 1, 2, 3]), fractions=(0.5,), warmup=0)
+    assert cold["LRU"][0.5] == pytest.approx(3 / 8)         # tokens 1-3 each find one unit of the token before
+    assert cold["static-hot"][0.5] == pytest.approx(4 / 8)  # units 0 and 1 pinned
+    assert st.carry_fractions(np.array([6, 2, 1, 1]), (0.5, 0.8)) == {0.5: 0.25, 0.8: 0.5}
+    assert st.lag1_overlap(a, 4) == pytest.approx(3 / 6)
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, synthetic._Weights, list[synthetic.LayerReport]]:
+    path = tmp_path_factory.mktemp("real") / "real.gguf"
+    sp = synthetic.Sparsity(density=0.10, stats="real")
+    report = synthetic.make(path, REAL_SHAPE, sp, "relu", QT.F32, calib_tokens=1024, heldout_tokens=HELDOUT,
+                            progress=False)
+    # the weights' propensities are regenerable from the seed: the fit's expectation for this very model
+    from pi2_gguf.converter.synthetic import _n_vocab, _tokenizer_fields
+    from gguf import GGUFReader
+
+    w = synthetic._Weights(REAL_SHAPE, sp, _n_vocab(_tokenizer_fields(GGUFReader(path, "r"))), 0)
+    return path, w, report
+
+
+def test_real_model_statistics_through_llama_cpp(real_model: tuple[Path, synthetic._Weights, list]) -> None:
+    """Measured on held-out text through llama.cpp: densities on the layer profile, each layer's lag-1
+    autocorrelation near 0.4 and its overlap near the target, and skew, 5-token union and hit rates within 5 points
+    of what the fitted generator gives for the same propensities over as many tokens."""
+    _, w, report = real_model
+    assert [round(r.target_density, 2) for r in report] == [0.15, 0.15, 0.07, 0.19]  # first two, middle, last
+    for il, r in enumerate(report):
+        assert r.stats is not None and r.target_overlap is not None
+        assert abs(r.density - r.target_density) <= 0.15 * r.target_density, (il, r.density, r.target_density)
+        assert abs(r.stats.phi - synthetic.REAL_PHI) <= 0.08, (il, r.stats.phi)
+        assert abs(r.stats.lag1_overlap - r.target_overlap) <= 0.05, (il, r.stats.lag1_overlap, r.target_overlap)
+        fit = st.markov_fit_stats(w.freq[il], HELDOUT, synthetic.REAL_PHI, seed=il, window=256, calib_tokens=1024)
+        got = r.stats
+        for share in st.CARRY_SHARES:
+            assert abs(got.carry[share] - fit.carry[share]) <= 0.05, (il, share, got.carry[share], fit.carry[share])
+        assert abs(got.union5 - fit.union5) <= 0.05, (il, got.union5, fit.union5)
+        assert abs(got.union5_holds - fit.union5_holds) <= 0.05, (il, got.union5_holds, fit.union5_holds)
+        for f in st.CACHE_FRACTIONS:
+            for p in st.POLICIES:
+                assert abs(got.steady[p][f] - fit.steady[p][f]) <= 0.07, (il, p, f, got.steady[p][f], fit.steady[p][f])
+
+
+def test_real_model_greedy_decode_walks(real_model: tuple[Path, synthetic._Weights, list]) -> None:
+    """Greedy decode through llama.cpp from a short prompt: at least 90% distinct bigrams over 256 tokens (the
+    output layer walks a cycle of real text's tokens instead of repeating one)."""
+    import llama_cpp
+
+    path, _, _ = real_model
+    llm = llama_cpp.Llama(str(path), n_ctx=512, verbose=False)
+    try:
+        out: list[int] = []
+        for tok in llm.generate(llm.tokenize(b"The history of", add_bos=True), temp=0.0, top_k=1):
+            out.append(tok)
+            if len(out) >= 256:
+                break
+    finally:
+        llm.close()
+    bigrams = list(zip(out[:-1], out[1:]))
+    assert len(set(bigrams)) / len(bigrams) >= 0.90, out[:40]
+
+
+def test_uniform_is_the_earlier_model(tmp_path: Path) -> None:
+    from tool_script import load_tool
+
+    mm = load_tool("make_model")
+    out = tmp_path / "u.gguf"
+    assert mm.main([str(out), *TINY, "--stats", "uniform"]) == 0
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == TINY_UNIFORM_SHA256
+
+
+def test_bad_flags_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tool_script import load_tool
+
+    mm = load_tool("make_model")
+    for argv, says in ((["--stats", "skewed"], "invalid choice: 'skewed'"),
+                       (["--stats", "real", "--hot-frequency", "0.8"], "--hot-frequency shapes --stats uniform"),
+                       (["--hot-fraction", "1.5"], "--hot-fraction must be in (0, 1)")):
+        with pytest.raises(SystemExit) as e:
+            mm.main([str(tmp_path / "x.gguf"), *argv])
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err
+    assert mm.main([str(tmp_path / "y.gguf"), "--n-embd", "16", "--n-head", "2", "--n-head-kv", "1", "--n-ff", "64",
+                    "--n-layer", "1", "--type", "F32"]) == 2
+    assert "stats real needs n_embd of 32 or more" in capsys.readouterr().err
+    with pytest.raises(Pi2Error, match="stats 'zipf' is not one of uniform, real"):
+        synthetic.make(tmp_path / "z.gguf", REAL_SHAPE, synthetic.Sparsity(stats="zipf"), progress=False)
+    assert not list(tmp_path.iterdir())
