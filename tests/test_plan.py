@@ -4,6 +4,7 @@ its refusals, and the device measurement's cache."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -107,11 +108,14 @@ def test_cold_horizon() -> None:
 def test_reads_bridge_gaps_and_split() -> None:
     miss = np.zeros((2, 40), dtype=bool)
     miss[0, [0, 5, 20]] = True  # 4 bundles between 0 and 5 (bridged: 4 x 4096 <= 32768), 14 before 20 (not)
-    b, r, any_ = pr._reads(miss, 4096)
-    assert (b, r, any_) == ((6 + 1) * 4096 / 2, 2 / 2, 0.5)
+    b, r, v, any_ = pr._reads(miss, 4096)
+    # iovecs: three entries and the bridged gap's scratch
+    assert (b, r, v, any_) == ((6 + 1) * 4096 / 2, 2 / 2, 4 / 2, 0.5)
     miss[1, :] = True  # one run of 40 bundles split at 16 (64 KiB of 4 KiB bundles with max 65536)
-    b, r, _ = pr._reads(miss, 4096, max_bytes=65536)
-    assert r == (2 + 3) / 2 and b == (7 + 40) * 4096 / 2
+    b, r, v, _ = pr._reads(miss, 4096, max_bytes=65536)
+    # the run's 40 entries come from the CLOCK hand in a row: one iovec, unless it steps over referenced entries
+    assert r == (2 + 3) / 2 and b == (7 + 40) * 4096 / 2 and v == (4 + 1) / 2
+    assert pr._reads(miss, 4096, max_bytes=65536, referenced=0.5)[2] == (4 + 1 + 39 * 0.5) / 2
 
 
 @pytest.mark.parametrize("neurons", [1, 4])
@@ -193,6 +197,47 @@ def test_device_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls[3:] == [4096] and fresh.measured == ["read 4096"]
     with pytest.raises(Pi2Error, match="too small"):
         device_mod.measure_reads(f, 8 << 20)
+
+
+def test_scattered_reads_are_measured_per_bundle_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle size gets a scattered read (whole entries, each its own iovec) beside a contiguous one of the same
+    size, the data read through either is the file's, and the cost of an extra entry comes from the two."""
+    f = tmp_path / "data.bin"
+    data = np.random.default_rng(1).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes()
+    f.write_bytes(data)
+    monkeypatch.setattr(device_mod, "READ_SECONDS", 0.02)
+    prof = device_mod.profile(f, [65536], {}, [1], tmp_path / "cache", bundles=[3584, 41472])
+    assert set(prof.measured) == {"read 65536", "read 229376", "read 229376 in 64", "read 497664",
+                                  "read 497664 in 12"}
+    seg = prof.reads["229376/3584"]  # at most 64 entries a request
+    assert seg.segments == 64 and seg.size == 229376 and seg.throughput_bps > 0
+    assert [p.size for p in prof.read_points()] == [65536, 229376, 497664]  # the line is fitted on whole ones
+    assert prof.segment_cost(3584) >= 0.0 and prof.segment_cost(999) == 0.0
+    # scattered into reversed entries, the bytes still land in file order
+    buf = device_mod._HugeBuffer(2 * 4 * 3584)
+    try:
+        iov = device_mod._segments(buf, 4 * 3584, 3584)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            assert os.preadv(fd, iov, 4096) == 4 * 3584
+        finally:
+            os.close(fd)
+        assert b"".join(bytes(v) for v in iov) == data[4096:4096 + 4 * 3584]
+        del iov
+    finally:
+        buf.close()
+    with pytest.raises(Pi2Error, match="512-byte-aligned"):
+        device_mod.measure_reads(f, 4000, segment=1000)
+
+
+def test_segment_cost_from_the_two_reads() -> None:
+    dev = _device()
+    n = 512 << 10  # the scattered read measured for 64 KiB bundles: 8 of them
+    dev.reads[str(n)] = ReadPoint(n, 1e-3, n / (50e-6 + n / 1e9), True)
+    dev.reads[f"{n}/65536"] = ReadPoint(n, 1e-3, n / (50e-6 + n / 1e9 + 7 * 4e-6), True, 8)
+    assert dev.segment_cost(65536) == pytest.approx(4e-6, rel=1e-6)
+    assert dev.segment_cost(4096) == 0.0  # not measured
+    assert [p.size for p in dev.read_points()] == [4096, 65536, n, 1 << 20]
 
 
 def test_request_cost_fits_the_line() -> None:

@@ -10,15 +10,18 @@ Model of a token (2 threads unless told):
   - reads: misses sampled token by token from each bundle's request chance (a fixed seed: the same draws at every
     budget), merged into requests where the gap is at most PI2_IO_GAP, split at PI2_IO_MAX_BYTES;
   - a layer's read time: the first request's measured latency where it misses at all, then the requests and bytes at
-    the measured concurrent rate; its compute: its dense bytes at the measured dot-product rate times the plugin's own
+    the measured concurrent rate (into huge pages, as the engine's cache is), and each iovec beyond a request's first
+    at the measured cost of scattering a request into entries of the layer's bundle size: the CLOCK hand gives
+    consecutive misses consecutive entries (one iovec), except where it steps over an entry recently hit, and a
+    bridged gap lands in the scratch (one iovec more); its compute: its dense bytes at the measured dot-product rate times the plugin's own
     sparse/dense cost estimate; the two overlap (the engine computes cached bundles while misses arrive): the layer
     takes the longer plus OVERLAP_REST of the shorter;
   - outside the FFN: the other weights at the measured rate, plus a fixed cost per token and per layer.
 Calibration (docs/MEASUREMENTS.md 2026-11-28, "Decode speed against the memory limit, and pi2-gguf plan against
-bench"): ENGINE_BYTE_GAIN, FLASH_COMPUTE_FACTOR and OVERLAP_REST were fitted together on eight bench points of two
-models (Qwen2.5-Coder-1.5B at 450-1000 MB, two runs; SmolLM2-135M at 170-240 MB): all eight within 25%, in-sample. A
-third model, sparse with predictors and read in ~100 KB requests, came out 2-4x slower than predicted: the byte
-gain holds for 1 MiB requests only. The two overheads stay 0."""
+bench"): FLASH_COMPUTE_FACTOR and OVERLAP_REST were fitted on eight bench points of Qwen2.5-Coder-1.5B and
+SmolLM2-135M; the read model has no fitted constant since reads are measured into huge pages and scattered as the
+engine scatters them (a gain of 2.2 over 4 KiB-page reads was fitted before that, and failed on a third model). The
+two overheads stay 0."""
 
 from __future__ import annotations
 
@@ -35,10 +38,6 @@ IO_GAP = 32768            # PI2_IO_GAP's default
 IO_MAX_BYTES = 1 << 20    # PI2_IO_MAX_BYTES's default
 SAMPLED_TOKENS = 48
 OVERLAP_REST = 0.5        # share of the shorter of a layer's compute and reads that does not overlap the longer
-# The engine reads bytes faster than device.py measures: Qwen under 450-800 MB read 1.8-2.0 GB/s where device.py
-# (and an io_uring probe alike) measured 0.9-1.1 at the same 1 MiB requests, why is not known yet (not the host's
-# cache: re-reads measured alike). Fitted with the two below (module docstring).
-ENGINE_BYTE_GAIN = 2.2
 # Under a budget a layer computes from cache entries (a neuron's gate row, up row and down column together, down by
 # columns), not streamed rows: Qwen with every bundle cached decoded 14-16 tok/s where streamed rows predict ~25
 FLASH_COMPUTE_FACTOR = 1.4
@@ -129,11 +128,15 @@ def cold_horizon(want: np.ndarray, entries: int, limit: int = 4096) -> int:
     return lo
 
 
-def _reads(miss: np.ndarray, size: int, gap: int = IO_GAP, max_bytes: int = IO_MAX_BYTES) -> tuple[float, float, float]:
-    """(bytes, requests, share of tokens with any request) of sampled misses [tokens, bundles] of one layer."""
+def _reads(miss: np.ndarray, size: int, gap: int = IO_GAP, max_bytes: int = IO_MAX_BYTES,
+           referenced: float = 0.0) -> tuple[float, float, float, float]:
+    """(bytes, requests, iovecs, share of tokens with any request) of sampled misses [tokens, bundles] of one layer.
+    The iovecs: the CLOCK hand hands consecutive misses consecutive entries, which merge into one iovec, except where
+    it steps over an entry recently hit (a `referenced` share of them); each bridged gap lands in the scratch, an
+    iovec of its own that also parts the entries on either side."""
     bridge = gap // size  # bundles between two misses a request reads through
     per_run = max(max_bytes // size, 1)
-    total_b = total_r = 0.0
+    total_b = total_r = total_v = 0.0
     any_miss = 0
     for row in miss:
         idx = np.flatnonzero(row)
@@ -146,8 +149,10 @@ def _reads(miss: np.ndarray, size: int, gap: int = IO_GAP, max_bytes: int = IO_M
         span = idx[ends] - idx[starts] + 1
         total_b += float(span.sum()) * size
         total_r += float(np.sum(-(-span // per_run)))
+        groups = 1 + np.count_nonzero(d > 0)  # runs of consecutive missed bundles
+        total_v += groups + np.count_nonzero((d > 0) & (d <= bridge)) + (idx.size - groups) * referenced
     t = miss.shape[0]
-    return total_b / t, total_r / t, any_miss / t
+    return total_b / t, total_r / t, total_v / t, any_miss / t
 
 
 def _rate(device: DeviceProfile, stats: ModelStats, type_name: str, threads: int) -> float:
@@ -174,6 +179,9 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
     # the cold segment over every layer's non-hot bundles
     rest = np.concatenate([L.want[h:] for L, h in zip(layers, hot, strict=True)]) if layers else np.zeros(0)
     horizon = cold_horizon(rest, max(plan.n_cold - plan.n_prefetch, 0))
+    # the share of cold entries the CLOCK hand finds referenced: cold hits among cold requests
+    cold_p = rest * (1.0 - (1.0 - rest) ** horizon)
+    referenced = float(cold_p.sum() / rest.sum()) if rest.sum() > 0 else 0.0
     rng = np.random.default_rng(seed)
     needed = found = 0.0
     read_b = reqs = 0.0
@@ -184,7 +192,7 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
         cold_hit = 1.0 - (1.0 - p[h:]) ** horizon
         miss_p = np.zeros_like(p)
         miss_p[h:] = p[h:] * (1.0 - cold_hit)
-        lb, lr, lany = _reads(u < miss_p, L.bundle_size)
+        lb, lr, lv, lany = _reads(u < miss_p, L.bundle_size, referenced=referenced)
         needed += float(p.sum())
         found += float(p.sum() - miss_p.sum())
         read_b += lb
@@ -192,7 +200,8 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
         c = L.dense_bytes * L.cost * FLASH_COMPUTE_FACTOR / (_rate(device, stats, L.gate_type, threads) * REPACK_GAIN)
         c += L.predictor_bytes / (_rate(device, stats, "Q8_0", threads) * REPACK_GAIN)
         mean_req = lb / lr if lr > 0 else float(L.bundle_size)
-        t_io = lany * device.latency(mean_req) + max(lr - lany, 0.0) * a + max(lb - lany * mean_req, 0.0) * b / ENGINE_BYTE_GAIN
+        t_io = (lany * device.latency(mean_req) + max(lr - lany, 0.0) * a + max(lb - lany * mean_req, 0.0) * b
+                + max(lv - lr, 0.0) * device.segment_cost(L.bundle_size))
         compute += c
         io += t_io
         total_layers += max(c, t_io) + OVERLAP_REST * min(c, t_io) + LAYER_OVERHEAD_S
@@ -231,7 +240,8 @@ def load(model: Path, sidecar: Path, ctx: int, threads: int, remeasure: bool = F
     stats = model_stats(model, sidecar, ctx, output_rows=output_rows)
     sizes = device_mod.read_sizes([L.bundle_size for L in stats.layers], IO_MAX_BYTES)
     counts = sorted({1, threads})
-    prof = device_mod.profile(sidecar, sizes, stats.types, counts, cache_dir(), remeasure, progress)
+    prof = device_mod.profile(sidecar, sizes, stats.types, counts, cache_dir(), remeasure, progress,
+                              bundles=[L.bundle_size for L in stats.layers])
     return stats, prof
 
 

@@ -110,9 +110,12 @@ def device_line(device: DeviceProfile, stats: ModelStats, threads: int) -> str:
     small = pts[0]
     rates = ", ".join(f"{k.replace('@', ' x')} {v / 1e9:.1f} GB/s" for k, v in sorted(device.compute.items())
                       if k.split("@")[0] in stats.types)
+    bundles = sorted({L.bundle_size for L in stats.layers})
+    segs = ", ".join(f"{device.segment_cost(s) * 1e6:.1f} us per extra {s}-byte entry" for s in bundles)
     return (f"this machine  {device.machine.get('cpu', '?')}, disk {device.machine.get('disk', '?')}: reads "
             f"{1 / b / 1e9:.2f} GB/s at {len(device.read_points())} sizes, {small.size // 1024} KiB alone "
             f"{small.latency_s * 1e6:.0f} us, {a * 1e6:.1f} us a request in flight"
+            f"{f', {segs}' if segs else ''}"
             f"{'' if small.direct else ' (buffered: O_DIRECT refused)'}; dot products {rates}")
 
 
