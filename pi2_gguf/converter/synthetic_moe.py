@@ -22,6 +22,8 @@ How the model is made (dense synthetic models: synthetic.py):
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,14 @@ EXPERT_CONCENTRATION = 2.0
 # deepseek2's multi-head latent attention, at DeepSeek-V2's sizes: query and key-value latents of these ranks, and
 # per head 128 dimensions without RoPE and 64 with it for keys, 128 for values (the model states them)
 MLA_Q_LORA, MLA_KV_LORA, MLA_NOPE, MLA_ROPE, MLA_V = 1536, 512, 128, 64, 128
+# stats "real" routing: the session heads' output gain, and the frequent tokens left out of their values (at most a
+# quarter of the token dimensions)
+SESSION_GAIN = 8.0
+SESSION_FREQUENT_TOKENS = 64
+# the router's input where it is not the FFN's (smallthinker routes on the layer input; its attention norm is that
+# input scaled per token, which keeps each token's ranking of the experts)
+ROUTE_GRID = (-2.0, -0.5, 1.0, 2.5)  # log scales route_fit tries first
+ROUTER_INPUT_OF_ARCH = {"smallthinker": "attn_norm"}
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,13 @@ class _MoeWeights:
         self.resid_const = float(np.sqrt(3.0 * shape.n_embd))
         self.bias: list[np.ndarray | None] = [None] * shape.n_layer  # [n_expert, n_ff] once calibrated
         self.walk: list[int] | None = None  # stats "real": the output layer's cycle of tokens
+        self.real = sparsity.stats == "real"
+        # stats "real": per layer the router's scales (token, short context, session, popularity bias over the router
+        # input's dimension 0), set by calibration (route_fit); and the frequent tokens' embedding directions the
+        # session heads' values leave out (set from the calibration text)
+        self.route_mix: list[tuple[float, float, float, float]] = [(1.0, 1.0, 1.0, 1.0 / np.sqrt(0.75 * shape.n_embd))
+                                                                    for _ in range(shape.n_layer)]
+        self.frequent_basis: np.ndarray | None = None  # [token dims, K] orthonormal
 
     def embeddings(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1])
@@ -212,6 +229,10 @@ class _MoeWeights:
         w["ffn_gate_exps"] = np.stack(gates)
         w["ffn_up_exps"] = np.stack(ups)
         w["ffn_down_exps"] = np.stack(downs)
+        if self.real:  # after the experts: their weights come from the same stream as the uniform model's
+            if arch != "deepseek2":
+                self._real_attention(il, w, arch)
+            w["ffn_gate_inp"] = self.router(il)
         if arch == "deepseek2" and s.n_shared:
             w.update({f"{k}_shexp": a for k, a in self._dense_ffn(rng, s.n_shared * s.n_ff, tok).items()})
         if arch == "gpt-oss":
@@ -228,6 +249,67 @@ class _MoeWeights:
             w["ffn_down_exps.bias"] = down_b
         return w
 
+
+    def ctx_slices(self) -> tuple[slice, slice, slice]:
+        """stats "real": the residual's short-context, session and token dimensions."""
+        m = self.n_ctx_dims
+        h = max(1, m // 2)
+        return slice(1, 1 + h), slice(1 + h, 1 + m), slice(1 + m, self.shape.n_embd)
+
+    def route_parts(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """stats "real": layer il's router parts, rows of unit norm on the token, short-context and session
+        dimensions, and the experts' log Zipf popularity (regenerable from the seed)."""
+        c, ss, tok = self.ctx_slices()
+        e = self.shape.n_expert
+        rng = np.random.default_rng([self.seed, 9, il])
+
+        def rows(n: int) -> np.ndarray:
+            return rng.standard_normal((e, n), dtype=np.float32) / np.float32(np.sqrt(max(n, 1)))
+
+        r_tok, r_ctx, r_ses = rows(tok.stop - tok.start), rows(c.stop - c.start), rows(ss.stop - ss.start)
+        logpop = -activation_stats.WS_POP_ZIPF * np.log(rng.permutation(e) + 1.0)
+        return r_tok, r_ctx, r_ses, (logpop - logpop.mean()).astype(np.float32)
+
+    def router(self, il: int) -> np.ndarray:
+        """stats "real": ffn_gate_inp from the parts at the layer's calibrated scales (column 0 the popularity bias:
+        the router input's dimension 0 is about constant)."""
+        c, ss, tok = self.ctx_slices()
+        r_tok, r_ctx, r_ses, logpop = self.route_parts(il)
+        a_tok, a_ctx, a_ses, a_pop = self.route_mix[il]
+        r = np.zeros((self.shape.n_expert, self.shape.n_embd), np.float32)
+        r[:, tok] = r_tok * np.float32(a_tok)
+        r[:, c] = r_ctx * np.float32(a_ctx)
+        r[:, ss] = r_ses * np.float32(a_ses)
+        r[:, 0] = logpop * np.float32(a_pop)
+        return r
+
+    def _real_attention(self, il: int, w: dict[str, np.ndarray], arch: str) -> None:
+        """stats "real": the first half of the heads keep the short memory (queries and keys on dimension 0) and
+        write the short-context dimensions; the other half have queries of 0, so they average every earlier token of
+        the text alike: in layer 0 they write that running mean (of the token dimensions, the frequent tokens'
+        directions left out, so it is the text's own and not English's) into the session dimensions, which no later
+        layer writes; a router reading them picks from a working set that is the session's. (Tried: only layer 0
+        writing any context, so routers' context would not move with earlier layers' routing: held-out lag-1 overlap
+        10 points over the fit's in the middle layers, against within 5 here.)"""
+        s = self.shape
+        c, ss, tok = self.ctx_slices()
+        hd = s.n_embd // s.n_head
+        n_short = max(1, s.n_head // 2)
+        q, o = w["attn_q"], w["attn_output"]
+        q[n_short * hd:, :] = 0.0
+        if self.frequent_basis is not None:
+            v = w["attn_v"]
+            b = self.frequent_basis
+            v[:, tok] -= (v[:, tok] @ b) @ b.T
+        o_short = o[c, :n_short * hd].copy()
+        o[1:1 + self.n_ctx_dims, :] = 0.0
+        o[c, :n_short * hd] = o_short
+        if il == 0 and n_short < s.n_head:
+            rng = np.random.default_rng([self.seed, 10, il])
+            cols = (s.n_head - n_short) * hd
+            o[ss, n_short * hd:] = rng.standard_normal((ss.stop - ss.start, cols), dtype=np.float32) * np.float32(
+                SESSION_GAIN / np.sqrt(cols))
+        del arch
 
     def _dense_ffn(self, rng: np.random.Generator, n_ff: int, tok: slice) -> dict[str, np.ndarray]:
         """A SiLU FFN of n_ff neurons reading and writing the token dimensions (deepseek2's dense first layers and
@@ -318,6 +400,11 @@ class MoeLayerReport:
     # routing's skew, persistence and expert-cache hit rates (activation_stats), the static hot set ranked on the
     # calibration text's routing (else the held-out text's own)
     stats: ActivationStats | None = None
+    reuse: dict[int, float] | None = None  # activation_stats.reuse_within: lag -> share of a token's experts reused
+    reuse_median: float = 0.0             # median reuse distance, tokens
+    lru_qwen: dict[float, float] | None = None  # steady LRU hits at QWEN3_LRU_FRACTIONS of the experts cached
+    position: str = "middle"              # activation_stats.layer_position
+    fit: ActivationStats | None = None    # the [fit] working-set generator's, for this size, position and text
 
 
 def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
@@ -335,22 +422,150 @@ def lru_hit_rate(routes: list[np.ndarray], size: int) -> float:
     return hits / max(total, 1)
 
 
-def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | None, arch: str) -> tuple[dict, dict]:
-    """Per layer, the FFN inputs [n_tok, n_embd] and router logits [n_tok, n_expert] of `tokens` (one window,
-    through the plugin: it computes the stated activation, which llama.cpp's MoE graph alone does not)."""
+def routing_profile(path: Path, tokens: list[int], n_layer: int, threads: int | None, arch: str,
+                    window: int | None = None, router_input: bool = False) -> tuple[dict, ...]:
+    """Per layer, the FFN inputs [n_tok, n_embd] and router logits [n_tok, n_expert] of `tokens` (windows of `window`
+    tokens, each from position 0; default one window), through the plugin: it computes the stated activation, which
+    llama.cpp's MoE graph alone does not. With router_input, also the router's inputs (ROUTER_INPUT_OF_ARCH)."""
     from .. import register
     from ..runtime.runner import LlamaRunner
 
     seen: dict[tuple[str, int], list[np.ndarray]] = {}
     register()
     ffn_input = FFN_INPUT_OF_ARCH.get(arch, FFN_INPUT)
-    with LlamaRunner(path, n_ctx=len(tokens) + 8, n_threads=threads, watch=(ffn_input, "ffn_moe_logits"),
+    r_input = ROUTER_INPUT_OF_ARCH.get(arch, ffn_input)
+    watch = (ffn_input, "ffn_moe_logits") + ((r_input,) if router_input and r_input != ffn_input else ())
+    win = window or len(tokens)
+    with LlamaRunner(path, n_ctx=win + 8, n_threads=threads, watch=watch,
                      sink=lambda il, name, a: seen.setdefault((name, il), []).append(a.copy()), repack=False) as r:
-        r.decode(tokens)
+        for i in range(0, len(tokens), win):
+            r.decode(tokens[i:i + win])
     routed = [il for il in range(n_layer) if ("ffn_moe_logits", il) in seen]  # not deepseek2's dense first layers
     xs = {il: np.concatenate(seen[(ffn_input, il)]) for il in routed}
     lg = {il: np.concatenate(seen[("ffn_moe_logits", il)]) for il in routed}
-    return xs, lg
+    if not router_input:
+        return xs, lg
+    return xs, lg, {il: np.concatenate(seen[(r_input, il)]) for il in routed}
+
+
+def _robust_scale(z: np.ndarray) -> float:
+    """A spread of z that the first tokens' large running means do not set: the median absolute deviation, as a
+    normal's standard deviation."""
+    s = float(np.median(np.abs(z - np.median(z)))) / 0.6745
+    return s if s > 1e-12 else 1.0
+
+
+def route_targets(n_expert: int, k: int, window: int) -> dict[str, dict[str, float]]:
+    """The [fit] generator's figures calibration aims at for each layer position: lag-1 overlap and steady LRU and
+    static-hot hits at CACHE_FRACTIONS, over windows of `window` tokens (the static hot set from another session)."""
+    out = {}
+    for pos in activation_stats.WS_LAYERS:
+        f = activation_stats.working_set_fit_stats(n_expert, k, window, pos)
+        out[pos] = {"lag1": f.lag1_overlap, **{f"lru{x}": f.steady["LRU"][x] for x in activation_stats.CACHE_FRACTIONS},
+                    **{f"hot{x}": f.steady["static-hot"][x] for x in activation_stats.CACHE_FRACTIONS}}
+    return out
+
+
+def route_figures(routes: np.ndarray, n_expert: int, window: int) -> dict[str, float]:
+    """The figures route_targets names, of routes [n_tok, k] over windows of `window` tokens: the static hot set of
+    each window ranked on the other windows (on the other half of the text if it is one window)."""
+    a = activation_stats.routed_active(routes, n_expert)
+    fr = activation_stats.CACHE_FRACTIONS
+    out = {"lag1": activation_stats.lag1_overlap(a, window),
+           **{f"lru{x}": v for x, v in activation_stats.lru_hits(a, fr, window).items()}}
+    n = a.shape[0]
+    parts = [slice(i, min(i + window, n)) for i in range(0, n, window)] if n > window else \
+        [slice(0, n // 2), slice(n // 2, n)]
+    total = a.sum(axis=0)
+    hot = np.zeros(len(fr))
+    need = 0
+    for sl in parts:
+        rank = np.argsort(-(total - a[sl].sum(axis=0)), kind="stable")
+        cnt = a[sl].sum(axis=0)
+        need += int(cnt.sum())
+        hot += [cnt[rank[:max(1, int(round(x * n_expert)))]].sum() for x in fr]
+    out.update({f"hot{x}": float(h / max(need, 1)) for x, h in zip(fr, hot)})
+    return out
+
+
+def _route_loss(got: dict[str, float], want: dict[str, float]) -> float:
+    return sum((1.0 if not k.startswith("hot") else 0.5) * (got[k] - want[k]) ** 2 for k in want)
+
+
+def _nelder_mead(f, x0: np.ndarray, step: float = 1.0, iters: int = 60) -> np.ndarray:
+    """Minimises f from x0 (a plain Nelder-Mead; the loss is a step function of the scales, so no gradients)."""
+    pts = [x0] + [x0 + step * np.eye(x0.size)[i] for i in range(x0.size)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        c = np.mean(pts[:-1], axis=0)
+        xr = c + (c - pts[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = c + 2.0 * (c - pts[-1])
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = c + 0.5 * (pts[-1] - c)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[int(np.argmin(vals))]
+
+
+def _route_parts_of(w: _MoeWeights, il: int, x: np.ndarray) -> tuple[list[np.ndarray], list[float]]:
+    """The router parts' logits [n_tok, n_expert] on router inputs x (token, short context, session, popularity)
+    and each one's spread."""
+    c, ss, tok = w.ctx_slices()
+    r_tok, r_ctx, r_ses, logpop = w.route_parts(il)
+    zs = [x[:, tok] @ r_tok.T, x[:, c] @ r_ctx.T, x[:, ss] @ r_ses.T,
+          np.broadcast_to(logpop, (x.shape[0], logpop.size))]
+    return zs, [_robust_scale(zs[0]), _robust_scale(zs[1]), _robust_scale(zs[2]), float(logpop.std()) or 1.0]
+
+
+def route_fit(w: _MoeWeights, rx: dict, window: int, targets: dict[str, dict[str, float]],
+              fitted: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """stats "real": each routed layer's router scales (short context, session and popularity against the token
+    part, log scales) whose routing of the calibration text's router inputs rx gives its position's target figures.
+    The first, a middle and the last routed layer are fitted (from `fitted`'s scales, a previous round's); the other
+    layers take the middle one's scales against their own parts' spreads. Returns the fitted log scales."""
+    layers = sorted(rx)
+    first, last = layers[0], layers[-1]
+    fit_at = {"first": first, "middle": layers[len(layers) // 2], "last": last}
+    k = w.shape.n_expert_used
+    got: dict[str, np.ndarray] = {}
+    for pos, il in fit_at.items():
+        x = rx[il].astype(np.float32)
+        zs, sd = _route_parts_of(w, il, x)
+        base = zs[0] / sd[0]
+        rest = [z / s for z, s in zip(zs[1:], sd[1:])]
+
+        def loss(u: np.ndarray) -> float:
+            lg = base + sum(np.exp(ui) * z for ui, z in zip(u, rest))
+            return _route_loss(route_figures(routed_experts(lg, k), w.shape.n_expert, window), targets[pos])
+
+        if fitted:
+            start = fitted[pos]
+        else:  # a coarse grid first: the loss has flat stretches a simplex alone can stall on
+            grid = [np.array(g, float) for g in np.array(np.meshgrid(*[ROUTE_GRID] * 3)).reshape(3, -1).T]
+            start = min(grid, key=loss)
+        got[pos] = _nelder_mead(loss, start, 0.5, 30 if fitted else 50)
+        if os.environ.get("PI2_ROUTE_FIT_DEBUG"):
+            print(pos, il, got[pos], loss(got[pos]), file=sys.stderr)
+    for il in layers:
+        pos = activation_stats.layer_position(il, first, last)
+        u = got[pos]
+        _, sd = _route_parts_of(w, il, rx[il].astype(np.float32))
+        x0 = float(np.mean(rx[il][:, 0])) or 1.0
+        w.route_mix[il] = (1.0 / sd[0], float(np.exp(u[0])) / sd[1], float(np.exp(u[1])) / sd[2],
+                           float(np.exp(u[2])) / sd[3] / x0)
+    return got
 
 
 def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
@@ -380,6 +595,9 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None
     s = w.shape
     out = []
     sizes = sorted({max(1, s.n_expert // 8), max(1, s.n_expert // 4), max(1, s.n_expert // 2), s.n_expert_used})
+    layers = sorted(lg)
+    n_calib = next(iter(calib_lg.values())).shape[0] if calib_lg else None
+    fits: dict[str, ActivationStats] = {}
     for il in lg:  # the layers with routed experts
         x = xs[il].astype(np.float32)
         routed = routed_experts(lg[il], s.n_expert_used)
@@ -391,9 +609,17 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None
         if calib_lg is not None and il in calib_lg:
             seen = np.bincount(routed_experts(calib_lg[il], s.n_expert_used).ravel(), minlength=s.n_expert)
             rank = np.argsort(-seen, kind="stable")
-        st = activation_stats.activation_stats(activation_stats.routed_active(routed, s.n_expert), rank)
+        active = activation_stats.routed_active(routed, s.n_expert)
+        st = activation_stats.activation_stats(active, rank)
+        reuse, med = activation_stats.reuse_within(active, active.shape[0])
+        pos = activation_stats.layer_position(il, layers[0], layers[-1])
+        if pos not in fits:
+            fits[pos] = activation_stats.working_set_fit_stats(s.n_expert, s.n_expert_used, active.shape[0], pos,
+                                                               calib_tokens=n_calib)
         out.append(MoeLayerReport(target, fired / (routed.size * s.n_ff), float(counts.max() / counts.sum()),
-                                  {c: lru_hit_rate(list(routed), c) for c in sizes}, il, st))
+                                  {c: lru_hit_rate(list(routed), c) for c in sizes}, il, st, reuse, med,
+                                  activation_stats.lru_hits(active, activation_stats.QWEN3_LRU_FRACTIONS), pos,
+                                  fits[pos]))
     return out
 
 
@@ -472,7 +698,27 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
         raise Pi2Error(f"the corpus {corpus.name} gives {len(calib)} calibration and {len(held)} held-out tokens; "
                        f"{calib_tokens} and {heldout_tokens} were asked")
     calib_lg: dict | None = None
-    if calib_tokens and activation != "silu":
+    if w.real and calib_tokens:
+        # routing as the [fit] working-set generator's: the session heads leave the calibration text's frequent tokens
+        # out, then each round fits the router's scales on the router inputs llama.cpp computed and the experts'
+        # neurons on the tokens that routing sends them
+        tok_dims = w.ctx_slices()[2]
+        counts = np.bincount(np.asarray(calib), minlength=w.n_vocab)
+        n_freq = min(SESSION_FREQUENT_TOKENS, (tok_dims.stop - tok_dims.start) // 4)
+        ids = np.argsort(-counts, kind="stable")[:n_freq]
+        w.frequent_basis = np.linalg.qr(w.embeddings()[ids][:, tok_dims].T.astype(np.float64))[0].astype(np.float32)
+        write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
+        window = min(heldout_tokens or 512, calib_tokens)
+        targets = route_targets(shape.n_expert, shape.n_expert_used, window)
+        fitted = None
+        for _ in tqdm(range(rounds), desc="calibrate routing and experts", unit="round", disable=not progress):
+            cx, _, crx = routing_profile(out, calib, shape.n_layer, threads, arch, window, router_input=True)
+            fitted = route_fit(w, crx, window, targets, fitted)
+            calib_lg = {il: crx[il].astype(np.float32) @ w.router(il).T for il in crx}
+            if activation != "silu":
+                _calibrate(w, arch, cx, calib_lg)
+            write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
+    elif calib_tokens and activation != "silu":
         for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
             cx, calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)
             _calibrate(w, arch, cx, calib_lg)
