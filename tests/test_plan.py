@@ -139,6 +139,36 @@ def test_prediction_monotone_in_the_budget(tmp_path: Path, neurons: int) -> None
     assert preds[-1].token_s == pytest.approx(want + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
 
 
+def test_reads_overlap_only_what_was_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's reads overlap its compute only as far as they were read ahead: a layer with predictors reads after
+    them (compute + reads), one without reads its misses ahead where the prefetch room holds them."""
+    import dataclasses
+
+    dev = _device()
+    base = _stats(tmp_path)
+    budget = base.min_budget
+    real_plan = pr.cache_plan
+
+    def token(predictors: bool, prefetch: int | None) -> pr.Prediction:
+        stats = dataclasses.replace(base, layers=[dataclasses.replace(L, predictor_runs=predictors)
+                                                  for L in base.layers])
+        if prefetch is not None:
+            monkeypatch.setattr(pr, "cache_plan", lambda *a, **k: dataclasses.replace(real_plan(*a, **k),
+                                                                                       n_prefetch=prefetch))
+        else:
+            monkeypatch.setattr(pr, "cache_plan", real_plan)
+        return pr.predict(stats, dev, budget)
+
+    serial = token(True, None)
+    assert serial.io_s > 0 and serial.token_s == pytest.approx(
+        serial.io_s + serial.compute_s + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
+    ahead, none_ahead = token(False, 10**6), token(False, 0)
+    assert none_ahead.token_s == pytest.approx(
+        none_ahead.io_s + none_ahead.compute_s + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
+    assert ahead.token_s < none_ahead.token_s  # read ahead, the shorter of reads and compute half hidden
+    assert ahead.io_s == pytest.approx(none_ahead.io_s)
+
+
 def test_slower_disk_predicts_slower(tmp_path: Path) -> None:
     stats = _stats(tmp_path)
     fast, slow = _device(), _device()

@@ -14,8 +14,9 @@ Model of a token (2 threads unless told):
     at the measured cost of scattering a request into entries of the layer's bundle size: the CLOCK hand gives
     consecutive misses consecutive entries (one iovec), except where it steps over an entry recently hit, and a
     bridged gap lands in the scratch (one iovec more); its compute: its dense bytes at the measured dot-product rate times the plugin's own
-    sparse/dense cost estimate; the two overlap (the engine computes cached bundles while misses arrive): the layer
-    takes the longer plus OVERLAP_REST of the shorter;
+    sparse/dense cost estimate; the reads the engine issued ahead (the next layer's first misses, as many as the
+    prefetch room holds; none in a layer with predictors, whose reads wait for them) overlap the compute: the layer
+    takes the longer of those two plus OVERLAP_REST of the shorter, and the rest of its reads after;
   - outside the FFN: the other weights at the measured rate, plus a fixed cost per token and per layer.
 Calibration (docs/MEASUREMENTS.md 2026-11-28, "Decode speed against the memory limit, and pi2-gguf plan against
 bench"): FLASH_COMPUTE_FACTOR and OVERLAP_REST were fitted on eight bench points of Qwen2.5-Coder-1.5B and
@@ -204,7 +205,12 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
                 + max(lv - lr, 0.0) * device.segment_cost(L.bundle_size))
         compute += c
         io += t_io
-        total_layers += max(c, t_io) + OVERLAP_REST * min(c, t_io) + LAYER_OVERHEAD_S
+        # the share of the layer's misses read ahead, during the layer before: none in a layer with predictors (its
+        # reads wait for them; drelu8 measured an I/O wait of the whole predicted read time), else what the prefetch
+        # room holds of its expected misses (a cache of little more than one layer reads the rest when it is due)
+        ahead = 0.0 if L.predictor_runs else min(1.0, plan.n_prefetch / max(float(miss_p.sum()), 1.0))
+        t_ahead = t_io * ahead
+        total_layers += max(c, t_ahead) + OVERLAP_REST * min(c, t_ahead) + (t_io - t_ahead) + LAYER_OVERHEAD_S
     other = non_ffn_seconds(stats, device, threads, budget=True)
     token = other + total_layers + TOKEN_OVERHEAD_S
     return Prediction(budget, cache_bytes, plan.hot_bytes, plan.n_cold * stats.entry,
