@@ -26,6 +26,7 @@ published ones by simulation, not measured on a model:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -383,3 +384,26 @@ def lru_hits(active: np.ndarray, fractions: Sequence[float], window: int | None 
             hits += ((above[ok][:, None]) < sizes[None, :]).sum(axis=0)
         last[on] = t
     return {f: float(h / max(need, 1)) for f, h in zip(fractions, hits)}
+
+
+def distinct_bigram_share(tokens: Sequence[int]) -> float:
+    """The share of distinct bigrams in a token stream: a synthetic model's greedy decode must walk (>= 0.9 over 256
+    tokens) rather than repeat one token, so that engines fed no text see varied firing and routing."""
+    bigrams = list(zip(tokens[:-1], tokens[1:]))
+    return len(set(bigrams)) / len(bigrams) if bigrams else 0.0
+
+
+def greedy_tokens(model: str | Path, n: int = 256, prompt: bytes = b"The history of") -> list[int]:
+    """n tokens of llama.cpp's greedy decode of the model (stock, no plugin)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(model), n_ctx=512, verbose=False)
+    try:
+        out: list[int] = []
+        for tok in llm.generate(llm.tokenize(prompt, add_bos=True), temp=0.0, top_k=1):
+            out.append(tok)
+            if len(out) >= n:
+                break
+        return out
+    finally:
+        llm.close()
