@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +26,13 @@ from ..sidecar.block_size import default_bundle_align
 from ..sidecar.writer import LayerData, Quality, SidecarMeta, write
 from . import bundles as bundles_mod
 from . import predictor as pred_mod
+from . import resume
 from . import sparsity as sp
+from .eta import Progress
 from .model_ffn import ModelFfn
 from .options import DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, SMALL_OUTPUT_COPY, ConvertOptions
-from .profile import Profile, run_profile
+from .profile import Profile, default_train_tokens, run_profile
+from .resume import WorkDir, key_hash
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
 # engine then skips the predictor: Qwen2.5-1.5B's select 0.95-0.99)
@@ -82,6 +88,72 @@ class _Planned:
     downs: list[bundles_mod.DownColumns | None]
     types: list[tuple[int, int, int]]  # gate, up and down type of each layer's bundles
     sources: list[str]                 # where each layer's predictor came from
+    # the work directory's keys (hashes) of each layer's plan and down columns (None: a routed expert read whole):
+    # what a candidate's perplexity score is keyed by
+    keys: list[str] = dataclasses.field(default_factory=list)
+    down_keys: list[str | None] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _Work:
+    """Where _plan_layers keeps and finds finished pieces (resume.WorkDir), what they are keyed by, and the whole
+    convert's progress."""
+    dir: WorkDir
+    model: dict[str, Any]    # resume.model_identity
+    profile: dict[str, Any]  # the profile's key (the options it was made with, or the file it was read from)
+    options: dict[str, Any]  # the options every layer's plan depends on (ranks, recall, predictor, ...)
+    progress: Progress
+
+    def layer_key(self, il: int, plan: sp.SparsityPlan, layer_type: QT | None, ref: QT | None,
+                  shipped: pred_mod.Predictor | None) -> dict[str, Any]:
+        """What layer il's plan depends on: the model, the profile, the options, the sparsity plan, its bundles'
+        row type, its down columns (their key) and the predictor a checkpoint ships for it."""
+        return {"kind": "layer", "model": self.model, "profile": self.profile, "options": self.options,
+                "plan": {"method": plan.method, "target": plan.target, "threshold": plan.threshold}, "layer": il,
+                "layer_type": None if layer_type is None else layer_type.name,
+                "down": key_hash(self.down_key(il, ref)),
+                "checkpoint": None if shipped is None else _predictor_hash(shipped)}
+
+    def down_key(self, il: int, ref: QT | None) -> dict[str, Any]:
+        return {"kind": "down", "model": self.model, "layer": il, "reference": None if ref is None else ref.name}
+
+    def down(self, model: ModelFfn, il: int, ref: QT | None) -> tuple[bundles_mod.DownColumns, str]:
+        """Layer il's down columns against ref (None: the model's down type), from the work directory or made now
+        and kept there, with their key."""
+        key = self.down_key(il, ref)
+        got = self.dir.load("down", key, il)
+        if got is not None:
+            v, a = got
+            return bundles_mod.DownColumns(QT(int(v["qtype"])), a["data"], float(v["tolerance"]), float(v["max_error"]),
+                                           tuple((str(t), float(e)) for t, e in v["tried"])), key_hash(key)
+        d = bundles_mod.down_columns(model.layers[il]["down"], ref)
+        self.dir.save("down", key, {"qtype": int(d.qtype), "tolerance": float(d.tolerance),
+                                    "max_error": float(d.max_error), "tried": [[t, float(e)] for t, e in d.tried]},
+                      {"data": d.data}, il)
+        return d, key_hash(key)
+
+
+_LAYER_FLOATS = ("threshold", "density", "cutoff", "recall", "precision", "predicted_density", "down_tolerance",
+                 "down_error", "product_threshold")
+_LAYER_INTS = ("n_ff", "rank", "hot_count", "gate_type", "up_type", "down_type")
+_LAYER_ARRAYS = ("w1", "b1", "w2", "b2", "order", "freq")
+
+
+def _layer_piece(ld: LayerData, source: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    values: dict[str, Any] = {n: float(getattr(ld, n)) for n in _LAYER_FLOATS}
+    values.update({n: int(getattr(ld, n)) for n in _LAYER_INTS})
+    values["source"] = source
+    return values, {n: getattr(ld, n) for n in _LAYER_ARRAYS}
+
+
+def _layer_from_piece(values: dict[str, Any], arrays: dict[str, np.ndarray], n_ff: int) -> tuple[LayerData, str]:
+    """The LayerData a layer piece holds (KeyError/ValueError where it is not one of n_ff neurons)."""
+    kw: dict[str, Any] = {n: float(values[n]) for n in _LAYER_FLOATS}
+    kw.update({n: int(values[n]) for n in _LAYER_INTS})
+    kw.update({n: arrays[n] for n in _LAYER_ARRAYS})
+    if kw["n_ff"] != n_ff or kw["order"].shape != (n_ff,) or kw["freq"].shape != (n_ff,) or kw["w2"].shape[0] != n_ff:
+        raise ValueError(f"a layer of {kw['n_ff']} neurons, not {n_ff}")
+    return LayerData(bundle_size=0, **kw), str(values["source"])
 
 
 def _bundle_qtype(name: str | None, flag: str, n_embd: int) -> QT | None:
@@ -119,12 +191,16 @@ def parse_layers(spec: str, n_layer: int, flag: str) -> frozenset[int]:
 def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
-                 bundle_layers: frozenset[int] | None, progress: bool, whole: frozenset[int] = frozenset()) -> _Planned:
+                 bundle_layers: frozenset[int] | None, progress: bool, whole: frozenset[int] = frozenset(),
+                 work: _Work | None = None, step: str = "layers") -> _Planned:
     """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
     columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
     store gate/up rows in and measure down columns against (None: the model's own); down_type, where given, the
     one down columns are measured against instead. bundle_layers: the layers bundle_type applies to (None: all).
-    whole: routed experts read whole from the model file, which get no thresholds, predictors or bundles."""
+    whole: routed experts read whole from the model file, which get no thresholds, predictors or bundles.
+    work: the work directory a layer's plan and down columns are taken from where an earlier convert left them, and
+    kept in as they are made; its progress counts the layers of `step`. A layer's plan depends on nothing planned
+    before it (no state carries from layer to layer), so a layer taken from there is the one planned now."""
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
@@ -134,7 +210,13 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
     downs: list[bundles_mod.DownColumns | None] = []
     types: list[tuple[int, int, int]] = []
     sources: list[str] = []
-    for il in tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress):
+    keys: list[str] = []
+    down_keys: list[str | None] = []
+    bar = tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress)
+    for il in bar:
+        if work is not None:
+            work.progress.advance(step, 0, timed=False)  # the time since the last layer was not this step's
+            bar.set_postfix_str(work.progress.postfix(), refresh=False)
         ffn = model.layers[il]
         if il in whole:
             qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
@@ -142,7 +224,36 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             downs.append(None)
             types.append(qt)
             sources.append("whole")
+            keys.append("whole")
+            down_keys.append(None)
+            if work is not None:
+                work.progress.advance(step, 1, timed=False)
             continue
+        layer_type = bundle_type if bundle_layers is None or il in bundle_layers else None
+        ref = layer_type if down_type is None else down_type
+        lkey: dict[str, Any] = {}
+        if work is not None:
+            if il not in down_cache:
+                down_cache[il], dkey = work.down(model, il, ref)
+            else:
+                dkey = key_hash(work.down_key(il, ref))
+            lkey = work.layer_key(il, plan, layer_type, ref, shipped.get(il))
+            got = work.dir.load("layer", lkey, il)
+            if got is not None:
+                try:
+                    ld, src = _layer_from_piece(*got, model.n_ff(il))
+                except (KeyError, ValueError, TypeError) as e:
+                    work.dir.recomputed.append(f"layer {il} ({e})")
+                else:
+                    down = down_cache[il]
+                    layers.append(ld)
+                    downs.append(down)
+                    types.append((ld.gate_type, ld.up_type, ld.down_type))
+                    sources.append(src)
+                    keys.append(key_hash(lkey))
+                    down_keys.append(dkey)
+                    work.progress.advance(step, 1, timed=False)
+                    continue
         gate_w = ffn["gate"].dequantized()
         g_train = model.gate_values(il, gate_w, prof.train[il])
         g_held = model.gate_values(il, gate_w, prof.heldout[il])
@@ -177,9 +288,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
         del mag_train
         order = sp.ranking(freq)
-        layer_type = bundle_type if bundle_layers is None or il in bundle_layers else None
         if il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"], layer_type if down_type is None else down_type)
+            down_cache[il] = bundles_mod.down_columns(ffn["down"], ref)
         down = down_cache[il]
         n_embd = model.n_embd
         gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
@@ -204,28 +314,52 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             freq=freq * np.float32(prof.expert_share[il]) if prof.expert_share else freq,
             product_threshold=tp))
         downs.append(down)
-    return _Planned(layers, downs, types, sources)
+        if work is not None:
+            work.dir.save("layer", lkey, *_layer_piece(layers[-1], fitted.source), layer=il)
+            keys.append(key_hash(lkey))
+            down_keys.append(key_hash(work.down_key(il, ref)))
+            work.progress.advance(step, 1)
+    return _Planned(layers, downs, types, sources, keys, down_keys)
 
 
-def _downs_at_row_type(model: ModelFfn, planned: _Planned) -> _Planned | None:
-    """planned with the down columns of every layer whose model down type has more bits than its gate/up rows'
-    re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down. The
-    predictors stay as fitted (their read costs counted the model's down type)."""
+def _predictor_hash(p: pred_mod.Predictor) -> str:
+    """What identifies a predictor a checkpoint ships (a layer's plan weighs it)."""
+    h = hashlib.sha256()
+    for a in (p.w1, p.b1, p.w2, p.b2, np.float64(p.cutoff)):
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def _lower_downs(model: ModelFfn, planned: _Planned) -> list[int]:
+    """The layers whose model down type has more bits than their gate/up rows (and whose columns do too)."""
     bits = bundles_mod.bits_per_weight
     # the model's own down type, not the columns': columns convert raised to Q8_0 (no target held with the
     # model's types) stay raised
-    lower = [il for il, (g, u, d) in enumerate(planned.types) if planned.downs[il] is not None and
-             g == u and bits(model.layers[il]["down"].qtype) > bits(QT(g)) and bits(QT(d)) > bits(QT(g))]
+    return [il for il, (g, u, d) in enumerate(planned.types) if planned.downs[il] is not None and
+            g == u and bits(model.layers[il]["down"].qtype) > bits(QT(g)) and bits(QT(d)) > bits(QT(g))]
+
+
+def _downs_at_row_type(model: ModelFfn, planned: _Planned, work: _Work | None = None) -> _Planned | None:
+    """planned with the down columns of every layer whose model down type has more bits than its gate/up rows'
+    re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down. The
+    predictors stay as fitted (their read costs counted the model's down type)."""
+    lower = _lower_downs(model, planned)
     if not lower:
         return None
     layers, downs, types = list(planned.layers), list(planned.downs), list(planned.types)
+    down_keys = list(planned.down_keys)
     for il in lower:
         g, u, _ = types[il]
-        down = bundles_mod.down_columns(model.layers[il]["down"], QT(g))
+        if work is not None:
+            down, down_keys[il] = work.down(model, il, QT(g))
+        else:
+            down = bundles_mod.down_columns(model.layers[il]["down"], QT(g))
         downs[il], types[il] = down, (g, u, int(down.qtype))
         layers[il] = dataclasses.replace(layers[il], down_type=int(down.qtype), down_tolerance=down.tolerance,
                                          down_error=down.max_error)
-    return _Planned(layers, downs, types, planned.sources)
+    return _Planned(layers, downs, types, planned.sources, planned.keys, down_keys)
 
 
 def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> float:
@@ -240,7 +374,8 @@ def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> floa
 
 
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
-          bundle_align: int, bundle_neurons: int | None, expert_reads: str | None = None) -> SidecarMeta:
+          bundle_align: int, bundle_neurons: int | None, expert_reads: str | None = None,
+          date: str | None = None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
     a token reads (nearly) every bundle anyway, wanted or bridged (bridged_read_share >= PACK_READ_SHARE); a
     layer whose reads leave most bundles out keeps one neuron per bundle."""
@@ -263,8 +398,22 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         activation_threshold=model.activation_threshold,
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), layers=layers, bundle_align=bundle_align,
+        date=date if date is not None else _now(), layers=layers, bundle_align=bundle_align,
         n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None, expert_reads=expert_reads)
+
+
+def _now() -> str:
+    """The calibration date convert records (pi2.calib.date): now, or SOURCE_DATE_EPOCH's time where that is set
+    (reproducible builds' convention: two converts of the same model and options then write the same bytes)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch:
+        try:
+            when = dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise Pi2Error(f"SOURCE_DATE_EPOCH={epoch!r}: seconds since 1970 (an integer)") from None
+    else:
+        when = dt.datetime.now(dt.timezone.utc)
+    return when.isoformat(timespec="seconds")
 
 
 def _down_columns(planned: _Planned, il: int) -> bundles_mod.DownColumns:
@@ -275,7 +424,8 @@ def _down_columns(planned: _Planned, il: int) -> bundles_mod.DownColumns:
     return down
 
 
-def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool) -> None:
+def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool,
+           overall: Progress | None = None, step: str = "write") -> None:
     def layer_bundles(il: int) -> np.ndarray:
         ffn = model.layers[il]
         lay = fmt.bundle_layout(*planned.types[il], model.n_embd, meta.bundle_align, meta.layers[il].bundle_neurons,
@@ -286,7 +436,15 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
                                          meta.layers[il].order, lay)
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
-        write(out, meta, layer_bundles, progress=lambda _: bar.update(1))
+        def done(_: int) -> None:
+            if overall is not None:
+                overall.advance(step)
+                bar.set_postfix_str(overall.postfix(), refresh=False)
+            bar.update(1)
+
+        write(out, meta, layer_bundles, progress=done)
+    if overall is not None:
+        overall.end(step)
 
 
 def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads: int | None, progress: bool) -> float:
@@ -390,12 +548,121 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
             if found.reason:
                 notes.append(f"checkpoint predictors {'partly ' if shipped else ''}ignored: {found.reason}")
     if o.profile is not None:
-        prof = Profile.load(o.profile)
-        prof.check_model(model.path)
+        prof_given: Profile | None = Profile.load(o.profile)
+        assert prof_given is not None
+        prof_given.check_model(model.path)
     else:
-        prof = run_profile(model.path, corpus_mod.load(o.text), o.train_tokens, o.heldout_tokens, o.window, o.threads,
-                           o.progress)
+        prof_given = None
+        corpus = corpus_mod.load(o.text)
+    ranks = list(o.ranks) if o.ranks else default_ranks(model.n_embd)
+    # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
+    # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
+    # and then measured as a memory budget decodes it; where none holds, more precise down columns
+    adaptive = o.sparsity is None and o.threshold is None and plan.method != "relu" and o.perplexity_budget is not None \
+        and len(whole) < model.n_layer  # a model of routed experts read whole has no sparse layer to choose for
+    targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
+    ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX) if o.perplexity_budget is not None else 0
+
+    # The work directory (docs/CONVERT.md, "Resume"): each piece of finished work is kept there as it is done, keyed
+    # by everything it depends on, and a rerun takes the pieces whose keys still match
+    def log(msg: str) -> None:
+        if o.progress:
+            tqdm.write(msg, file=sys.stderr)
+
+    workdir = WorkDir(out, log)
+    model_id = resume.model_identity(model.path, model.fingerprint())
+    dropped = workdir.open(model_id, fresh=not o.resume)
+    if dropped is not None:
+        log(f"work directory {workdir.path}: its pieces were {dropped}; starting fresh" if dropped != "--no-resume"
+            else f"--no-resume: the work directory's pieces dropped, starting fresh")
+    prof_key: dict[str, Any] = {"file": resume.file_identity(o.profile)} if o.profile is not None else {
+        "model": model_id, "corpus": corpus.name, "corpus_sha256": corpus.sha256, "train_tokens": o.train_tokens,
+        "heldout_tokens": o.heldout_tokens, "window": o.window}
+    n_train = prof_given.n_train if prof_given is not None else o.train_tokens or default_train_tokens(model.n_embd)
+    progress = Progress(o.progress, n_train)
+    work = _Work(workdir, model_id, prof_key, {"ranks": ranks, "recall": o.recall, "epochs": o.epochs,
+                                               "predictor": o.predictor, "method": plan.method}, progress)
+    sparse_layers = [il for il in range(model.n_layer) if il not in whole]
+
+    def layer_key(il: int, target: float | None, down: QT | None) -> dict[str, Any]:
+        layer_type = bundle_qt if bundle_layers is None or il in bundle_layers else None
+        ref = layer_type if down is None else down
+        return work.layer_key(il, dataclasses.replace(plan, target=target), layer_type, ref, shipped.get(il))
+
+    def label(target: float | None) -> str:
+        return f"sparsity {target:.2f}" if target is not None else plan.method if plan.method == "relu" else "threshold"
+
+    done: list[str] = []
+    if prof_given is None and workdir.has("profile", prof_key):
+        done.append("profile")
+    for t in targets:
+        n = sum(workdir.has("layer", layer_key(il, t, down_qt), il) for il in sparse_layers)
+        if n:
+            done.append(f"{n} of {len(sparse_layers)} layers at {label(t)}")
+    n_scores = sum(p.name.startswith("ppl-") for p in workdir.pieces())
+    if n_scores:
+        done.append(f"{n_scores} perplexity score{'s' if n_scores > 1 else ''}")
+    if done:
+        log(f"resuming from {workdir.path}: {', '.join(done)} done (--no-resume starts fresh)")
+    success = False
+    try:
+        res = _convert_work(o, model, out, notes, t0, bundle_align, bundle_qt, down_qt, bundle_layers, expert_reads,
+                            whole, plan, shipped, prof_given, work, targets, adaptive, ctx, ranks, sparse_layers, label)
+        success = True
+        return res
+    finally:
+        workdir.close(remove=success or not workdir.pieces())
+
+
+def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str], t0: float, bundle_align: int,
+                  bundle_qt: QT | None, down_qt: QT | None, bundle_layers: frozenset[int] | None,
+                  expert_reads: str | None, whole: frozenset[int], plan: sp.SparsityPlan,
+                  shipped: dict[int, pred_mod.Predictor], prof_given: Profile | None, work: _Work,
+                  targets: list[float | None], adaptive: bool, ctx: int, ranks: list[int], sparse_layers: list[int],
+                  label: Callable[[float | None], str]) -> ConvertResult:
+    """convert() from the profile on, with its work directory open."""
+    progress, workdir = work.progress, work.dir
+    n_sparse = len(sparse_layers)
+    budget_on = o.perplexity_budget is not None
+    score_tokens = QUALITY_CHUNKS * ctx
+    # the steps known now (the further targets and levers are added when convert decides to run them)
+    if prof_given is None:
+        progress.expect("profile", "profile", float(progress.train_tokens + o.heldout_tokens))
+    progress.expect(f"layers {label(targets[0])}", "layer", n_sparse)
+    if budget_on:
+        progress.expect("perplexity dense", "ppl_dense", score_tokens)
+        progress.expect(f"write {label(targets[0])}", "write", model.n_layer)
+        progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
+    progress.expect("write", "write", model.n_layer)
+
+    prof: Profile
+    if prof_given is not None:
+        prof = prof_given
+    else:
+        got = workdir.load("profile", work.profile)
+        loaded = _profile_from_piece(*got, workdir) if got is not None else None
+        if loaded is not None:
+            prof = loaded
+            progress.end("profile")
+        else:
+            progress.begin("profile", f"profiling {progress.train_tokens} + {o.heldout_tokens} held-out tokens")
+
+            def tick(n: int) -> str:
+                progress.advance("profile", n)
+                return progress.postfix()
+
+            prof = run_profile(model.path, corpus_mod.load(o.text), o.train_tokens, o.heldout_tokens, o.window,
+                               o.threads, o.progress, tick=tick)
+            progress.end("profile")
+            workdir.save("profile", work.profile, *_profile_piece(prof))
     t_prof = time.time() - t0
+    # the calibration date (pi2.calib.date): when this profile was first taken, kept across resumes
+    date_key = {"profile": work.profile}
+    got_date = workdir.load("date", date_key) if not os.environ.get("SOURCE_DATE_EPOCH") else None
+    date = str(got_date[0]["date"]) if got_date is not None else _now()
+    if got_date is None:
+        workdir.save("date", date_key, {"date": date})
+    progress.train_tokens = prof.n_train
     routed_share: list[float] | None = None
     reuse: list[float] | None = None
     if model.n_expert:
@@ -407,14 +674,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
-    ranks = list(o.ranks) if o.ranks else default_ranks(model.n_embd)
 
-    # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
-    # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
-    # and then measured as a memory budget decodes it; where none holds, more precise down columns
-    adaptive = o.sparsity is None and o.threshold is None and plan.method != "relu" and o.perplexity_budget is not None \
-        and len(whole) < model.n_layer  # a model of routed experts read whole has no sparse layer to choose for
-    targets = [plan.target] + ([t for t in TARGET_STEPS if t < (plan.target or 0.0)] if adaptive else [])
     rows = o.output_rows if o.output_rows is not None else \
         DEFAULT_OUTPUT_ROWS if model.has_output and o.perplexity_budget is not None else None
     rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
@@ -425,40 +685,89 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     def plan_at(target: float | None, down: QT | None = down_qt,
                 cache: dict[int, bundles_mod.DownColumns] = down_cache) -> tuple[sp.SparsityPlan, _Planned]:
         plan_k = dataclasses.replace(plan, target=target)
-        return plan_k, _plan_layers(model, prof, plan_k, ranks, o.recall, o.epochs, o.predictor, shipped, cache,
-                                    bundle_qt, down, bundle_layers, o.progress, whole)
+        step = f"layers {label(target)}" + (f" {down.name} down" if down is not down_qt and down is not None else "")
+        progress.expect(step, "layer", n_sparse)
+        progress.begin(step, f"planning {n_sparse} layers at {label(target)}"
+                       + (f", down columns against {down.name}" if down is not down_qt and down is not None else ""))
+        planned = _plan_layers(model, prof, plan_k, ranks, o.recall, o.epochs, o.predictor, shipped, cache,
+                               bundle_qt, down, bundle_layers, o.progress, whole, work, step)
+        progress.end(step)
+        return plan_k, planned
 
     plan_k, planned = plan_at(targets[0])
     if adaptive and all(ld.predicted_density >= DENSE_PREDICTION for ld in planned.layers):
         # each token reads every bundle at any target: the lowest keeps the most quality for the same bytes
         choice.append(f"sparsity {targets[-1]:.2f}: at {targets[0]:.2f} every layer's predictor already selects "
                       f">= {DENSE_PREDICTION:.0%} of its neurons, so a token reads every bundle at any target")
+        for step in (f"write {label(targets[0])}", f"perplexity {label(targets[0])}"):
+            progress.drop(step)
         targets = targets[-1:]
+        if budget_on:
+            progress.expect(f"write {label(targets[0])}", "write", model.n_layer)
+            progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
         plan_k, planned = plan_at(targets[0])
+    precision_free = adaptive and bundle_qt is None and down_qt is None
+    if precision_free and rows is not None and o.output_rows is None and o.output_copy is None:
+        # the levers a held budget measures (they are dropped again where it does not hold)
+        progress.expect("write output copy", "write", model.n_layer)
+        progress.expect("perplexity output copy", "ppl_sparse", score_tokens)
+    if precision_free and _lower_downs(model, planned):
+        progress.expect("write downs at the rows' type", "write", model.n_layer)
+        progress.expect("perplexity downs at the rows' type", "ppl_sparse", score_tokens)
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons,
-                                         expert_reads),
+                                         expert_reads, date),
                                    output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
+
+    def final_write(meta: SidecarMeta, planned: _Planned) -> None:
+        progress.begin("write", f"writing {out}")
+        _write(out, model, meta, planned, o.progress, progress, "write")
 
     if o.perplexity_budget is None:
         meta = meta_of(plan_k, planned)
-        _write(out, model, meta, planned, o.progress)
-        return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes)
+        final_write(meta, planned)
+        return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes + _resumed(workdir))
 
     budget = o.perplexity_budget
     heldout = "\n\n".join(corpus_mod.load(o.text).split()[1])  # the calibration corpus's held-out documents
-    ctx = check_context(model.path, None, "--perplexity-budget", QUALITY_CTX)
     dense: list[float] = []
 
-    def measure(plan_k: sp.SparsityPlan, planned: _Planned) -> tuple[SidecarMeta, float | None]:
-        """Writes the candidate and scores it; None (and a note) where the perplexity tool cannot run."""
+    def score_key(candidate: str | None) -> dict[str, Any]:
+        return {"model": work.model, "text_sha256": hashlib.sha256(heldout.encode()).hexdigest(), "ctx": ctx,
+                "chunks": QUALITY_CHUNKS, "candidate": candidate}
+
+    def measure(plan_k: sp.SparsityPlan, planned: _Planned, what: str) -> tuple[SidecarMeta, float | None]:
+        """Writes the candidate and scores it; None (and a note) where the perplexity tool cannot run. A score the
+        work directory holds for the same candidate is taken from there, the candidate not written."""
         meta = meta_of(plan_k, planned)
-        _write(out, model, meta, planned, o.progress)
+        # everything the candidate's bytes depend on but its date (which does not change its perplexity)
+        candidate = key_hash({"layers": planned.keys, "downs": planned.down_keys, "bundle_align": bundle_align,
+                              "bundle_neurons": o.bundle_neurons, "rows": rows, "copy": copy,
+                              "expert_reads": expert_reads, "profile": work.profile})
         try:
             if not dense:
-                dense.append(_perplexity(model.path, heldout, ctx, None, o.threads, o.progress))
-            return meta, _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)
+                got = workdir.load("ppl", score_key(None))
+                if got is not None:
+                    dense.append(float(got[0]["ppl"]))
+                    progress.end("perplexity dense")
+                else:
+                    progress.begin("perplexity dense", "scoring the model alone (dense) on held-out text")
+                    dense.append(_perplexity(model.path, heldout, ctx, None, o.threads, o.progress))
+                    progress.advance("perplexity dense", score_tokens)
+                    workdir.save("ppl", score_key(None), {"ppl": dense[0]})
+            got = workdir.load("ppl", score_key(candidate))
+            if got is not None:
+                progress.end(f"write {what}")
+                progress.end(f"perplexity {what}")
+                return meta, float(got[0]["ppl"])
+            progress.begin(f"write {what}", f"writing the candidate at {what}")
+            _write(out, model, meta, planned, o.progress, progress, f"write {what}")
+            progress.begin(f"perplexity {what}", f"scoring the candidate at {what} on held-out text")
+            ppl = _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)
+            progress.advance(f"perplexity {what}", score_tokens)
+            workdir.save("ppl", score_key(candidate), {"ppl": ppl})
+            return meta, ppl
         except Pi2Error as e:  # the sidecar stands; only its quality is unknown
             notes.append(f"perplexity not measured, the configuration kept: {e}")
             return meta, None
@@ -473,8 +782,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     best: tuple[sp.SparsityPlan, _Planned, SidecarMeta, float] | None = None
     for k, target in enumerate(targets):
         if k > 0:
+            for step, kind in ((f"write {label(target)}", "write"), (f"perplexity {label(target)}", "ppl_sparse")):
+                progress.expect(step, kind, model.n_layer if kind == "write" else score_tokens)
             plan_k, planned = plan_at(target)
-        meta, ppl = measure(plan_k, planned)
+        meta, ppl = measure(plan_k, planned, label(target))
         if ppl is None:
             best = None
             break
@@ -500,13 +811,19 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
             notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
                          f"+{budget:.1%}: {lever}")
 
-    precision_free = adaptive and bundle_qt is None and down_qt is None
+    if best is None or not within(best[3]):  # the levers below run only where the budget holds
+        for step in ("write output copy", "perplexity output copy", "write downs at the rows' type",
+                     "perplexity downs at the rows' type"):
+            progress.drop(step)
     if best is not None and precision_free and not within(best[3]) and any(
             bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE)
             for d in best[1].downs if d is not None):
         # no target holds with the model's down precision: the re-quantized down columns may be what costs
+        what = f"{HIGHER_DOWN_TYPE.name} down columns"
+        progress.expect(f"write {what}", "write", model.n_layer)
+        progress.expect(f"perplexity {what}", "ppl_sparse", score_tokens)
         plan_k, planned = plan_at(best[0].target, HIGHER_DOWN_TYPE, {})
-        meta, ppl = measure(plan_k, planned)
+        meta, ppl = measure(plan_k, planned, what)
         if ppl is not None:
             verdict = "within the budget" if within(ppl) else "still beyond the budget"
             notes.append(f"down columns measured against {HIGHER_DOWN_TYPE.name}: {rel(ppl)} at sparsity "
@@ -520,7 +837,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         # fewer bytes a token under a budget, each kept only within the budget
         if rows is not None and o.output_rows is None and o.output_copy is None:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
-            meta, ppl = measure(best[0], best[1])
+            meta, ppl = measure(best[0], best[1], "output copy")
             if ppl is not None and within(ppl):
                 notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: {rel(ppl)} "
                              f"(Q3_K with {DEFAULT_OUTPUT_ROWS}: {rel(best[3])}), kept")
@@ -529,9 +846,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
                 notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: "
                              f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; Q3_K kept")
                 rows, copy = DEFAULT_OUTPUT_ROWS, None
-        lowered = _downs_at_row_type(model, best[1])
+        lowered = _downs_at_row_type(model, best[1], work)
         if lowered is not None:
-            meta, ppl = measure(best[0], lowered)
+            meta, ppl = measure(best[0], lowered, "downs at the rows' type")
             n = sum(a != b for a, b in zip(lowered.types, best[1].types))
             if ppl is not None and within(ppl):
                 notes.append(f"down columns at the rows' type in {n} layers: {rel(ppl)} (the model's types: "
@@ -554,9 +871,47 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         meta = dataclasses.replace(meta, quality=Quality(
             f"{prof.corpus}, held-out documents, {QUALITY_CHUNKS} chunks of {ctx} tokens", dense[0], ppl,
             budget, "; ".join(choice)))
-    _write(out, model, meta, planned, o.progress)  # the choice, with its quality recorded
-    return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes)
+    final_write(meta, planned)  # the choice, with its quality recorded
+    return _result(out, t0, t_prof, meta, planned, shipped, o.recall, o.predictor, notes + _resumed(workdir))
 
+
+def _resumed(workdir: WorkDir) -> list[str]:
+    """The note on what was taken from the work directory and what had to be made again."""
+    out = []
+    if workdir.loaded:
+        names = {"profile": "profile", "layer": "layer plans", "down": "layers' down columns",
+                 "ppl": "perplexity scores", "date": "calibration date"}
+        out.append(f"resumed from {workdir.path}: reused " + ", ".join(
+            f"{n} {names[k]}" if k not in ("profile", "date") else names[k] for k, n in sorted(workdir.loaded.items())))
+    if workdir.recomputed:
+        out.append(f"{len(workdir.recomputed)} unusable piece(s) of the work directory computed again: "
+                   + "; ".join(workdir.recomputed))
+    return out
+
+
+def _profile_piece(prof: Profile) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    arrays: dict[str, np.ndarray] = {f"train_{i}": a for i, a in enumerate(prof.train)}
+    arrays.update({f"heldout_{i}": a for i, a in enumerate(prof.heldout)})
+    arrays.update({f"train_routes_{i}": a for i, a in enumerate(prof.train_routes)})
+    arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(prof.heldout_routes)})
+    return {"model_file": prof.model_file, "model_size": prof.model_size, "corpus": prof.corpus,
+            "corpus_sha256": prof.corpus_sha256, "window": prof.window, "n_layer": prof.n_layer,
+            "routes": len(prof.train_routes)}, arrays
+
+
+def _profile_from_piece(values: dict[str, Any], arrays: dict[str, np.ndarray], workdir: WorkDir) -> Profile | None:
+    try:
+        n, nr = int(values["n_layer"]), int(values["routes"])
+        prof = Profile(str(values["model_file"]), int(values["model_size"]), str(values["corpus"]),
+                       str(values["corpus_sha256"]), int(values["window"]),
+                       [arrays[f"train_{i}"] for i in range(n)], [arrays[f"heldout_{i}"] for i in range(n)],
+                       [arrays[f"train_routes_{i}"] for i in range(nr)], [arrays[f"heldout_routes_{i}"] for i in range(nr)])
+        if n == 0 or any(a.shape[1] != prof.n_embd for a in prof.train + prof.heldout):
+            raise ValueError("layers of different widths")
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        workdir.recomputed.append(f"profile ({e})")
+        return None
+    return prof
 
 def _result(out: Path, t0: float, t_prof: float, meta: SidecarMeta, planned: _Planned,
             shipped: dict[int, pred_mod.Predictor], recall: float, predictor: str, notes: list[str]) -> ConvertResult:

@@ -81,6 +81,9 @@ class ConvertOptions:
     output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
     sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
     budget, else none recorded (the plugin's q3_k).
+    resume: take the pieces of work an interrupted convert of the same output left in its work directory
+    (resume.py) where their keys still match; False drops them first. Either way this convert keeps its own there
+    until the sidecar is written.
     Without a precision asked for (bundle_type, down_type), where no target holds the budget the default target
     also measures the down columns against Q8_0 and keeps the better; where one does, the levers above
     (SMALL_OUTPUT_COPY, down columns at the rows' type) are measured in turn and kept within the budget.
@@ -178,6 +181,10 @@ class ConvertOptions:
         "--window", type=argtypes.count(16), help="tokens per evaluation window"))
     threads: int | None = field(default=None, metadata=flag(  # None: every core
         "-t", "--threads", type=argtypes.THREADS))
+    resume: bool = field(default=True, metadata=flag(
+        "--no-resume", action="store_false",
+        help="drop the finished work an interrupted convert left in SIDECAR.partial/ and start from the profile "
+             "(default: reuse every piece whose model file and options still match, docs/CONVERT.md \"Resume\")"))
     progress: bool = True  # progress bars on stderr
 
     @classmethod

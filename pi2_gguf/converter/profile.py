@@ -10,6 +10,7 @@ length; documents are streamed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,7 +225,10 @@ class _Recorder:
 
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int | None = None,
                 heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
-                threads: int | None = None, progress: bool = True) -> Profile:
+                threads: int | None = None, progress: bool = True,
+                tick: Callable[[int], str | None] | None = None) -> Profile:
+    """tick: called with the tokens of each window profiled; a string it returns is shown beside the bar (convert's
+    time left)."""
     from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
@@ -270,6 +274,10 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
             with tqdm(total=budget, unit="tok", desc=f"profile {phase}", disable=not progress) as bar:
                 for w in runner.windows(docs, budget):
                     runner.decode(w)
+                    if tick is not None:
+                        post = tick(len(w))
+                        if post:
+                            bar.set_postfix_str(post, refresh=False)
                     bar.update(len(w))
             recorded = current[-1].result()
             if recorded[0].shape[0] < min(budget, 16):
