@@ -217,6 +217,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         if work is not None:
             work.progress.advance(step, 0, timed=False)  # the time since the last layer was not this step's
             bar.set_postfix_str(work.progress.postfix(), refresh=False)
+        t_layer = time.monotonic()
         ffn = model.layers[il]
         if il in whole:
             qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
@@ -253,6 +254,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
                     keys.append(key_hash(lkey))
                     down_keys.append(dkey)
                     work.progress.advance(step, 1, timed=False)
+                    work.progress.seed("layer", got[0].get("seconds"), 1)
                     continue
         gate_w = ffn["gate"].dequantized()
         g_train = model.gate_values(il, gate_w, prof.train[il])
@@ -315,7 +317,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             product_threshold=tp))
         downs.append(down)
         if work is not None:
-            work.dir.save("layer", lkey, *_layer_piece(layers[-1], fitted.source), layer=il)
+            values, arrays = _layer_piece(layers[-1], fitted.source)
+            work.dir.save("layer", lkey, {**values, "seconds": time.monotonic() - t_layer}, arrays, layer=il)
             keys.append(key_hash(lkey))
             down_keys.append(key_hash(work.down_key(il, ref)))
             work.progress.advance(step, 1)
@@ -590,7 +593,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         return work.layer_key(il, dataclasses.replace(plan, target=target), layer_type, ref, shipped.get(il))
 
     def label(target: float | None) -> str:
-        return f"sparsity {target:.2f}" if target is not None else plan.method if plan.method == "relu" else "threshold"
+        return f"sparsity {target:.2f}" if target is not None else \
+            "ReLU-family sparsity" if plan.method == "relu" else "the threshold given"
 
     done: list[str] = []
     if prof_given is None and workdir.has("profile", prof_key):
@@ -644,17 +648,25 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
         if loaded is not None:
             prof = loaded
             progress.end("profile")
+            progress.seed("profile", got[0].get("seconds") if got else None, prof.n_train + prof.n_heldout)
         else:
-            progress.begin("profile", f"profiling {progress.train_tokens} + {o.heldout_tokens} held-out tokens")
+            # the status line once the first window is profiled: run_profile refuses bad input first, in one line
+            progress.begin("profile", None)
+            t_profile = time.monotonic()
+            said: list[bool] = []
 
             def tick(n: int) -> str:
                 progress.advance("profile", n)
+                if not said:
+                    said.append(True)
+                    progress.say(f"profiling {progress.train_tokens} + {o.heldout_tokens} held-out tokens")
                 return progress.postfix()
 
             prof = run_profile(model.path, corpus_mod.load(o.text), o.train_tokens, o.heldout_tokens, o.window,
                                o.threads, o.progress, tick=tick)
             progress.end("profile")
-            workdir.save("profile", work.profile, *_profile_piece(prof))
+            values, arrays = _profile_piece(prof)
+            workdir.save("profile", work.profile, {**values, "seconds": time.monotonic() - t_profile}, arrays)
     t_prof = time.time() - t0
     # the calibration date (pi2.calib.date): when this profile was first taken, kept across resumes
     date_key = {"profile": work.profile}
@@ -751,22 +763,26 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 if got is not None:
                     dense.append(float(got[0]["ppl"]))
                     progress.end("perplexity dense")
+                    progress.seed("ppl_dense", got[0].get("seconds"), score_tokens)
                 else:
                     progress.begin("perplexity dense", "scoring the model alone (dense) on held-out text")
+                    t_ppl = time.monotonic()
                     dense.append(_perplexity(model.path, heldout, ctx, None, o.threads, o.progress))
                     progress.advance("perplexity dense", score_tokens)
-                    workdir.save("ppl", score_key(None), {"ppl": dense[0]})
+                    workdir.save("ppl", score_key(None), {"ppl": dense[0], "seconds": time.monotonic() - t_ppl})
             got = workdir.load("ppl", score_key(candidate))
             if got is not None:
                 progress.end(f"write {what}")
                 progress.end(f"perplexity {what}")
+                progress.seed("ppl_sparse", got[0].get("seconds"), score_tokens)
                 return meta, float(got[0]["ppl"])
             progress.begin(f"write {what}", f"writing the candidate at {what}")
             _write(out, model, meta, planned, o.progress, progress, f"write {what}")
             progress.begin(f"perplexity {what}", f"scoring the candidate at {what} on held-out text")
+            t_ppl = time.monotonic()
             ppl = _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)
             progress.advance(f"perplexity {what}", score_tokens)
-            workdir.save("ppl", score_key(candidate), {"ppl": ppl})
+            workdir.save("ppl", score_key(candidate), {"ppl": ppl, "seconds": time.monotonic() - t_ppl})
             return meta, ppl
         except Pi2Error as e:  # the sidecar stands; only its quality is unknown
             notes.append(f"perplexity not measured, the configuration kept: {e}")
@@ -879,10 +895,11 @@ def _resumed(workdir: WorkDir) -> list[str]:
     """The note on what was taken from the work directory and what had to be made again."""
     out = []
     if workdir.loaded:
-        names = {"profile": "profile", "layer": "layer plans", "down": "layers' down columns",
-                 "ppl": "perplexity scores", "date": "calibration date"}
-        out.append(f"resumed from {workdir.path}: reused " + ", ".join(
-            f"{n} {names[k]}" if k not in ("profile", "date") else names[k] for k, n in sorted(workdir.loaded.items())))
+        names = {"profile": ("the profile", ""), "date": ("the calibration date", ""),
+                 "layer": ("layer plan", "layer plans"), "down": ("layer's down columns", "layers' down columns"),
+                 "ppl": ("perplexity score", "perplexity scores")}
+        said = [names[k][0] if not names[k][1] else f"{n} {names[k][n > 1]}" for k, n in sorted(workdir.loaded.items())]
+        out.append(f"resumed from {workdir.path}: reused {', '.join(said)}")
     if workdir.recomputed:
         out.append(f"{len(workdir.recomputed)} unusable piece(s) of the work directory computed again: "
                    + "; ".join(workdir.recomputed))

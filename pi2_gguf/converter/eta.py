@@ -55,10 +55,15 @@ class Progress:
     def drop(self, step: str) -> None:
         self.steps.pop(step, None)
 
-    def begin(self, step: str, label: str) -> None:
+    def begin(self, step: str, label: str | None) -> None:
+        """Starts timing step; prints the status line of label (None: none yet, say() prints it later)."""
         self._mark = time.monotonic()
+        if label is not None:
+            self.say(label)
+
+    def say(self, label: str) -> None:
         if self.enabled:
-            self._write(f"[convert {clock(self._mark - self.t0)}, {self.left_text()}] {label}")
+            self._write(f"[convert {clock(time.monotonic() - self.t0)}, {self.left_text()}] {label}")
 
     def advance(self, step: str, units: float = 1.0, timed: bool = True) -> None:
         now = time.monotonic()
@@ -69,6 +74,13 @@ class Progress:
                 spent, n = self.cost.get(s.kind, (0.0, 0.0))
                 self.cost[s.kind] = (spent + now - self._mark, n + units)
         self._mark = now
+
+    def seed(self, kind: str, seconds: object, units: float) -> None:
+        """Counts work an earlier convert timed (a piece reused from the work directory records what it took), so a
+        resumed convert estimates from the start."""
+        if isinstance(seconds, (int, float)) and seconds >= 0 and units > 0:
+            spent, n = self.cost.get(kind, (0.0, 0.0))
+            self.cost[kind] = (spent + float(seconds), n + units)
 
     def end(self, step: str) -> None:
         s = self.steps.get(step)
