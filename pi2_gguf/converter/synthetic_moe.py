@@ -725,4 +725,7 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
             write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
     elif calib_tokens:
         calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)[1]
-    return _report(w, arch, *routing_profile(out, held, shape.n_layer, threads, arch), calib_lg) if heldout_tokens else []
+    if not heldout_tokens:
+        return []
+    held_x, held_lg = routing_profile(out, held, shape.n_layer, threads, arch)[:2]
+    return _report(w, arch, held_x, held_lg, calib_lg)
