@@ -778,10 +778,15 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts.raised_as_exception():
             return args.func(args)
     except Pi2Error as e:
-        print(f"pi2-gguf: error: {e}", file=sys.stderr)
+        kept = f"; the finished work is kept in {e.kept}: the same command resumes from it" if e.kept else ""
+        print(f"pi2-gguf: error: {e}{kept}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"pi2-gguf: {e}; stopped, no partial output left", file=sys.stderr)
+        if e.kept:
+            print(f"pi2-gguf: {e}; stopped, no output written; the finished work is kept in {e.kept}: the same "
+                  "command resumes from it", file=sys.stderr)
+        else:
+            print(f"pi2-gguf: {e}; stopped, no partial output left", file=sys.stderr)
         return interrupts.exit_code(e)
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class Pi2Error(Exception):
     """Base class of pi2-gguf's errors."""
+
+    # finished work an interrupted command kept for a rerun to resume (convert's work directory), said with the error
+    kept: Path | None = None
 
 
 class ModelFileError(Pi2Error):
@@ -63,4 +68,5 @@ class Interrupted(BaseException):
 
         self.signum = signum
         self.name = signal.Signals(signum).name
+        self.kept: Path | None = None  # as Pi2Error.kept
         super().__init__(f"interrupted by {self.name}")

@@ -120,7 +120,12 @@ def test_no_space_while_convert_writes(relu_model: tuple[Path, Path, list], smal
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"pi2-gguf: error: cannot write sidecar {out}: No space left on device"), r.stderr
     assert "Traceback" not in r.stderr
-    assert _leftovers(small_tmpfs, set()) == []  # no sidecar, no temp file
+    # no sidecar, no temp file; the work directory stays for a rerun once there is room, and the error says where
+    work = out.with_name(out.name + ".partial")
+    assert _leftovers(small_tmpfs, {work.name}) == []
+    if work.exists():
+        assert last.endswith(f"the finished work is kept in {work}: the same command resumes from it"), last
+        assert not [p.name for p in work.iterdir() if p.name.endswith(".tmp")]
     assert _digest(model) == before
 
 
@@ -139,7 +144,7 @@ def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_while_convert_writes(smollm2: Path, smol_profile: Profile, tmp_path: Path, sig: int) -> None:
     """The signal arrives while the sidecar's temp file is being written: the command ends with one line and
-    128 + the signal's number, the temp file is removed, the model untouched."""
+    128 + the signal's number, the temp file is removed, the finished work kept for a rerun, the model untouched."""
     prof = smol_profile.save(tmp_path / "smol.npz")
     before = _digest(smollm2)
     out_dir = tmp_path / "out"
@@ -151,10 +156,14 @@ def test_signal_while_convert_writes(smollm2: Path, smol_profile: Profile, tmp_p
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
+    # the sidecar's temp file is gone; the layers planned so far stay in the work directory for the same command
+    work = out.with_name(out.name + ".partial")
     assert err.strip().splitlines()[-1] == \
-        f"pi2-gguf: interrupted by {signal.Signals(sig).name}; stopped, no partial output left", err
+        f"pi2-gguf: interrupted by {signal.Signals(sig).name}; stopped, no output written; the finished work is kept " \
+        f"in {work}: the same command resumes from it", err
     assert "Traceback" not in err
-    assert _leftovers(out_dir, set()) == []
+    assert _leftovers(out_dir, {work.name}) == []
+    assert not [p.name for p in work.iterdir() if p.name.endswith(".tmp")]
     assert _digest(smollm2) == before
 
 

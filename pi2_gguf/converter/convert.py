@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
 from ..assets import corpus as corpus_mod
-from ..errors import Pi2Error
+from ..errors import Interrupted, Pi2Error
 from ..gguf_file import check_context
 from ..paths import check_output
 from ..sidecar import format as fmt
@@ -614,6 +614,11 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
                             whole, plan, shipped, prof_given, work, targets, adaptive, ctx, ranks, sparse_layers, label)
         success = True
         return res
+    except (Pi2Error, Interrupted) as e:
+        # what stopped it says so in its one line: the finished work stays for the same command to resume
+        if workdir.pieces():
+            e.kept = workdir.path
+        raise
     finally:
         workdir.close(remove=success or not workdir.pieces())
 
