@@ -79,12 +79,10 @@ def test_real_moe_greedy_decode_walks(real_moe: tuple[Path, list]) -> None:
 def test_uniform_moe_is_the_earlier_model(tmp_path: Path) -> None:
     # in a process of its own, as a user makes it: a test process that already loaded the plugin or changed
     # llama.cpp's state computes the calibration's profile differently in the last bits
-    import subprocess
+    from tool_script import run_tool
 
     out = tmp_path / "u.gguf"
-    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "tools" / "make_model.py"), str(out), *TINY_MOE,
-                        "--stats", "uniform"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_tool("make_model", str(out), *TINY_MOE, "--stats", "uniform")
     assert hashlib.sha256(out.read_bytes()).hexdigest() == TINY_MOE_UNIFORM_SHA256
 
 

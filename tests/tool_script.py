@@ -16,3 +16,14 @@ def load_tool(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_tool(name: str, *args: str, timeout: float = 600) -> None:
+    """tools/NAME.py run in a process of its own (nothing a test process loaded or changed reaches it); its stderr's
+    end in the failure."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(TOOLS / f"{name}.py"), *args], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
