@@ -778,16 +778,17 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts.raised_as_exception():
             return args.func(args)
     except Pi2Error as e:
-        kept = f"; the finished work is kept in {e.kept}: the same command resumes from it" if e.kept else ""
-        print(f"pi2-gguf: error: {e}{kept}", file=sys.stderr)
+        print(f"pi2-gguf: error: {e}{_kept(e.kept)}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        if e.kept:
-            print(f"pi2-gguf: {e}; stopped, no output written; the finished work is kept in {e.kept}: the same "
-                  "command resumes from it", file=sys.stderr)
-        else:
-            print(f"pi2-gguf: {e}; stopped, no partial output left", file=sys.stderr)
+        stopped = "stopped, no output written" if e.kept else "stopped, no partial output left"
+        print(f"pi2-gguf: {e}; {stopped}{_kept(e.kept)}", file=sys.stderr)
         return interrupts.exit_code(e)
+
+
+def _kept(work: Path | None) -> str:
+    """The end of a stopped command's error line where it kept finished work for a rerun (convert's work directory)."""
+    return f"; the finished work is kept in {work}: the same command resumes from it" if work else ""
 
 
 if __name__ == "__main__":

@@ -87,6 +87,24 @@ def test_product_keeps_more_of_the_ffn_output_than_cats(smollm2: Path, smol_side
         assert err[0] < 0.6 * err[1], (il, err)
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["dense", "moe"])
+def test_profile_file_round_trip(tmp_path: Path, routed: bool) -> None:
+    """A profile written by save() (as `pi2-gguf profile` writes it) loads as it was, an MoE model's routing too (a
+    routed profile's train_routes_i once counted as layers, and loading it failed); one of no layers is refused."""
+    rng = np.random.default_rng(0)
+    x = [rng.standard_normal((20, 8)).astype(np.float16) for _ in range(3)]
+    r = [rng.integers(0, 4, (20, 2)).astype(np.int16) for _ in range(3)] if routed else []
+    prof = Profile("m.gguf", 123, "corpus", "sha", 8, x, x[::-1], r, r[::-1])
+    back = Profile.load(prof.save(tmp_path / "p.npz"))
+    assert (back.model_file, back.model_size, back.corpus, back.corpus_sha256, back.window) == \
+        ("m.gguf", 123, "corpus", "sha", 8)
+    for got, want in ((back.train, x), (back.heldout, x[::-1]), (back.train_routes, r), (back.heldout_routes, r[::-1])):
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    np.savez(tmp_path / "empty.npz", meta=np.array(["m.gguf", "1", "c", "s", "8"]))
+    with pytest.raises(Pi2Error, match="holds no layers"):
+        Profile.load(tmp_path / "empty.npz")
+
+
 def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, smol_profile: Profile) -> None:
     """Predictors as stored (F16) run on held-out tokens: recall >= 0.97 in every layer."""
     sc = sidecar.read(smol_sidecar)

@@ -128,7 +128,7 @@ def union_stats(active: np.ndarray, window: int, n: int = UNION_TOKENS) -> tuple
     return float(union.mean()), float((now & union).sum() / max(now.sum(), 1))
 
 
-def _cache_hits(active: np.ndarray, size: int, pinned: np.ndarray, lru_size: int, warmup: int) -> tuple[float, float]:
+def _cache_hits(active: np.ndarray, pinned: np.ndarray, lru_size: int, warmup: int) -> tuple[float, float]:
     """Hits of a cache of `pinned` units plus an LRU of lru_size units over the others (each token's units loaded
     together: after a token the LRU holds the lru_size most recently used units not pinned); (cold, steady)."""
     n_units = active.shape[1]
@@ -152,7 +152,6 @@ def _cache_hits(active: np.ndarray, size: int, pinned: np.ndarray, lru_size: int
         a = active[t]
         hits[t] = (a & cached).sum()
         last[a & ~is_pinned] = t
-    del size
     cold = float(hits.sum() / max(need.sum(), 1))
     steady = float(hits[warmup:].sum() / max(need[warmup:].sum(), 1)) if warmup < active.shape[0] else cold
     return cold, steady
@@ -171,7 +170,7 @@ def cache_hit_rates(active: np.ndarray, hot_rank: np.ndarray, fractions: Sequenc
         size = max(1, int(round(f * n_units)))
         for policy, pinned_n, lru_n in (("static-hot", size, 0), ("LRU", 0, size),
                                         ("hot+LRU", size // 2, size - size // 2)):
-            c, s = _cache_hits(active, size, np.asarray(hot_rank[:pinned_n], np.int64), lru_n, w)
+            c, s = _cache_hits(active, np.asarray(hot_rank[:pinned_n], np.int64), lru_n, w)
             cold[policy][f] = c
             steady[policy][f] = s
     return cold, steady

@@ -156,6 +156,14 @@ def _layer_from_piece(values: dict[str, Any], arrays: dict[str, np.ndarray], n_f
     return LayerData(bundle_size=0, **kw), str(values["source"])
 
 
+def _layer_types(il: int, bundle_type: QT | None, bundle_layers: frozenset[int] | None,
+                 down_type: QT | None) -> tuple[QT | None, QT | None]:
+    """Layer il's bundle row type (bundle_type where it applies to the layer, else None: the model's own) and the type
+    its down columns are measured against (down_type where given, else that row type)."""
+    layer_type = bundle_type if bundle_layers is None or il in bundle_layers else None
+    return layer_type, layer_type if down_type is None else down_type
+
+
 def _bundle_qtype(name: str | None, flag: str, n_embd: int) -> QT | None:
     """The ggml type a --bundle-type/--down-type names, checked to be one bundles can store for rows of n_embd."""
     if name is None:
@@ -230,9 +238,9 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             if work is not None:
                 work.progress.advance(step, 1, timed=False)
             continue
-        layer_type = bundle_type if bundle_layers is None or il in bundle_layers else None
-        ref = layer_type if down_type is None else down_type
+        layer_type, ref = _layer_types(il, bundle_type, bundle_layers, down_type)
         lkey: dict[str, Any] = {}
+        dkey = ""
         if work is not None:
             if il not in down_cache:
                 down_cache[il], dkey = work.down(model, il, ref)
@@ -320,7 +328,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             values, arrays = _layer_piece(layers[-1], fitted.source)
             work.dir.save("layer", lkey, {**values, "seconds": time.monotonic() - t_layer}, arrays, layer=il)
             keys.append(key_hash(lkey))
-            down_keys.append(key_hash(work.down_key(il, ref)))
+            down_keys.append(dkey)
             work.progress.advance(step, 1)
     return _Planned(layers, downs, types, sources, keys, down_keys)
 
@@ -550,12 +558,11 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
             shipped = found.layers
             if found.reason:
                 notes.append(f"checkpoint predictors {'partly ' if shipped else ''}ignored: {found.reason}")
+    prof_given: Profile | None = None
     if o.profile is not None:
-        prof_given: Profile | None = Profile.load(o.profile)
-        assert prof_given is not None
+        prof_given = Profile.load(o.profile)
         prof_given.check_model(model.path)
     else:
-        prof_given = None
         corpus = corpus_mod.load(o.text)
     ranks = list(o.ranks) if o.ranks else default_ranks(model.n_embd)
     # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
@@ -588,8 +595,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     sparse_layers = [il for il in range(model.n_layer) if il not in whole]
 
     def layer_key(il: int, target: float | None, down: QT | None) -> dict[str, Any]:
-        layer_type = bundle_qt if bundle_layers is None or il in bundle_layers else None
-        ref = layer_type if down is None else down
+        layer_type, ref = _layer_types(il, bundle_qt, bundle_layers, down)
         return work.layer_key(il, dataclasses.replace(plan, target=target), layer_type, ref, shipped.get(il))
 
     def label(target: float | None) -> str:
@@ -912,28 +918,21 @@ def _resumed(workdir: WorkDir) -> list[str]:
 
 
 def _profile_piece(prof: Profile) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    arrays: dict[str, np.ndarray] = {f"train_{i}": a for i, a in enumerate(prof.train)}
-    arrays.update({f"heldout_{i}": a for i, a in enumerate(prof.heldout)})
-    arrays.update({f"train_routes_{i}": a for i, a in enumerate(prof.train_routes)})
-    arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(prof.heldout_routes)})
     return {"model_file": prof.model_file, "model_size": prof.model_size, "corpus": prof.corpus,
-            "corpus_sha256": prof.corpus_sha256, "window": prof.window, "n_layer": prof.n_layer,
-            "routes": len(prof.train_routes)}, arrays
+            "corpus_sha256": prof.corpus_sha256, "window": prof.window}, prof.arrays()
 
 
 def _profile_from_piece(values: dict[str, Any], arrays: dict[str, np.ndarray], workdir: WorkDir) -> Profile | None:
     try:
-        n, nr = int(values["n_layer"]), int(values["routes"])
-        prof = Profile(str(values["model_file"]), int(values["model_size"]), str(values["corpus"]),
-                       str(values["corpus_sha256"]), int(values["window"]),
-                       [arrays[f"train_{i}"] for i in range(n)], [arrays[f"heldout_{i}"] for i in range(n)],
-                       [arrays[f"train_routes_{i}"] for i in range(nr)], [arrays[f"heldout_routes_{i}"] for i in range(nr)])
-        if n == 0 or any(a.shape[1] != prof.n_embd for a in prof.train + prof.heldout):
+        prof = Profile.from_arrays(str(values["model_file"]), int(values["model_size"]), str(values["corpus"]),
+                                   str(values["corpus_sha256"]), int(values["window"]), arrays)
+        if any(a.shape[1] != prof.n_embd for a in prof.train + prof.heldout):
             raise ValueError("layers of different widths")
     except (KeyError, ValueError, TypeError, IndexError) as e:
         workdir.recomputed.append(f"profile ({e})")
         return None
     return prof
+
 
 def _result(out: Path, t0: float, t_prof: float, meta: SidecarMeta, planned: _Planned,
             shipped: dict[int, pred_mod.Predictor], recall: float, predictor: str, notes: list[str]) -> ConvertResult:

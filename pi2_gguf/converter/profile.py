@@ -10,7 +10,8 @@ length; documents are streamed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,11 @@ def default_train_tokens(n_embd: int) -> int:
 DEFAULT_HELDOUT_TOKENS = 2048
 MIN_ROUTED = 32  # an expert routed fewer profile tokens is profiled on all of its layer's
 DEFAULT_WINDOW = 256
+
+
+# the names of a profile's per-layer arrays (Profile.arrays)
+_LAYER_ARRAY = re.compile(r"train_[0-9]+")
+_ROUTES_ARRAY = re.compile(r"train_routes_[0-9]+")
 
 
 class ProfileError(Pi2Error):
@@ -97,10 +103,7 @@ class Profile:
         p = Path(path)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
         # Any: numpy's stub would match **arrays against savez's allow_pickle: bool too
-        arrays: dict[str, Any] = {f"train_{i}": a for i, a in enumerate(self.train)}
-        arrays.update({f"heldout_{i}": a for i, a in enumerate(self.heldout)})
-        arrays.update({f"train_routes_{i}": a for i, a in enumerate(self.train_routes)})
-        arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(self.heldout_routes)})
+        arrays: dict[str, Any] = self.arrays()
         meta = np.array([self.model_file, str(self.model_size), self.corpus, self.corpus_sha256, str(self.window)])
         try:
             with tmp.open("wb") as f:
@@ -120,17 +123,38 @@ class Profile:
         try:
             with np.load(p, allow_pickle=False) as z:
                 meta = [str(s) for s in z["meta"]]
-                n = sum(1 for k in z.files if k.startswith("train_"))
-                train = [z[f"train_{i}"] for i in range(n)]
-                held = [z[f"heldout_{i}"] for i in range(n)]
-                routed = "train_routes_0" in z.files
-                train_r = [z[f"train_routes_{i}"] for i in range(n)] if routed else []
-                held_r = [z[f"heldout_routes_{i}"] for i in range(n)] if routed else []
+                arrays = {k: z[k] for k in z.files if k != "meta"}
         except (OSError, ValueError, KeyError, EOFError) as e:
             raise ProfileError(f"{p} is not a readable pi2 profile: {e}") from e
-        if n == 0:
+        if "train_0" not in arrays:
             raise ProfileError(f"{p} holds no layers")
-        return cls(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), train, held, train_r, held_r)
+        try:
+            return cls.from_arrays(meta[0], int(meta[1]), meta[2], meta[3], int(meta[4]), arrays)
+        except (IndexError, KeyError, ValueError) as e:
+            raise ProfileError(f"{p} is not a readable pi2 profile: {e}") from e
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Its per-layer arrays by the names a profile file holds them under (train_i, heldout_i and, for an MoE
+        model, train_routes_i, heldout_routes_i): what save() writes and convert's work directory keeps."""
+        arrays = {f"train_{i}": a for i, a in enumerate(self.train)}
+        arrays.update({f"heldout_{i}": a for i, a in enumerate(self.heldout)})
+        arrays.update({f"train_routes_{i}": a for i, a in enumerate(self.train_routes)})
+        arrays.update({f"heldout_routes_{i}": a for i, a in enumerate(self.heldout_routes)})
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, model_file: str, model_size: int, corpus: str, corpus_sha256: str, window: int,
+                    arrays: Mapping[str, np.ndarray]) -> Profile:
+        """The profile whose arrays() these are (KeyError where a layer's array is missing, ValueError where there is
+        no layer)."""
+        n = sum(1 for k in arrays if _LAYER_ARRAY.fullmatch(k))
+        n_routed = sum(1 for k in arrays if _ROUTES_ARRAY.fullmatch(k))
+        if n == 0:
+            raise ValueError("no layers")
+        return cls(model_file, model_size, corpus, corpus_sha256, window,
+                   [arrays[f"train_{i}"] for i in range(n)], [arrays[f"heldout_{i}"] for i in range(n)],
+                   [arrays[f"train_routes_{i}"] for i in range(n_routed)],
+                   [arrays[f"heldout_routes_{i}"] for i in range(n_routed)])
 
     def experts(self, layer_experts: list[int], n_expert: int) -> Profile:
         """The profile of an MoE model's sidecar layers (FORMAT.md, "MoE sidecars"): per model layer of n_expert

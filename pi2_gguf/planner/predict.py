@@ -13,8 +13,8 @@ Model of a token (2 threads unless told):
     the measured concurrent rate (into huge pages, as the engine's cache is), and each iovec beyond a request's first
     at the measured cost of scattering a request into entries of the layer's bundle size: the CLOCK hand gives
     consecutive misses consecutive entries (one iovec), except where it steps over an entry recently hit, and a
-    bridged gap lands in the scratch (one iovec more); its compute: its dense bytes at the measured dot-product rate times the plugin's own
-    sparse/dense cost estimate; the reads the engine issued ahead (the next layer's first misses, as many as the
+    bridged gap lands in the scratch (one iovec more); its compute: its dense bytes at the measured dot-product rate
+    times the plugin's own sparse/dense cost estimate; the reads the engine issued ahead (the next layer's first misses, as many as the
     prefetch room holds; none in a layer with predictors, whose reads wait for them) overlap the compute: the layer
     takes the longer of those two plus OVERLAP_REST of the shorter, and the rest of its reads after;
   - outside the FFN: the other weights at the measured rate, plus a fixed cost per token and per layer.
