@@ -3,6 +3,7 @@ recall on held-out text, bundle round trip, both GGUF readers, and the errors of
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -542,6 +543,60 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
     again = perplexity(smollm2, text, QUALITY_CTX, QUALITY_CHUNKS, progress=False, sidecar=res.path, mode="predicted",
                        memory_budget=2_000_000_000)
     assert again.ppl == pytest.approx(ppl, rel=1e-5)
+
+
+def _same_layer(a: object, b: object) -> None:
+    """Two LayerData alike field by field (arrays exactly)."""
+    for f in dataclasses.fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(x, y, err_msg=f.name)
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("criterion", ["product", "act"])
+def test_one_pass_plans_each_target_as_a_pass_of_its_own(smollm2: Path, smol_profile: Profile, criterion: str) -> None:
+    """_plan_layers makes several targets in one pass, sharing each layer's gate and up values and its predictors'
+    basis and outputs: every target's layers equal the ones a pass for that target alone makes (two layers planned,
+    the others left to the model file as a routed expert read whole would be)."""
+    from pi2_gguf.converter import convert as cm
+
+    model = ModelFfn(smollm2)
+    skip = frozenset(range(model.n_layer)) - {3, 17}
+    plans = [sparsity.SparsityPlan.for_activation(model.activation, t, None, criterion) for t in (0.5, 0.1)]
+
+    def plan(ps: list[sparsity.SparsityPlan]) -> list[object]:
+        return cm._plan_layers(model, smol_profile, ps, [32, 64], 0.99, 0, "svd", {}, {}, None, None, None, False,
+                               skip)
+
+    joint = plan(plans)
+    for k, p in enumerate(plans):
+        alone = plan([p])[0]
+        for il in (3, 17):
+            _same_layer(joint[k].layers[il], alone.layers[il])
+    assert joint[0].layers[3].threshold != joint[1].layers[3].threshold  # two targets, not one twice
+
+
+def test_down_columns_swapped_keep_the_plan_a_pass_against_them_makes(smollm2: Path, smol_profile: Profile) -> None:
+    """convert's Q8_0 lever re-quantizes a plan's down columns (_with_downs) instead of planning again: the layers
+    equal those of a pass whose down columns are measured against Q8_0 (a predictor's width does not depend on the
+    down columns' bytes)."""
+    from pi2_gguf.converter import convert as cm
+
+    model = ModelFfn(smollm2)
+    skip = frozenset(range(model.n_layer)) - {5}
+    plan = sparsity.SparsityPlan.for_activation(model.activation, 0.3, None, "product")
+
+    def planned(down: QT | None) -> object:
+        return cm._plan_layers(model, smol_profile, [plan], [32, 64, 128], 0.99, 0, "svd", {}, {}, None, down, None,
+                               False, skip)[0]
+
+    swapped = cm._with_downs(model, planned(None), {5: QT.Q8_0})
+    direct = planned(QT.Q8_0)
+    _same_layer(swapped.layers[5], direct.layers[5])
+    assert swapped.types[5] == direct.types[5] and QT(swapped.types[5][2]) == QT.Q8_0
+    np.testing.assert_array_equal(swapped.downs[5].data, direct.downs[5].data)
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,11 @@ class Perplexity:
 
 
 def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """log p(target) per row, in float64 like llama-perplexity's accumulation."""
-    x = logits.astype(np.float64)
+    """log p(target) per row as llama-perplexity's log_softmax computes it: exp in float32, the sum in float64."""
+    x = np.asarray(logits, dtype=np.float32)
     m = x.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
-    return x[np.arange(len(targets)), targets] - lse
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
+    return x[np.arange(len(targets)), targets].astype(np.float64) - lse
 
 
 SPARSE_UBATCH = 4  # the plugin's default sparse batch limit (PI2_SPARSE_BATCH)

@@ -93,6 +93,15 @@ class _Planned:
     keys: list[str] = dataclasses.field(default_factory=list)
     down_keys: list[str | None] = dataclasses.field(default_factory=list)
 
+    def add(self, layer: LayerData, down: bundles_mod.DownColumns | None, types: tuple[int, int, int], source: str,
+            key: str, down_key: str | None) -> None:
+        self.layers.append(layer)
+        self.downs.append(down)
+        self.types.append(types)
+        self.sources.append(source)
+        self.keys.append(key)
+        self.down_keys.append(down_key)
+
 
 @dataclass
 class _Work:
@@ -196,30 +205,30 @@ def parse_layers(spec: str, n_layer: int, flag: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: list[int], recall: float,
+def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
                  bundle_layers: frozenset[int] | None, progress: bool, whole: frozenset[int] = frozenset(),
-                 work: _Work | None = None, step: str = "layers") -> _Planned:
-    """Thresholds, ranking, predictors and down columns of every layer for one sparsity plan. The down
-    columns do not depend on the plan: kept in down_cache for the next target. bundle_type: the type bundles
-    store gate/up rows in and measure down columns against (None: the model's own); down_type, where given, the
-    one down columns are measured against instead. bundle_layers: the layers bundle_type applies to (None: all).
-    whole: routed experts read whole from the model file, which get no thresholds, predictors or bundles.
-    work: the work directory a layer's plan and down columns are taken from where an earlier convert left them, and
-    kept in as they are made; its progress counts the layers of `step`. A layer's plan depends on nothing planned
-    before it (no state carries from layer to layer), so a layer taken from there is the one planned now."""
+                 work: _Work | None = None, step: str = "layers") -> list[_Planned]:
+    """Thresholds, ranking, predictors and down columns of every layer for each sparsity plan (of one method), in
+    one pass over the layers: a layer's gate and up values on the profile, its predictors' basis and their outputs
+    are computed once for all the plans (they do not depend on the target), the thresholds, labels and cutoffs per
+    plan. The down columns do not depend on the plan either: kept in down_cache for the next call. bundle_type: the
+    type bundles store gate/up rows in and measure down columns against (None: the model's own); down_type, where
+    given, the one down columns are measured against instead. bundle_layers: the layers bundle_type applies to
+    (None: all). whole: routed experts read whole from the model file, which get no thresholds, predictors or
+    bundles. work: the work directory a layer's plan and down columns are taken from where an earlier convert left
+    them, and kept in as they are made; its progress counts the layers of `step`. A layer's plan depends on nothing
+    planned before it (no state carries from layer to layer), so a layer taken from there is the one planned now."""
+    assert plans and len({p.method for p in plans}) == 1
+
     def act(g: np.ndarray) -> np.ndarray:
         return model.act(g)
 
-    # both plans' active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
-    score = pred_mod.score_fn(plan.method, act)
-    layers: list[LayerData] = []
-    downs: list[bundles_mod.DownColumns | None] = []
-    types: list[tuple[int, int, int]] = []
-    sources: list[str] = []
-    keys: list[str] = []
-    down_keys: list[str | None] = []
+    # every plan's active sets are score(g) > threshold: |act(g)| for CATS, act(g) > 0 i.e. g > 0 for ReLU
+    method = plans[0].method
+    score = pred_mod.score_fn(method, act)
+    out = [_Planned([], [], [], [], [], []) for _ in plans]
     bar = tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress)
     for il in bar:
         if work is not None:
@@ -229,90 +238,114 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
         ffn = model.layers[il]
         if il in whole:
             qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
-            layers.append(LayerData.whole(model.n_ff(il), *qt))
-            downs.append(None)
-            types.append(qt)
-            sources.append("whole")
-            keys.append("whole")
-            down_keys.append(None)
+            for pl in out:
+                pl.add(LayerData.whole(model.n_ff(il), *qt), None, qt, "whole", "whole", None)
             if work is not None:
                 work.progress.advance(step, 1, timed=False)
             continue
         layer_type, ref = _layer_types(il, bundle_type, bundle_layers, down_type)
-        lkey: dict[str, Any] = {}
         dkey = ""
         if work is not None:
             if il not in down_cache:
                 down_cache[il], dkey = work.down(model, il, ref)
             else:
                 dkey = key_hash(work.down_key(il, ref))
-            lkey = work.layer_key(il, plan, layer_type, ref, shipped.get(il))
-            got = work.dir.load("layer", lkey, il)
-            if got is not None:
-                try:
-                    ld, src = _layer_from_piece(*got, model.n_ff(il))
-                except (KeyError, ValueError, TypeError) as e:
-                    work.dir.recomputed.append(f"layer {il} ({e})")
-                else:
-                    down = down_cache[il]
-                    layers.append(ld)
-                    downs.append(down)
-                    types.append((ld.gate_type, ld.up_type, ld.down_type))
-                    sources.append(src)
-                    keys.append(key_hash(lkey))
-                    down_keys.append(dkey)
-                    work.progress.advance(step, 1, timed=False)
-                    work.progress.seed("layer", got[0].get("seconds"), 1)
-                    continue
-        gate_w = ffn["gate"].dequantized()
-        g_train = model.gate_values(il, gate_w, prof.train[il])
-        g_held = model.gate_values(il, gate_w, prof.heldout[il])
-        a_train, a_held = act(g_train), act(g_held)
-        mag_train, mag_held = np.abs(a_train), np.abs(a_held)
+        elif il not in down_cache:
+            down_cache[il] = bundles_mod.down_columns(ffn["down"], ref)
+        down = down_cache[il]
+        lkeys: list[dict[str, Any]] = []
+        done: dict[int, tuple[LayerData, str, float | None]] = {}  # plan index -> what the work directory holds
+        if work is not None:
+            for k, plan in enumerate(plans):
+                lkeys.append(work.layer_key(il, plan, layer_type, ref, shipped.get(il)))
+                got = work.dir.load("layer", lkeys[k], il)
+                if got is not None:
+                    try:
+                        ld, src = _layer_from_piece(*got, model.n_ff(il))
+                    except (KeyError, ValueError, TypeError) as e:
+                        work.dir.recomputed.append(f"layer {il} ({e})")
+                    else:
+                        done[k] = (ld, src, got[0].get("seconds"))
+        if len(done) < len(plans):
+            made = _plan_layer(model, prof, il, [p for k, p in enumerate(plans) if k not in done], score, act, ranks,
+                               recall, epochs, predictor, shipped.get(il), layer_type, down)
+            todo = [k for k in range(len(plans)) if k not in done]
+            seconds = (time.monotonic() - t_layer) / len(todo)
+            for k, (ld, src) in zip(todo, made):
+                done[k] = (ld, src, None)
+                if work is not None:
+                    values, arrays = _layer_piece(ld, src)
+                    work.dir.save("layer", lkeys[k], {**values, "seconds": seconds}, arrays, layer=il)
+        for k, pl in enumerate(out):
+            ld, src, _ = done[k]
+            pl.add(ld, down, (ld.gate_type, ld.up_type, ld.down_type), src,
+                   key_hash(lkeys[k]) if work is not None else "", dkey if work is not None else None)
+        if work is not None:
+            if all(s is not None for _, _, s in done.values()):  # every plan taken from the work directory
+                work.progress.advance(step, 1, timed=False)
+                work.progress.seed("layer", done[0][2], 1)
+            else:
+                work.progress.advance(step, 1)
+    return out
+
+
+def _plan_layer(model: ModelFfn, prof: Profile, il: int, plans: list[sp.SparsityPlan],
+                score: Callable[[np.ndarray], np.ndarray], act: Callable[[np.ndarray], np.ndarray], ranks: list[int],
+                recall: float, epochs: int, predictor: str, shipped: pred_mod.Predictor | None,
+                layer_type: QT | None, down: bundles_mod.DownColumns) -> list[tuple[LayerData, str]]:
+    """Layer il's LayerData and predictor source under each plan: the values every plan needs computed once."""
+    ffn = model.layers[il]
+    gate_w = ffn["gate"].dequantized()
+    g_train = model.gate_values(il, gate_w, prof.train[il])
+    g_held = model.gate_values(il, gate_w, prof.heldout[il])
+    a_train, a_held = act(g_train), act(g_held)
+    mag_train, mag_held = np.abs(a_train), np.abs(a_held)
+    method = plans[0].method
+    prod_train = prod_held = y_drelu = y_drelu_held = None
+    if method == "product":
+        up_w = ffn["up"].dequantized()
+        prod_train = np.abs(a_train * model.up_values(il, up_w, prof.train[il]))
+        prod_held = np.abs(a_held * model.up_values(il, up_w, prof.heldout[il]))
+        del up_w
+    elif model.activation == "drelu":
+        # active iff gate > 0 and up > 0: the predictor need not catch a neuron whose up is not positive
+        up_w = ffn["up"].dequantized()
+        # the training-free predictor needs labels on the validation rows only (a third of convert's time)
+        rows = slice(-pred_mod.validation_rows(len(prof.train[il])), None) if predictor == "svd" else slice(None)
+        y_drelu = (mag_train[rows] > 0) & (prof.train[il][rows] @ up_w.T > 0)
+        y_drelu_held = (mag_held > 0) & (prof.heldout[il] @ up_w.T > 0)
+        del up_w
+    del a_train, a_held
+    n_embd = model.n_embd
+    gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
+    up_t = layer_type if layer_type is not None else ffn["up"].qtype
+    costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
+    memo: dict[Any, Any] = {}  # the predictors' basis and outputs, shared by the plans
+    made: list[tuple[LayerData, str]] = []
+    for plan in plans:
         tp = 0.0
         y_train = y_held = None  # the active neurons, where they are not just mag > th
-        if plan.method == "product":
-            up_w = ffn["up"].dequantized()
-            prod_train = np.abs(a_train * model.up_values(il, up_w, prof.train[il]))
+        if method == "product":
+            assert prod_train is not None and prod_held is not None
             th, tp = sp.product_thresholds(plan, mag_train, prod_train)
             y_train = sp.active(mag_train, th, prod_train, tp)
-            y_held = sp.active(mag_held, th, np.abs(a_held * model.up_values(il, up_w, prof.heldout[il])), tp)
+            y_held = sp.active(mag_held, th, prod_held, tp)
             density = float(y_held.mean())
-            del up_w, prod_train
-        elif model.activation == "drelu":
-            # active iff gate > 0 and up > 0: the predictor need not catch a neuron whose up is not positive
-            up_w = ffn["up"].dequantized()
-            th = 0.0
-            # the training-free predictor needs labels on the validation rows only (a third of convert's time)
-            rows = slice(-pred_mod.validation_rows(len(prof.train[il])), None) if predictor == "svd" else slice(None)
-            y_train = (mag_train[rows] > 0) & (prof.train[il][rows] @ up_w.T > 0)
-            y_held = (mag_held > 0) & (prof.heldout[il] @ up_w.T > 0)
-            density = float(y_held.mean())
-            del up_w
+        elif y_drelu is not None and y_drelu_held is not None:
+            th, y_train, y_held = 0.0, y_drelu, y_drelu_held
+            density = float(y_drelu_held.mean())
         else:
             th = sp.layer_threshold(plan, mag_train)
             density = float(sp.active(mag_held, th).mean())
-        del a_train, a_held, mag_held
         # the ranking and the hot count follow the neurons whose gate passes th: those are the ones whose
         # bundles (gate, up and down) a token reads
         freq = sp.active(mag_train, th).mean(axis=0).astype(np.float32)
-        del mag_train
         order = sp.ranking(freq)
-        if il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"], ref)
-        down = down_cache[il]
-        n_embd = model.n_embd
-        gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
-        up_t = layer_type if layer_type is not None else ffn["up"].qtype
-        costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
-                                    shipped=shipped.get(il), gate_bias=model.biases.get(il, (None,))[0])
-        sources.append(fitted.source)
-        del g_train, g_held, y_train, y_held
+                                    shipped=shipped, gate_bias=model.biases.get(il, (None,))[0], memo=memo)
         p = fitted.predictor
-        types.append((int(gate_t), int(up_t), int(down.qtype)))
-        layers.append(LayerData(
+        made.append((LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
             recall=fitted.heldout.recall, precision=fitted.heldout.precision,
             predicted_density=fitted.heldout.density, hot_count=sp.hot_count(freq), bundle_size=0,
@@ -322,15 +355,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, ranks: l
             # an expert's neurons are as hot as they fire when it is routed times how often it is (a memory
             # budget's hot segment ranks neurons of all layers and experts by this)
             freq=freq * np.float32(prof.expert_share[il]) if prof.expert_share else freq,
-            product_threshold=tp))
-        downs.append(down)
-        if work is not None:
-            values, arrays = _layer_piece(layers[-1], fitted.source)
-            work.dir.save("layer", lkey, {**values, "seconds": time.monotonic() - t_layer}, arrays, layer=il)
-            keys.append(key_hash(lkey))
-            down_keys.append(dkey)
-            work.progress.advance(step, 1)
-    return _Planned(layers, downs, types, sources, keys, down_keys)
+            product_threshold=tp), fitted.source))
+    return made
 
 
 def _predictor_hash(p: pred_mod.Predictor) -> str:
@@ -354,19 +380,23 @@ def _lower_downs(model: ModelFfn, planned: _Planned) -> list[int]:
 
 def _downs_at_row_type(model: ModelFfn, planned: _Planned, work: _Work | None = None) -> _Planned | None:
     """planned with the down columns of every layer whose model down type has more bits than its gate/up rows'
-    re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down. The
-    predictors stay as fitted (their read costs counted the model's down type)."""
+    re-quantized at the rows' type (Q4_K_M's Q6_K downs at Q4_K); None where no layer has such a down."""
     lower = _lower_downs(model, planned)
-    if not lower:
-        return None
+    return _with_downs(model, planned, {il: QT(planned.types[il][0]) for il in lower}, work) if lower else None
+
+
+def _with_downs(model: ModelFfn, planned: _Planned, refs: dict[int, QT], work: _Work | None = None) -> _Planned:
+    """planned with layer il's down columns measured against refs[il]. The predictors stay as fitted: a predictor's
+    width is chosen by the bytes it makes a token read, and the down columns' share of those is the same at every
+    width (active neurons times a column's bytes), so the choice is the one a plan against refs would make."""
     layers, downs, types = list(planned.layers), list(planned.downs), list(planned.types)
     down_keys = list(planned.down_keys)
-    for il in lower:
+    for il, ref in refs.items():
         g, u, _ = types[il]
         if work is not None:
-            down, down_keys[il] = work.down(model, il, QT(g))
+            down, down_keys[il] = work.down(model, il, ref)
         else:
-            down = bundles_mod.down_columns(model.layers[il]["down"], QT(g))
+            down = bundles_mod.down_columns(model.layers[il]["down"], ref)
         downs[il], types[il] = down, (g, u, int(down.qtype))
         layers[il] = dataclasses.replace(layers[il], down_type=int(down.qtype), down_tolerance=down.tolerance,
                                          down_error=down.max_error)
@@ -705,19 +735,28 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     down_cache: dict[int, bundles_mod.DownColumns] = {}
     choice: list[str] = []
 
-    def plan_at(target: float | None, down: QT | None = down_qt,
-                cache: dict[int, bundles_mod.DownColumns] = down_cache) -> tuple[sp.SparsityPlan, _Planned]:
+    planned_at: dict[float | None, _Planned] = {}
+
+    def plan_at(target: float | None, beside: tuple[float | None, ...] = ()) -> tuple[sp.SparsityPlan, _Planned]:
+        """The plan at target, and those at the targets beside it made in the same pass (kept for a later call)."""
         plan_k = dataclasses.replace(plan, target=target)
-        step = f"layers {label(target)}" + (f" {down.name} down" if down is not down_qt and down is not None else "")
+        if target in planned_at:
+            return plan_k, planned_at[target]
+        step = f"layers {label(target)}"
         progress.expect(step, "layer", n_sparse)
         progress.begin(step, f"planning {n_sparse} layers at {label(target)}"
-                       + (f", down columns against {down.name}" if down is not down_qt and down is not None else ""))
-        planned = _plan_layers(model, prof, plan_k, ranks, o.recall, o.epochs, o.predictor, shipped, cache,
-                               bundle_qt, down, bundle_layers, o.progress, whole, work, step)
+                       + (f" (and at {', '.join(label(t) for t in beside)} in the same pass)" if beside else ""))
+        made = _plan_layers(model, prof, [dataclasses.replace(plan, target=t) for t in (target, *beside)], ranks,
+                            o.recall, o.epochs, o.predictor, shipped, down_cache, bundle_qt, down_qt, bundle_layers,
+                            o.progress, whole, work, step)
+        planned_at.update(zip((target, *beside), made))
         progress.end(step)
-        return plan_k, planned
+        return plan_k, made[0]
 
-    plan_k, planned = plan_at(targets[0])
+    # the lowest target beside the first: where every layer's predictor selects nearly all neurons at the first
+    # (SiLU models), convert takes the lowest, and the pass that made the first made it too (the gate and up values,
+    # the predictors' basis and outputs are the same for every target)
+    plan_k, planned = plan_at(targets[0], tuple(targets[-1:]) if adaptive and len(targets) > 1 else ())
     if adaptive and all(ld.predicted_density >= DENSE_PREDICTION for ld in planned.layers):
         # each token reads every bundle at any target: the lowest keeps the most quality for the same bytes
         choice.append(f"sparsity {targets[-1]:.2f}: at {targets[0]:.2f} every layer's predictor already selects "
@@ -811,7 +850,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
         if k > 0:
             for step, kind in ((f"write {label(target)}", "write"), (f"perplexity {label(target)}", "ppl_sparse")):
                 progress.expect(step, kind, model.n_layer if kind == "write" else score_tokens)
-            plan_k, planned = plan_at(target)
+            # the targets after it in the same pass: the shared work is most of a layer's
+            plan_k, planned = plan_at(target, tuple(t for t in targets[k + 1:] if t not in planned_at))
         meta, ppl = measure(plan_k, planned, label(target))
         if ppl is None:
             best = None
@@ -849,7 +889,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
         what = f"{HIGHER_DOWN_TYPE.name} down columns"
         progress.expect(f"write {what}", "write", model.n_layer)
         progress.expect(f"perplexity {what}", "ppl_sparse", score_tokens)
-        plan_k, planned = plan_at(best[0].target, HIGHER_DOWN_TYPE, {})
+        plan_k, planned = best[0], _with_downs(model, best[1], {il: HIGHER_DOWN_TYPE for il in sparse_layers}, work)
         meta, ppl = measure(plan_k, planned, what)
         if ppl is not None:
             verdict = "within the budget" if within(ppl) else "still beyond the budget"

@@ -18,7 +18,9 @@ active neurons, so the capacity goes where a miss costs accuracy (docs/CONVERT.m
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -157,11 +159,12 @@ def train(x: np.ndarray, g: np.ndarray, y: np.ndarray, init: Predictor, epochs: 
 
 def cutoff_for_recall(score: np.ndarray, y: np.ndarray, recall: float) -> float:
     """The largest cutoff at which score > cutoff catches at least `recall` of the active (y) entries."""
-    pos = np.sort(score[y])
+    pos = score[y]
     if pos.size == 0:
         return float(np.max(score)) if score.size else 0.0
     k = min(max(int(np.floor((1.0 - recall) * pos.size)), 0), pos.size - 1)  # may miss k actives
-    return float(np.nextafter(pos[k], np.float32(-np.inf)))
+    # the k-th smallest by selection, not a sort of them all (Qwen2.5-1.5B: 10M scores a layer, rank and target)
+    return float(np.nextafter(np.partition(pos, k)[k], np.float32(-np.inf)))
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
               x_train: np.ndarray, g_train: np.ndarray, x_held: np.ndarray, g_held: np.ndarray,
               ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS,
               y_train: np.ndarray | None = None, y_held: np.ndarray | None = None, kind: str = DEFAULT_KIND,
-              shipped: Predictor | None = None, gate_bias: np.ndarray | None = None) -> Fitted:
+              shipped: Predictor | None = None, gate_bias: np.ndarray | None = None,
+              memo: dict[Any, Any] | None = None) -> Fitted:
     """Makes one predictor per candidate rank (kind svd: reduced-rank regression alone; trained: then
     `epochs` of Adam) and keeps the one with the fewest estimated bytes read
     per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
@@ -207,7 +211,9 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     only). The cutoff catches `recall` of the active neurons: a neuron the threshold admits but
     that is not active costs nothing when missed. shipped: a predictor the checkpoint came with, one more
     candidate measured the same way (source "checkpoint" when it is the cheapest). gate_bias: the bias g includes
-    beyond x gate^T (gpt-oss's experts), or None."""
+    beyond x gate^T (gpt-oss's experts), or None. memo: a dict shared by calls for the same layer, profile, score and
+    options that differ only in the threshold and labels (the sparsity targets of one layer): what does not depend
+    on them (the basis, kind svd's predictors and their scores) is computed by the first call and reused."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = validation_rows(xt.shape[0])
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
@@ -224,9 +230,12 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     if kind not in KINDS:
         raise ValueError(f"predictor kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
-    def weigh(pred: Predictor, source: str) -> None:
+    memo = {} if memo is None else memo
+
+    def weigh(pred: Predictor, source: str, s_val: np.ndarray | None = None) -> None:
         nonlocal best
-        s_val = score(pred.outputs(x_val))
+        if s_val is None:
+            s_val = score(pred.outputs(x_val))
         pred.cutoff = cutoff_for_recall(s_val, y_val, recall)
         q = Quality.measure(s_val > pred.cutoff, y_val)
         cost = costs.per_token(pred.rank, n_embd, n_ff, q.density, active)
@@ -234,17 +243,30 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
         if best is None or cost < best[0]:
             best = (cost, pred, q, source)
 
-    basis = rrr_basis(x_fit, gate_w)
+    if "basis" not in memo:
+        memo["basis"] = rrr_basis(x_fit, gate_w)
+    basis = memo["basis"]
     for r in ranks:
         r = max(2, min(r, 2 * basis.shape[0]))
-        pred = rrr_init(x_fit, gate_w, r, basis, gate_bias)
         if kind == "trained":
             assert y_fit is not None  # only an "svd" caller labels the validation rows alone
-            pred = train(x_fit, g_fit, y_fit, pred, epochs=epochs)
-        weigh(pred.as_stored(), kind)
+            pred = train(x_fit, g_fit, y_fit, rrr_init(x_fit, gate_w, r, basis, gate_bias), epochs=epochs)
+            weigh(pred.as_stored(), kind)
+            continue
+        if ("svd", r) not in memo:  # the same predictor whatever the labels: its validation scores kept with it
+            stored = rrr_init(x_fit, gate_w, r, basis, gate_bias).as_stored()
+            memo["svd", r] = (stored, score(stored.outputs(x_val)))
+        stored, s_val = memo["svd", r]
+        weigh(dataclasses.replace(stored), kind, s_val)
     if shipped is not None:
         weigh(shipped.as_stored(), "checkpoint")
     assert best is not None
     _, pred, q_val, source = best
-    q_held = Quality.measure(pred.predict(x_held, score), score(g_held) > threshold if y_held is None else y_held)
+    shared = source == "svd" and kind == "svd"  # an svd predictor is one per width: its held-out scores kept too
+    held = memo.get(("held", pred.rank)) if shared else None
+    if held is None:
+        held = score(pred.outputs(x_held))
+        if shared:
+            memo["held", pred.rank] = held
+    q_held = Quality.measure(held > pred.cutoff, score(g_held) > threshold if y_held is None else y_held)
     return Fitted(pred, q_held, q_val, tuple(tried), source)
