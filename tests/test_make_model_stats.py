@@ -86,6 +86,39 @@ def test_real_model_statistics_through_llama_cpp(real_model: tuple[Path, synthet
                 assert abs(got.steady[p][f] - fit.steady[p][f]) <= 0.07, (il, p, f, got.steady[p][f], fit.steady[p][f])
 
 
+@pytest.mark.parametrize("qtype, n_embd", [(QT.F32, 128), (QT.Q8_0, 512)])
+def test_one_pass_calibration_holds_through_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: QT,
+                                                      n_embd: int) -> None:
+    """stats real is calibrated on numpy's forward pass, layer by layer, and the model written once and profiled
+    once: the model as written, run through llama.cpp on the calibration text, gives every layer its density within
+    5% and its lag-1 overlap within 0.03 of the targets, the tolerances at which the earlier rounds (the whole model
+    rewritten and profiled through llama.cpp each round) stopped. Q8_0: the forward on the dequantized weights, and
+    the bias corrected for its quantization."""
+    from pi2_gguf.converter import profile
+
+    calls = {"write": 0, "profile": 0}
+    write, run = synthetic.write_gguf, profile.run_profile
+
+    def counted_write(*a: object, **k: object) -> Path:
+        calls["write"] += 1
+        return write(*a, **k)  # type: ignore[arg-type]
+
+    def counted_profile(*a: object, **k: object) -> profile.Profile:
+        calls["profile"] += 1
+        return run(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(synthetic, "write_gguf", counted_write)
+    monkeypatch.setattr(profile, "run_profile", counted_profile)
+    shape = synthetic.Shape(n_embd=n_embd, n_ff=1024, n_layer=4, n_head=4, n_head_kv=2, n_ctx=512)
+    report = synthetic.make(tmp_path / "m.gguf", shape, synthetic.Sparsity(density=0.10, stats="real"), "relu", qtype,
+                            calib_tokens=1024, heldout_tokens=64, progress=False)
+    assert calls == {"write": 1, "profile": 1}
+    for il, r in enumerate(report):
+        assert r.calib_density is not None and r.calib_overlap is not None and r.target_overlap is not None
+        assert abs(r.calib_density - r.target_density) <= 0.05 * r.target_density, (il, r.calib_density, r.target_density)
+        assert abs(r.calib_overlap - r.target_overlap) <= 0.03, (il, r.calib_overlap, r.target_overlap)
+
+
 def test_real_model_greedy_decode_walks(real_model: tuple[Path, synthetic._Weights, list]) -> None:
     """Greedy decode through llama.cpp from a short prompt: at least 90% distinct bigrams over 256 tokens (the
     output layer walks a cycle of real text's tokens instead of repeating one)."""
