@@ -11,7 +11,7 @@ from pi2_gguf.converter import bundles
 from pi2_gguf.runtime import native
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q6_K, QT.Q3_K, QT.F16, QT.F32, QT.Q4_0])
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q6_K, QT.Q3_K, QT.F16, QT.F32, QT.Q4_0, QT.Q4_1])
 @pytest.mark.parametrize("n_cols", [1, 4, 7, 13])
 def test_column_sums_match_numpy(qtype: QT, n_cols: int) -> None:
     rng = np.random.default_rng(n_cols)

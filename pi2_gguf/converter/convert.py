@@ -61,6 +61,9 @@ HIGHER_DOWN_TYPE = QT.Q8_0
 # - the output matrix's in-RAM copy in Q2_K with 1,024 exact rows instead of Q3_K with 64 (options.SMALL_OUTPUT_COPY);
 # - down columns at the gate/up rows' type where the model stores down more precisely (Q4_K_M's Q6_K downs, 14 of
 #   28 layers): 54 MB fewer bundle bytes, +1.7% against +1.3% over dense.
+# Where both apply they are measured together first (the step's name below), each alone only where together they
+# miss the budget.
+BOTH_LEVERS = "output copy and downs at the rows' type"
 
 
 @dataclass(frozen=True)
@@ -769,13 +772,15 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
         plan_k, planned = plan_at(targets[0])
     precision_free = adaptive and bundle_qt is None and down_qt is None
-    if precision_free and rows is not None and o.output_rows is None and o.output_copy is None:
-        # the levers a held budget measures (they are dropped again where it does not hold)
-        progress.expect("write output copy", "write", model.n_layer)
-        progress.expect("perplexity output copy", "ppl_sparse", score_tokens)
-    if precision_free and _lower_downs(model, planned):
-        progress.expect("write downs at the rows' type", "write", model.n_layer)
-        progress.expect("perplexity downs at the rows' type", "ppl_sparse", score_tokens)
+    # the levers a held budget measures (they are dropped again where it does not hold): both together where both
+    # apply, each alone where only one does (or together they miss the budget, decided then)
+    copy_lever = precision_free and rows is not None and o.output_rows is None and o.output_copy is None
+    down_lever = precision_free and bool(_lower_downs(model, planned))
+    for lever, on in ((BOTH_LEVERS, copy_lever and down_lever), ("output copy", copy_lever and not down_lever),
+                      ("downs at the rows' type", down_lever and not copy_lever)):
+        if on:
+            progress.expect(f"write {lever}", "write", model.n_layer)
+            progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons,
@@ -879,9 +884,9 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                          f"+{budget:.1%}: {lever}")
 
     if best is None or not within(best[3]):  # the levers below run only where the budget holds
-        for step in ("write output copy", "perplexity output copy", "write downs at the rows' type",
-                     "perplexity downs at the rows' type"):
-            progress.drop(step)
+        for lever in (BOTH_LEVERS, "output copy", "downs at the rows' type"):
+            progress.drop(f"write {lever}")
+            progress.drop(f"perplexity {lever}")
     if best is not None and precision_free and not within(best[3]) and any(
             bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE)
             for d in best[1].downs if d is not None):
@@ -901,8 +906,31 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 best = (plan_k, planned, meta, ppl)
 
     if best is not None and precision_free and within(best[3]):
-        # fewer bytes a token under a budget, each kept only within the budget
-        if rows is not None and o.output_rows is None and o.output_copy is None:
+        # fewer bytes a token under a budget, each kept only within the budget: both levers measured together first
+        # (one held-out run where both hold, as on Qwen2.5-1.5B), each alone where together they do not
+        lowered = _downs_at_row_type(model, best[1], work)
+        n_low = sum(a != b for a, b in zip(lowered.types, best[1].types)) if lowered is not None else 0
+        alone = True
+        if copy_lever and lowered is not None:
+            rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
+            meta, ppl = measure(best[0], lowered, BOTH_LEVERS)
+            what = (f"output matrix's copy in {copy.upper()} with {rows} exact rows and down columns at the rows' "
+                    f"type in {n_low} layers, together")
+            if ppl is not None and within(ppl):
+                notes.append(f"{what}: {rel(ppl)} (Q3_K with {DEFAULT_OUTPUT_ROWS} rows and the model's down types: "
+                             f"{rel(best[3])}), both kept")
+                choice.append(f"down columns at the gate/up rows' type in {n_low} layers ({rel(ppl)} with the output "
+                              f"copy; the model's types and Q3_K {rel(best[3])})")
+                best = (best[0], lowered, meta, ppl)
+                alone = False
+            else:
+                notes.append(f"{what}: {rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; each "
+                             "measured alone")
+                rows, copy = DEFAULT_OUTPUT_ROWS, None
+                for lever in ("output copy", "downs at the rows' type"):
+                    progress.expect(f"write {lever}", "write", model.n_layer)
+                    progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
+        if alone and copy_lever:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
             meta, ppl = measure(best[0], best[1], "output copy")
             if ppl is not None and within(ppl):
@@ -913,10 +941,9 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: "
                              f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; Q3_K kept")
                 rows, copy = DEFAULT_OUTPUT_ROWS, None
-        lowered = _downs_at_row_type(model, best[1], work)
-        if lowered is not None:
+        if alone and lowered is not None:
             meta, ppl = measure(best[0], lowered, "downs at the rows' type")
-            n = sum(a != b for a, b in zip(lowered.types, best[1].types))
+            n = n_low
             if ppl is not None and within(ppl):
                 notes.append(f"down columns at the rows' type in {n} layers: {rel(ppl)} (the model's types: "
                              f"{rel(best[3])}), kept")

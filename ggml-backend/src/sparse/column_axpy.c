@@ -239,6 +239,55 @@ static void pi2_axpy4_q8_0(int64_t n, float * restrict y, const float * a, const
     }
 }
 
+// Q4_0 and Q4_1 (SmolLM2's type, and the columns of Q4_0 models): a block is 32 values, the low nibbles of its 16
+// bytes the first 16, the high ones the last; value = d * q + offset, the offset -8 d (Q4_0) or m (Q4_1). The four
+// columns' offsets are summed before touching y, as for Q4_K.
+static inline void pi2_axpy4_q4_block(float * restrict yb, const uint8_t * const * q, const pi2_vf * s, float o) {
+    const pi2_vf vo = pi2_vset1(o);
+    for (int l = 0; l < 16; l += PI2_VW) {
+        pi2_vf lo = pi2_vsub(pi2_vload(yb + l), vo);
+        pi2_vf hi = pi2_vsub(pi2_vload(yb + l + 16), vo);
+        for (int c = 0; c < 4; ++c) {
+            const pi2_vi v = pi2_vload_u8(q[c] + l);
+            lo = pi2_vfma(pi2_vlow4(v), s[c], lo);
+            hi = pi2_vfma(pi2_vhigh4(v), s[c], hi);
+        }
+        pi2_vstore(yb + l, lo);
+        pi2_vstore(yb + l + 16, hi);
+    }
+}
+
+static void pi2_axpy4_q4_0(int64_t n, float * restrict y, const float * a, const void * const * cols) {
+    const block_q4_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
+    for (int64_t i = 0; i < n / QK4_0; ++i) {
+        pi2_vf s[4];
+        const uint8_t * q[4];
+        float o = 0.0f;
+        for (int c = 0; c < 4; ++c) {
+            const float d = a[c] * _cvtsh_ss(b[c][i].d);
+            s[c] = pi2_vset1(d);
+            q[c] = b[c][i].qs;
+            o += 8.0f * d;
+        }
+        pi2_axpy4_q4_block(y + i * QK4_0, q, s, o);
+    }
+}
+
+static void pi2_axpy4_q4_1(int64_t n, float * restrict y, const float * a, const void * const * cols) {
+    const block_q4_1 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
+    for (int64_t i = 0; i < n / QK4_1; ++i) {
+        pi2_vf s[4];
+        const uint8_t * q[4];
+        float o = 0.0f;
+        for (int c = 0; c < 4; ++c) {
+            s[c] = pi2_vset1(a[c] * _cvtsh_ss(b[c][i].d));
+            q[c] = b[c][i].qs;
+            o -= a[c] * _cvtsh_ss(b[c][i].m);
+        }
+        pi2_axpy4_q4_block(y + i * QK4_1, q, s, o);
+    }
+}
+
 static void pi2_axpy4_q6_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
     const block_q6_K * b[4] = { cols[0], cols[1], cols[2], cols[3] };
     const __m256i m4 = _mm256_set1_epi32(0xF), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
@@ -325,6 +374,8 @@ void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a
         case GGML_TYPE_Q8_0: pi2_axpy4_q8_0(n, y, a, cols); return;
         case GGML_TYPE_Q6_K: pi2_axpy4_q6_k(n, y, a, cols); return;
         case GGML_TYPE_Q3_K: pi2_axpy4_q3_k(n, y, a, cols); return;
+        case GGML_TYPE_Q4_0: pi2_axpy4_q4_0(n, y, a, cols); return;
+        case GGML_TYPE_Q4_1: pi2_axpy4_q4_1(n, y, a, cols); return;
         default: break;
     }
 #endif
