@@ -11,11 +11,11 @@ until the densities hold through the whole depth), and the result profiled again
 report the density it really has. Gate rows are low-rank plus noise, as trained FFNs are, so a
 predictor can learn them.
 
-stats "real" (the default) is calibrated in one pass instead, the model written once (_make_real): numpy runs
+stats "real" (make_model's default) is calibrated in one pass instead, the model written once (_make_real): numpy runs
 llama's forward over the calibration text on the weights as quantized, layer by layer, and each layer is
 calibrated on its FFN inputs once the layers before it are final; the model as written is then profiled through
 llama.cpp once, to check the calibration and to report on held-out text. A 32-layer 4096 x 14336 Q4_K model (4 GB)
-is made so in about 20 minutes on 2 cores, where the rounds took 11 minutes for a 0.39 GB one.
+was made so in 15.5 minutes on 2 cores, where the rounds took 11 minutes for a 0.39 GB one.
 """
 
 from __future__ import annotations
