@@ -943,15 +943,14 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 rows, copy = DEFAULT_OUTPUT_ROWS, None
         if alone and lowered is not None:
             meta, ppl = measure(best[0], lowered, "downs at the rows' type")
-            n = n_low
             if ppl is not None and within(ppl):
-                notes.append(f"down columns at the rows' type in {n} layers: {rel(ppl)} (the model's types: "
+                notes.append(f"down columns at the rows' type in {n_low} layers: {rel(ppl)} (the model's types: "
                              f"{rel(best[3])}), kept")
-                choice.append(f"down columns at the gate/up rows' type in {n} layers ({rel(ppl)}; the model's types "
+                choice.append(f"down columns at the gate/up rows' type in {n_low} layers ({rel(ppl)}; the model's types "
                               f"{rel(best[3])})")
                 best = (best[0], lowered, meta, ppl)
             else:
-                notes.append(f"down columns at the rows' type in {n} layers: "
+                notes.append(f"down columns at the rows' type in {n_low} layers: "
                              f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; the model's kept")
 
     if rows is not None:

@@ -176,6 +176,24 @@ static inline pi2_vf pi2_vlow4(pi2_vi v) { return _mm256_cvtepi32_ps(_mm256_and_
 static inline pi2_vf pi2_vhigh4(pi2_vi v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
 #endif
 
+// y[l] += sum_c s_lo[c] * (low nibble of q[c][l]) - o_lo and y[l + half] likewise with the high nibbles, for l below
+// half (32 for a Q4_K sub-block pair, 16 for a Q4_0/Q4_1 block): the four columns' nibbles of one run of bytes.
+static inline void pi2_axpy4_nibbles(float * restrict yb, const uint8_t * const * q, const pi2_vf * s_lo,
+                                     const pi2_vf * s_hi, float o_lo, float o_hi, int half) {
+    const pi2_vf vo_lo = pi2_vset1(o_lo), vo_hi = pi2_vset1(o_hi);
+    for (int l = 0; l < half; l += PI2_VW) {
+        pi2_vf lo = pi2_vsub(pi2_vload(yb + l), vo_lo);
+        pi2_vf hi = pi2_vsub(pi2_vload(yb + l + half), vo_hi);
+        for (int c = 0; c < 4; ++c) {
+            const pi2_vi v = pi2_vload_u8(q[c] + l);
+            lo = pi2_vfma(pi2_vlow4(v), s_lo[c], lo);
+            hi = pi2_vfma(pi2_vhigh4(v), s_hi[c], hi);
+        }
+        pi2_vstore(yb + l, lo);
+        pi2_vstore(yb + l + half, hi);
+    }
+}
+
 // Four columns per pass: y is loaded and stored once for four neurons instead of once each, which is
 // what bounded the one-column loops. Offsets (the Q4_K mins) of the four are summed before touching y.
 static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const void * const * cols) {
@@ -201,18 +219,7 @@ static void pi2_axpy4_q4_k(int64_t n, float * restrict y, const float * a, const
                 o1 += dm[c] * m1;
                 o2 += dm[c] * m2;
             }
-            const pi2_vf vo1 = pi2_vset1(o1), vo2 = pi2_vset1(o2);
-            for (int l = 0; l < 32; l += PI2_VW) {
-                pi2_vf lo = pi2_vsub(pi2_vload(yb + l), vo1);
-                pi2_vf hi = pi2_vsub(pi2_vload(yb + l + 32), vo2);
-                for (int c = 0; c < 4; ++c) {
-                    const pi2_vi v = pi2_vload_u8(q[c] + l);
-                    lo = pi2_vfma(pi2_vlow4(v), s1[c], lo);
-                    hi = pi2_vfma(pi2_vhigh4(v), s2[c], hi);
-                }
-                pi2_vstore(yb + l, lo);
-                pi2_vstore(yb + l + 32, hi);
-            }
+            pi2_axpy4_nibbles(yb, q, s1, s2, o1, o2, 32);
             for (int c = 0; c < 4; ++c) {
                 q[c] += 32;
             }
@@ -242,21 +249,6 @@ static void pi2_axpy4_q8_0(int64_t n, float * restrict y, const float * a, const
 // Q4_0 and Q4_1 (SmolLM2's type, and the columns of Q4_0 models): a block is 32 values, the low nibbles of its 16
 // bytes the first 16, the high ones the last; value = d * q + offset, the offset -8 d (Q4_0) or m (Q4_1). The four
 // columns' offsets are summed before touching y, as for Q4_K.
-static inline void pi2_axpy4_q4_block(float * restrict yb, const uint8_t * const * q, const pi2_vf * s, float o) {
-    const pi2_vf vo = pi2_vset1(o);
-    for (int l = 0; l < 16; l += PI2_VW) {
-        pi2_vf lo = pi2_vsub(pi2_vload(yb + l), vo);
-        pi2_vf hi = pi2_vsub(pi2_vload(yb + l + 16), vo);
-        for (int c = 0; c < 4; ++c) {
-            const pi2_vi v = pi2_vload_u8(q[c] + l);
-            lo = pi2_vfma(pi2_vlow4(v), s[c], lo);
-            hi = pi2_vfma(pi2_vhigh4(v), s[c], hi);
-        }
-        pi2_vstore(yb + l, lo);
-        pi2_vstore(yb + l + 16, hi);
-    }
-}
-
 static void pi2_axpy4_q4_0(int64_t n, float * restrict y, const float * a, const void * const * cols) {
     const block_q4_0 * b[4] = { cols[0], cols[1], cols[2], cols[3] };
     for (int64_t i = 0; i < n / QK4_0; ++i) {
@@ -269,7 +261,7 @@ static void pi2_axpy4_q4_0(int64_t n, float * restrict y, const float * a, const
             q[c] = b[c][i].qs;
             o += 8.0f * d;
         }
-        pi2_axpy4_q4_block(y + i * QK4_0, q, s, o);
+        pi2_axpy4_nibbles(y + i * QK4_0, q, s, s, o, o, 16);
     }
 }
 
@@ -284,7 +276,7 @@ static void pi2_axpy4_q4_1(int64_t n, float * restrict y, const float * a, const
             q[c] = b[c][i].qs;
             o -= a[c] * _cvtsh_ss(b[c][i].m);
         }
-        pi2_axpy4_q4_block(y + i * QK4_1, q, s, o);
+        pi2_axpy4_nibbles(y + i * QK4_1, q, s, s, o, o, 16);
     }
 }
 
