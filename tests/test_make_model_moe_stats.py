@@ -103,3 +103,32 @@ def test_moe_bad_flags_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert e.value.code == 2
         assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_calibration_patches_in_place_what_a_fresh_write_writes(real_moe: tuple[Path, list], tmp_path: Path) -> None:
+    """A model is written once and calibration patches its routers in place (a 12-17 GB model is not written again
+    each round): the patched file is byte for byte the file a fresh write of the patched weights gives; a patch of
+    another size or type is refused; a made model leaves no work file beside it."""
+    from gguf import GGUFReader
+
+    path, _ = real_moe
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    shape = synthetic_moe.MoeShape(n_embd=64, n_ff=128, n_layer=2, n_head=2, n_head_kv=1, n_expert=8, n_expert_used=2)
+    tok = synthetic._tokenizer_fields(GGUFReader(path, "r"))
+    w = synthetic_moe._MoeWeights(shape, synthetic.Sparsity(stats="real"), synthetic_moe.Routing(), "silu", 0.0,
+                                  synthetic._n_vocab(tok), 0)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    synthetic_moe.write_moe_model(a, w, tok, "qwen3moe", QT.Q8_0, "m", progress=False)
+    before = a.read_bytes()
+    w.route_mix = [(0.5, 2.0, 3.0, 0.1), (1.5, 0.2, 0.3, 0.7)]
+    synthetic.patch_tensors(a, {f"blk.{il}.ffn_gate_inp.weight": synthetic.as_tensor(w.router(il), QT.F32)
+                                for il in range(2)})
+    synthetic_moe.write_moe_model(b, w, tok, "qwen3moe", QT.Q8_0, "m", progress=False)
+    assert a.read_bytes() == b.read_bytes() != before
+    from pi2_gguf.errors import Pi2Error
+
+    with pytest.raises(Pi2Error, match="ffn_gate_inp.weight is F32 of 2048 bytes; the patch is F32 of 1024"):
+        synthetic.patch_tensors(a, {"blk.0.ffn_gate_inp.weight": synthetic.as_tensor(np.zeros((4, 64), np.float32), QT.F32)})
+    with pytest.raises(Pi2Error, match="no tensor blk.9.ffn_gate_inp.weight"):
+        synthetic.patch_tensors(a, {"blk.9.ffn_gate_inp.weight": synthetic.as_tensor(w.router(0), QT.F32)})
+    assert a.read_bytes() == b.read_bytes()

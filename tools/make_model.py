@@ -16,6 +16,7 @@ Such a model's text is meaningless; its sparsity, routing and size are the point
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 import sys
 from pathlib import Path
@@ -165,7 +166,8 @@ def _make_moe(args: argparse.Namespace, qtype: QT) -> int:
           + " | ".join(f"LRU {c} experts" for c in sizes))
     for x in report:
         il = x.layer
-        print(f"{il:5d} | {x.target_density:14.3f} | {x.density:27.3f} | {x.top_expert_share:18.3f} | "
+        measured = "-" if math.isnan(x.density) else f"{x.density:.3f}"
+        print(f"{il:5d} | {x.target_density:14.3f} | {measured:>27s} | {x.top_expert_share:18.3f} | "
               + " | ".join(f"{x.lru_hits[c]:13.3f}" for c in sizes))
     mean = {c: sum(x.lru_hits[c] for x in report) / len(report) for c in sizes}
     print("mean LRU hit rate by cache size (this layer's experts): "

@@ -278,7 +278,9 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
     s = shape
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
     try:
-        gw = GGUFWriter(tmp, arch)
+        # use_temp_file: each tensor goes to a spool file as it is added, so a model larger than RAM is written
+        # without holding its tensors (a 12-17 GB MoE model)
+        gw = GGUFWriter(tmp, arch, use_temp_file=True)
         gw.add_name(name)
         gw.add_context_length(s.n_ctx)
         gw.add_embedding_length(s.n_embd)
@@ -318,6 +320,26 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def patch_tensors(path: Path, tensors: dict[str, tuple]) -> None:
+    """Overwrites tensors of a GGUF in place (name -> add_tensor arguments), each the same type and size as the one
+    it replaces: calibration changes a few small tensors (routers, attention values, the output walk) of a model
+    too large to write again each round. Not atomic: the caller patches a file it has not yet renamed into place."""
+    reader = GGUFReader(path, "r+")
+    by_name = {t.name: t for t in reader.tensors}
+    for name, (data, _raw_shape, raw_dtype) in tensors.items():
+        t = by_name.get(name)
+        if t is None:
+            raise Pi2Error(f"{path} has no tensor {name} to patch")
+        want = QT.F32 if raw_dtype is None and data.dtype == np.float32 else \
+            QT.F16 if raw_dtype is None and data.dtype == np.float16 else raw_dtype
+        if t.tensor_type != want or t.data.nbytes != data.nbytes:
+            raise Pi2Error(f"{path}: tensor {name} is {t.tensor_type.name} of {t.data.nbytes} bytes; the patch is "
+                           f"{want.name if want is not None else data.dtype} of {data.nbytes}")
+        t.data.reshape(-1).view(np.uint8)[:] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    reader.data.flush()
+    del reader
 
 
 def _embd_type(qtype: QT) -> QT:

@@ -39,7 +39,7 @@ from .profile import FFN_INPUT, FFN_INPUT_OF_ARCH, routed_experts
 from . import activation_stats
 from .activation_stats import ActivationStats
 from .synthetic import (ACTIVATIONS, FATRELU_THRESHOLD, STATS_MODES, WALK_TOKENS, Sparsity, _n_vocab, _tokenizer_fields,
-                        as_tensor, walk_output, walk_tokens, write_gguf)
+                        as_tensor, patch_tensors, walk_output, walk_tokens, write_gguf)
 
 ARCHS = ("llama", "qwen3moe", "smallthinker", "gpt-oss", "deepseek2")
 # gpt-oss's graph computes SwiGLU-OAI whatever a file states, on biased experts: the model states no activation and
@@ -345,6 +345,16 @@ class _MoeWeights:
                 "attn_output": o}
 
 
+def moe_tensor_type(k: str, arch: str, qtype: QT) -> QT:
+    """The type a layer tensor (name suffix k) is written in, in a model of matrices in qtype."""
+    # MXFP4 is the experts' type (gpt-oss's published files): the other matrices Q8_0
+    if k == "ffn_gate_inp" or k.endswith(".bias"):  # the router and biases stay f32 (ADD_ID adds f32 only)
+        return QT.F32
+    if arch == "deepseek2" and k.startswith("attn_") and qtype not in (QT.F32, QT.F16):
+        return QT.Q8_0  # its latent attention has rows of 128 (k_b): Q8_0, as its published files keep it
+    return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
+
+
 def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qtype: QT, name: str,
                     progress: bool = True) -> Path:
     """Writes the GGUF atomically (synthetic.write_gguf), with the expert hyperparameters."""
@@ -371,14 +381,6 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
             gw.add_key_length_mla(MLA_NOPE + MLA_ROPE)
             gw.add_value_length_mla(MLA_V)
 
-    def tensor_type(k: str) -> QT:
-        # MXFP4 is the experts' type (gpt-oss's published files): the other matrices Q8_0
-        if k == "ffn_gate_inp" or k.endswith(".bias"):  # the router and biases stay f32 (ADD_ID adds f32 only)
-            return QT.F32
-        if arch == "deepseek2" and k.startswith("attn_") and qtype not in (QT.F32, QT.F16):
-            return QT.Q8_0  # its latent attention has rows of 128 (k_b): Q8_0, as its published files keep it
-        return QT.Q8_0 if qtype == QT.MXFP4 and "_exps" not in k else qtype
-
     embeddings = w.embeddings()
     out_type = QT.Q8_0 if qtype == QT.MXFP4 else QT.F16 if qtype == QT.F32 else qtype
     output = as_tensor(embeddings, QT.Q8_0 if qtype == QT.MXFP4 else qtype) if arch == "gpt-oss" else None
@@ -386,14 +388,14 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
         output = as_tensor(walk_output(embeddings, w.walk, 1 + w.n_ctx_dims), out_type)
     return write_gguf(path, arch, name, s, tok_fields, None if arch in ARCH_BUILT_ACTIVATION else w.activation, w.threshold,
                       "synthetic MoE model made by pi2-gguf tools/make_model.py: its text is meaningless", embeddings,
-                      lambda il: {k: as_tensor(a, tensor_type(k)) for k, a in w.layer(il, arch).items()},
+                      lambda il: {k: as_tensor(a, moe_tensor_type(k, arch, qtype)) for k, a in w.layer(il, arch).items()},
                       qtype, hparams, progress, output=output)
 
 
 @dataclass(frozen=True)
 class MoeLayerReport:
     target_density: float    # mean target firing frequency inside the experts
-    density: float           # measured: fired gates / neurons of the routed experts (held-out text)
+    density: float           # measured: fired gates / neurons of the routed experts (held-out text; nan: SiLU)
     top_expert_share: float  # share of routed choices that went to the layer's most used expert
     lru_hits: dict[int, float]  # cache size in experts (this layer's) -> LRU hit rate over the tokens
     layer: int = -1             # the model layer (deepseek2's dense first layers have no report)
@@ -601,8 +603,12 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None
     for il in lg:  # the layers with routed experts
         x = xs[il].astype(np.float32)
         routed = routed_experts(lg[il], s.n_expert_used)
-        gates = w.layer(il, arch)["ffn_gate_exps"]
-        fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
+        if w.activation == "silu":  # every neuron computes: no density to measure (and no layer to regenerate)
+            density = float("nan")
+        else:
+            gates = w.layer(il, arch)["ffn_gate_exps"]
+            fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
+            density = fired / (routed.size * s.n_ff)
         counts = np.bincount(routed.ravel(), minlength=s.n_expert)
         target = float(np.mean([w.freq(il, e).mean() for e in range(s.n_expert)]))
         rank = None
@@ -616,7 +622,7 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None
         if pos not in fits:
             fits[pos] = activation_stats.working_set_fit_stats(s.n_expert, s.n_expert_used, active.shape[0], pos,
                                                                calib_tokens=n_calib)
-        out.append(MoeLayerReport(target, fired / (routed.size * s.n_ff), float(counts.max() / counts.sum()),
+        out.append(MoeLayerReport(target, density, float(counts.max() / counts.sum()),
                                   {c: lru_hit_rate(list(routed), c) for c in sizes}, il, st, reuse, med,
                                   activation_stats.lru_hits(active, activation_stats.QWEN3_LRU_FRACTIONS), pos,
                                   fits[pos]))
@@ -673,59 +679,92 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
             f"-e{shape.n_expert}k{shape.n_expert_used}-d{sparsity.density:g}")
     if sparsity.stats == "real":
         name += "-real"
-    write_moe_model(out, w, tok_fields, arch, qtype, name, progress)
     corpus = corpus_mod.load(text) if (calib_tokens or heldout_tokens or sparsity.stats == "real") else None
-    if corpus is not None and sparsity.stats == "real":
-        w.walk = walk_tokens(out, corpus, min(WALK_TOKENS, w.n_vocab))
-        write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    if not (calib_tokens or heldout_tokens) or corpus is None:
-        return []
-    from ..runtime.runner import LlamaRunner
+    calib: list[int] = []
+    held: list[int] = []
+    if corpus is not None:
+        # text is tokenized with the tokenizer source's model (the synthetic model carries its tokenizer), so every
+        # token list is known before the model is written once
+        from ..runtime.runner import LlamaRunner
 
-    train_docs, held_docs = corpus.split()
-    def first_tokens(r: LlamaRunner, docs: list[str], n: int) -> list[int]:
-        toks: list[int] = []
-        for d in docs:
-            if len(toks) >= n:
-                break
-            toks += r.tokenize(d + "\n\n")
-        return toks[:n]
+        train_docs, held_docs = corpus.split()
 
-    with LlamaRunner(out, n_ctx=64) as r:  # tokens only
-        calib = first_tokens(r, train_docs, calib_tokens)
-        held = first_tokens(r, held_docs, heldout_tokens)
-    if len(calib) < calib_tokens or len(held) < heldout_tokens:
-        raise Pi2Error(f"the corpus {corpus.name} gives {len(calib)} calibration and {len(held)} held-out tokens; "
-                       f"{calib_tokens} and {heldout_tokens} were asked")
-    calib_lg: dict | None = None
-    if w.real and calib_tokens:
-        # routing as the [fit] working-set generator's: the session heads leave the calibration text's frequent tokens
-        # out, then each round fits the router's scales on the router inputs llama.cpp computed and the experts'
-        # neurons on the tokens that routing sends them
+        def first_tokens(r: LlamaRunner, docs: list[str], n: int) -> list[int]:
+            toks: list[int] = []
+            for d in docs:
+                if len(toks) >= n:
+                    break
+                toks += r.tokenize(d + "\n\n")
+            return toks[:n]
+
+        with LlamaRunner(tok_src, n_ctx=64) as r:
+            calib = first_tokens(r, train_docs, calib_tokens)
+            held = first_tokens(r, held_docs, heldout_tokens)
+        if len(calib) < calib_tokens or len(held) < heldout_tokens:
+            raise Pi2Error(f"the corpus {corpus.name} gives {len(calib)} calibration and {len(held)} held-out tokens; "
+                           f"{calib_tokens} and {heldout_tokens} were asked")
+        if sparsity.stats == "real":
+            w.walk = walk_tokens(tok_src, corpus, min(WALK_TOKENS, w.n_vocab))
+    real_routing = w.real and bool(calib_tokens) and corpus is not None
+    if real_routing:
+        # the session heads leave the calibration text's frequent tokens out (attention values, set before writing)
         tok_dims = w.ctx_slices()[2]
         counts = np.bincount(np.asarray(calib), minlength=w.n_vocab)
         n_freq = min(SESSION_FREQUENT_TOKENS, (tok_dims.stop - tok_dims.start) // 4)
         ids = np.argsort(-counts, kind="stable")[:n_freq]
         w.frequent_basis = np.linalg.qr(w.embeddings()[ids][:, tok_dims].T.astype(np.float64))[0].astype(np.float32)
-        write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-        window = min(heldout_tokens or 512, calib_tokens)
-        targets = route_targets(shape.n_expert, shape.n_expert_used, window)
-        fitted = None
-        for _ in tqdm(range(rounds), desc="calibrate routing and experts", unit="round", disable=not progress):
-            cx, _, crx = routing_profile(out, calib, shape.n_layer, threads, arch, window, router_input=True)
-            fitted = route_fit(w, crx, window, targets, fitted)
-            calib_lg = {il: crx[il].astype(np.float32) @ w.router(il).T for il in crx}
-            if activation != "silu":
-                _calibrate(w, arch, cx, calib_lg)
-            write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    elif calib_tokens and activation != "silu":
-        for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
-            cx, calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)
-            _calibrate(w, arch, cx, calib_lg)
-            write_moe_model(out, w, tok_fields, arch, qtype, name, progress=False)
-    elif calib_tokens:
-        calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)[1]
+    if not calib_tokens or corpus is None or (activation == "silu" and not real_routing):
+        write_moe_model(out, w, tok_fields, arch, qtype, name, progress)
+        if not heldout_tokens or corpus is None:
+            return []
+        calib_lg = routing_profile(out, calib, shape.n_layer, threads, arch)[1] if calib_tokens else None
+        held_x, held_lg = routing_profile(out, held, shape.n_layer, threads, arch)[:2]
+        return _report(w, arch, held_x, held_lg, calib_lg)
+    # Calibration rounds: the model is written once, under a name of its own, and each round patches in place the
+    # tensors calibration changes (routers; the experts' gates where they are sparse), then it is renamed into place
+    work = out.with_name(f".{out.name}.{os.getpid()}.making")
+    try:
+        write_moe_model(work, w, tok_fields, arch, qtype, name, progress)
+        calib_lg = _calibrate_rounds(work, w, arch, qtype, calib, heldout_tokens, rounds, threads, progress)
+        held_x, held_lg = routing_profile(work, held, shape.n_layer, threads, arch)[:2] if heldout_tokens else ({}, {})
+        work.replace(out)
+    except BaseException:
+        work.unlink(missing_ok=True)
+        raise
     if not heldout_tokens:
         return []
-    held_x, held_lg = routing_profile(out, held, shape.n_layer, threads, arch)[:2]
     return _report(w, arch, held_x, held_lg, calib_lg)
+
+
+def _calibrate_rounds(path: Path, w: _MoeWeights, arch: str, qtype: QT, calib: list[int], heldout_tokens: int,
+                      rounds: int, threads: int | None, progress: bool) -> dict:
+    """Calibrates the written model at path in place: stats "real" routing as the [fit] working-set generator's
+    (each round fits the router's scales on the router inputs llama.cpp computed), and ReLU-family experts' neurons
+    on the tokens that routing sends them. Returns the calibration text's router logits of the last round."""
+    s = w.shape
+    calib_lg: dict = {}
+
+    def patch(layers: list[int], gates: bool) -> None:
+        for il in layers:
+            names = {"ffn_gate_inp"} | ({"ffn_gate_exps"} if gates else set())
+            full = w.layer(il, arch) if gates else {"ffn_gate_inp": w.router(il)}
+            patch_tensors(path, {f"blk.{il}.{k}.weight": as_tensor(full[k], moe_tensor_type(k, arch, qtype))
+                                 for k in names if k in full})
+
+    if w.real:
+        window = min(heldout_tokens or 512, len(calib))
+        targets = route_targets(s.n_expert, s.n_expert_used, window)
+        fitted = None
+        for _ in tqdm(range(rounds), desc="calibrate routing and experts", unit="round", disable=not progress):
+            cx, _, crx = routing_profile(path, calib, s.n_layer, threads, arch, window, router_input=True)
+            fitted = route_fit(w, crx, window, targets, fitted)
+            calib_lg = {il: crx[il].astype(np.float32) @ w.router(il).T for il in crx}
+            if w.activation != "silu":
+                _calibrate(w, arch, cx, calib_lg)
+            patch(sorted(crx), w.activation != "silu")
+    else:
+        for _ in tqdm(range(rounds), desc="calibrate experts", unit="round", disable=not progress):
+            cx, calib_lg = routing_profile(path, calib, s.n_layer, threads, arch)
+            _calibrate(w, arch, cx, calib_lg)
+            patch(sorted(calib_lg), True)
+    return calib_lg
