@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--heldout-tokens", type=int, default=256)
     ap.add_argument("--max-rounds", type=int, default=6,
-                    help="calibration rounds at most (each rewrites the model; MoE models 3 at most); a dense model "
+                    help="calibration rounds at most (a dense --stats uniform model is rewritten each round; an MoE model, 3 "
+                         "rounds at most, is written once and its routers (and sparse experts' gates) patched in place); a dense model "
                          "stops once every layer's density on the calibration text is within 5%% of the target. "
                          "A dense --stats real model has no rounds: it is calibrated layer by layer on numpy's "
                          "forward pass and written once")

@@ -635,7 +635,8 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
              calib_tokens: int = 0, heldout_tokens: int = 0, rounds: int = 2,
              threads: int | None = None) -> list[MoeLayerReport]:
     """Writes a synthetic MoE model to path. With calib_tokens, the experts' biases are calibrated on that many
-    tokens of text (`rounds` times, each rewriting the model); with heldout_tokens, returns per-layer densities
+    tokens of text (`rounds` times; the model is written once and each round patches the tensors it changes in
+    place); with heldout_tokens, returns per-layer densities
     and routing measured on held-out text (else an empty list)."""
     from ..assets import corpus as corpus_mod
     from ..assets import models
