@@ -121,14 +121,14 @@ def test_calibration_patches_in_place_what_a_fresh_write_writes(real_moe: tuple[
     synthetic_moe.write_moe_model(a, w, tok, "qwen3moe", QT.Q8_0, "m", progress=False)
     before = a.read_bytes()
     w.route_mix = [(0.5, 2.0, 3.0, 0.1), (1.5, 0.2, 0.3, 0.7)]
-    synthetic.patch_tensors(a, {f"blk.{il}.ffn_gate_inp.weight": synthetic.as_tensor(w.router(il), QT.F32)
-                                for il in range(2)})
+    synthetic.patch_tensors(a, [(f"blk.{il}.ffn_gate_inp.weight", synthetic.as_tensor(w.router(il), QT.F32))
+                                for il in range(2)])
     synthetic_moe.write_moe_model(b, w, tok, "qwen3moe", QT.Q8_0, "m", progress=False)
     assert a.read_bytes() == b.read_bytes() != before
     from pi2_gguf.errors import Pi2Error
 
     with pytest.raises(Pi2Error, match="ffn_gate_inp.weight is F32 of 2048 bytes; the patch is F32 of 1024"):
-        synthetic.patch_tensors(a, {"blk.0.ffn_gate_inp.weight": synthetic.as_tensor(np.zeros((4, 64), np.float32), QT.F32)})
+        synthetic.patch_tensors(a, [("blk.0.ffn_gate_inp.weight", synthetic.as_tensor(np.zeros((4, 64), np.float32), QT.F32))])
     with pytest.raises(Pi2Error, match="no tensor blk.9.ffn_gate_inp.weight"):
-        synthetic.patch_tensors(a, {"blk.9.ffn_gate_inp.weight": synthetic.as_tensor(w.router(0), QT.F32)})
+        synthetic.patch_tensors(a, [("blk.9.ffn_gate_inp.weight", synthetic.as_tensor(w.router(0), QT.F32))])
     assert a.read_bytes() == b.read_bytes()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -322,13 +322,14 @@ def write_gguf(path: Path, arch: str, name: str, shape: Any, tok_fields: list, a
     return path
 
 
-def patch_tensors(path: Path, tensors: dict[str, tuple]) -> None:
-    """Overwrites tensors of a GGUF in place (name -> add_tensor arguments), each the same type and size as the one
-    it replaces: calibration changes a few small tensors (routers, attention values, the output walk) of a model
-    too large to write again each round. Not atomic: the caller patches a file it has not yet renamed into place."""
+def patch_tensors(path: Path, tensors: Iterable[tuple[str, tuple]]) -> None:
+    """Overwrites tensors of a GGUF in place ((name, add_tensor arguments) pairs, taken one at a time so a generator
+    holds one layer's at once; the file is opened once), each the same type and size as the one it replaces:
+    calibration changes a few tensors (routers; sparse experts' gates) of a model too large to write again each
+    round. Not atomic: the caller patches a file it has not yet renamed into place."""
     reader = GGUFReader(path, "r+")
     by_name = {t.name: t for t in reader.tensors}
-    for name, (data, _raw_shape, raw_dtype) in tensors.items():
+    for name, (data, _raw_shape, raw_dtype) in tensors:
         t = by_name.get(name)
         if t is None:
             raise Pi2Error(f"{path} has no tensor {name} to patch")

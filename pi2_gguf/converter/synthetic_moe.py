@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -746,11 +747,14 @@ def _calibrate_rounds(path: Path, w: _MoeWeights, arch: str, qtype: QT, calib: l
     calib_lg: dict = {}
 
     def patch(layers: list[int], gates: bool) -> None:
-        for il in layers:
-            names = {"ffn_gate_inp"} | ({"ffn_gate_exps"} if gates else set())
-            full = w.layer(il, arch) if gates else {"ffn_gate_inp": w.router(il)}
-            patch_tensors(path, {f"blk.{il}.{k}.weight": as_tensor(full[k], moe_tensor_type(k, arch, qtype))
-                                 for k in names if k in full})
+        def tensors() -> Iterator[tuple[str, tuple]]:  # a layer at a time: gates are regenerated whole
+            for il in layers:
+                full = w.layer(il, arch) if gates else {"ffn_gate_inp": w.router(il)}
+                for k in ("ffn_gate_inp", "ffn_gate_exps") if gates else ("ffn_gate_inp",):
+                    if k in full:
+                        yield f"blk.{il}.{k}.weight", as_tensor(full[k], moe_tensor_type(k, arch, qtype))
+
+        patch_tensors(path, tensors())
 
     if w.real:
         window = min(heldout_tokens or 512, len(calib))
