@@ -261,6 +261,27 @@ def test_deepseek2_shaped_model_from_flash(tmp_path: Path) -> None:
         assert flash.tokens == ram.tokens and flash.io["expert_bytes"] > 0 and flash.io["expert_misses"] > 0, (mode, flash.io)
 
 
+def test_deepseek2_lite_layout_at_its_layer_count(tmp_path: Path) -> None:
+    """At DeepSeek-V2-Lite's 27 layers llama.cpp reads a deepseek2 model without a query LoRA (one attn_q matrix, no
+    q_lora_rank key): make_moe writes that layout there (the LoRA one failed to load), and PI2 gives stock's tokens."""
+    from dataclasses import replace
+
+    path = tmp_path / "ds27.gguf"
+    shape = replace(_shape(8, 2), n_layer=27, n_head=2, n_head_kv=1, n_rot=synthetic_moe.MLA_ROPE, n_dense_lead=1,
+                    n_ff_dense=256, n_shared=1)
+    assert synthetic_moe.mla_lite(27, 1000) and not synthetic_moe.mla_lite(5, 1000)
+    synthetic_moe.make_moe(path, shape, synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5), "deepseek2",
+                           "silu", QT.Q8_0, progress=False)
+    r = GGUFReader(path)
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.attn_q.weight", "blk.26.attn_q.weight", "blk.26.ffn_gate_exps.weight"} <= names
+    assert not any(".attn_q_a" in n or ".attn_q_b" in n for n in names)
+    assert r.get_field("deepseek2.attention.q_lora_rank") is None
+    stock = greedy_in_subprocess(path, [PROMPT], 8, pi2=False, repack=False)[0]
+    held = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, settings={"layers": "all"})[0]
+    assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):

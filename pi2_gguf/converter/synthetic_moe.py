@@ -187,13 +187,12 @@ class _MoeWeights:
         if arch == "qwen3moe":
             w["attn_q_norm"] = np.ones(hd, np.float32)
             w["attn_k_norm"] = np.ones(hd, np.float32)
-        if arch == "deepseek2":
+        if arch == "deepseek2":  # latent attention in place of these (its lite layout has an attn_q of its own)
+            del w["attn_q"], w["attn_k"], w["attn_v"]
             w.update(self._mla(rng, x0, tok))
             if il < s.n_dense_lead:  # a dense FFN layer: no router, no experts
-                del w["attn_q"], w["attn_k"], w["attn_v"]
                 w.update(self._dense_ffn(rng, s.n_ff_dense, tok))
                 return w
-            del w["attn_q"], w["attn_k"], w["attn_v"]
         # router: token dimensions, context dimensions, and a Zipf bias in column 0
         r = np.zeros((s.n_expert, s.n_embd), np.float32)
         lam = self.routing.locality
@@ -339,11 +338,22 @@ class _MoeWeights:
         v_b = rng.standard_normal((s.n_head, MLA_V, MLA_KV_LORA), dtype=np.float32) / np.float32(np.sqrt(MLA_KV_LORA))
         o = np.zeros((s.n_embd, s.n_head * MLA_V), np.float32)
         o[1:1 + m, :] = rng.standard_normal((m, s.n_head * MLA_V), dtype=np.float32) * (4.0 / np.sqrt(s.n_head * MLA_V))
-        return {"attn_q_a": q_a, "attn_q_a_norm": np.ones(MLA_Q_LORA, np.float32),
-                "attn_q_b": q_b.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), MLA_Q_LORA),
-                "attn_kv_a_mqa": kv_a, "attn_kv_a_norm": np.ones(MLA_KV_LORA, np.float32),
+        if mla_lite(s.n_layer, self.n_vocab):  # one query matrix: its rope rows read x's constant dimension, as above
+            q = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, s.n_embd), np.float32)
+            q[:, MLA_NOPE:, 0] = 3.0 / x0
+            queries = {"attn_q": q.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), s.n_embd)}
+        else:
+            queries = {"attn_q_a": q_a, "attn_q_a_norm": np.ones(MLA_Q_LORA, np.float32),
+                       "attn_q_b": q_b.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), MLA_Q_LORA)}
+        return {**queries, "attn_kv_a_mqa": kv_a, "attn_kv_a_norm": np.ones(MLA_KV_LORA, np.float32),
                 "attn_k_b": np.zeros((s.n_head, MLA_KV_LORA, MLA_NOPE), np.float32), "attn_v_b": v_b,
                 "attn_output": o}
+
+
+def mla_lite(n_layer: int, n_vocab: int) -> bool:
+    """Whether llama.cpp loads a deepseek2 model of this size as DeepSeek-V2-Lite's layout (src/models/deepseek2.cpp:
+    26 or 27 layers, or 48 with a 128,256-token vocabulary): one query matrix attn_q, no query LoRA (q_a, q_b)."""
+    return n_layer in (26, 27) or (n_layer == 48 and n_vocab == 128256)
 
 
 def moe_tensor_type(k: str, arch: str, qtype: QT) -> QT:
@@ -374,7 +384,8 @@ def write_moe_model(path: Path, w: _MoeWeights, tok_fields: list, arch: str, qty
             gw.add_expert_shared_count(s.n_shared)
             gw.add_expert_weights_scale(1.0)
             gw.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
-            gw.add_q_lora_rank(MLA_Q_LORA)
+            if not mla_lite(s.n_layer, w.n_vocab):
+                gw.add_q_lora_rank(MLA_Q_LORA)
             gw.add_kv_lora_rank(MLA_KV_LORA)
             # llama.cpp's converter states the cached latent's sizes as the head's, the head's as *_mla
             gw.add_key_length(MLA_KV_LORA + MLA_ROPE)
