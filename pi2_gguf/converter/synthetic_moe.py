@@ -341,7 +341,7 @@ class _MoeWeights:
         if mla_lite(s.n_layer, self.n_vocab):  # one query matrix: its rope rows read x's constant dimension, as above
             q = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, s.n_embd), np.float32)
             q[:, MLA_NOPE:, 0] = 3.0 / x0
-            queries = {"attn_q": q.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), s.n_embd)}
+            queries: dict[str, np.ndarray] = {"attn_q": q.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), s.n_embd)}
         else:
             queries = {"attn_q_a": q_a, "attn_q_a_norm": np.ones(MLA_Q_LORA, np.float32),
                        "attn_q_b": q_b.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), MLA_Q_LORA)}
