@@ -673,6 +673,22 @@ static void pi2_pair_ffn_scratch(struct pi2_pair_ffn * f, float * rows) {
     f->glu.data  = rows + 2 * n_ff;
 }
 
+// ctx->sub[0 .. nth): one-thread contexts, one per thread of a parallel region, each with its own scratch
+static bool pi2_sub_contexts(struct pi2_backend_ctx * ctx, int nth) {
+    if (ctx->n_sub < nth) {
+        struct pi2_backend_ctx * sub = realloc(ctx->sub, (size_t) nth * sizeof(*sub));
+        if (sub == NULL) {
+            return false;
+        }
+        for (int k = ctx->n_sub; k < nth; ++k) {
+            sub[k] = (struct pi2_backend_ctx) { .dev = ctx->dev, .n_threads = 1 };
+        }
+        ctx->sub = sub;
+        ctx->n_sub = nth;
+    }
+    return true;
+}
+
 // In RAM, a batch's routed pairs run one per thread, each on that thread alone, instead of each pair on every
 // thread in turn: a pair's decode is short (a few hundred rows), and splitting it costs each pair a parallel region
 // and its barriers, where the threads wait on each other (11% of a TurboSparse-shaped decode's samples were
@@ -691,16 +707,8 @@ static bool pi2_expert_pairs_parallel(struct pi2_backend_ctx * ctx, struct pi2_b
     if (nth < 2 || n_pairs < 2 || !pi2_act_equal(&r->act, &b->sc->activation)) {
         return false; // (a wrong activation: the one-pair path refuses it with the message)
     }
-    if (ctx->n_sub < nth) {
-        struct pi2_backend_ctx * sub = realloc(ctx->sub, (size_t) nth * sizeof(*sub));
-        if (sub == NULL) {
-            return false;
-        }
-        for (int k = ctx->n_sub; k < nth; ++k) {
-            sub[k] = (struct pi2_backend_ctx) { .dev = ctx->dev, .n_threads = 1 };
-        }
-        ctx->sub = sub;
-        ctx->n_sub = nth;
+    if (!pi2_sub_contexts(ctx, nth)) {
+        return false;
     }
     const int64_t n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
     const size_t  downs  = ((size_t) n_pairs * (size_t) n_embd * sizeof(float) + 63) & ~(size_t) 63;
@@ -943,16 +951,103 @@ static struct ggml_tensor pi2_expert_at(const struct ggml_tensor * w, const void
     return m;
 }
 
+// Routed experts read whole run one per thread (each thread computing a whole expert alone, as pi2_expert_pairs_parallel
+// does in RAM) for batches of at most this many tokens: a decode's expert is three products of a few hundred rows,
+// and splitting each over the threads costs it three parallel regions and their barriers (on the Qwen3-30B-A3B-shaped
+// model, 48 layers x 8 experts x 3 a token, with OpenMP's waiting 27% of decode's samples). Larger batches split each
+// expert's rows, where an expert's many tokens keep every thread busy.
+#define PI2_EXPERT_ALONE_TOKENS 4
+
+// whether the expert's matrices as read from the model file have the loaded model's types (else b->error says not)
+static bool pi2_expert_types_match(struct pi2_binding * b, const struct pi2_expert_region * r, const struct pi2_expert_matrices * em) {
+    const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
+    for (int m = 0; m < 3; ++m) {
+        if (em->type[m] != w[m]->type) {
+            snprintf(b->error, sizeof(b->error), "model file %s: layer %d's experts are %s where the loaded model's are %s",
+                     b->model_path, r->layer, ggml_type_name(em->type[m]), ggml_type_name(w[m]->type));
+            return false;
+        }
+    }
+    return true;
+}
+
+// Expert e's n pairs (order[0 .. n)) computed from its matrices where they landed, on ctx's threads (one-thread
+// sub-contexts: the calling thread alone): the gate and up products (plus gpt-oss's biases), the activation, down,
+// each down row copied to its pair's column. The FFN inputs come from xcopy (down's output may share the graph's
+// input memory); buf: n * (2 n_embd + 3 n_ff) floats of scratch.
+static enum ggml_status pi2_expert_compute(struct pi2_backend_ctx * ctx, const struct pi2_id_operands * o,
+                                           const struct pi2_expert_region * r, const struct pi2_expert_matrices * em, int32_t e,
+                                           const int32_t * order, int64_t n, const float * xcopy, float * buf) {
+    const int64_t n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    float * xs = buf, * ys = xs + n * n_embd, * rows = ys + n * n_embd;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t q = order[i], s = q % o->n_used, t = q / o->n_used;
+        memcpy(xs + i * n_embd, (const char *) xcopy + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1], (size_t) n_embd * sizeof(float));
+    }
+    const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
+    struct pi2_expert_batch f;
+    pi2_expert_batch_init(&f, o, r, n, xs, rows, ys);
+    f.wg = pi2_expert_at(w[0], em->data[0]);
+    f.wu = pi2_expert_at(w[1], em->data[1]);
+    f.wd = pi2_expert_at(w[2], em->data[2]);
+    enum ggml_status st = pi2_exec_mul_mat_with(ctx, &f.gate, f.wg.type, f.wg.data, f.wg.nb[1]);
+    if (st == GGML_STATUS_SUCCESS) {
+        st = pi2_exec_mul_mat_with(ctx, &f.up, f.wu.type, f.wu.data, f.wu.nb[1]);
+    }
+    const float * bg = pi2_expert_bias(r->gate_biased, e), * bu = pi2_expert_bias(r->up_biased, e);
+    for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
+        float * g = rows + i * n_ff, * u = rows + (n + i) * n_ff;
+        for (int64_t k = 0; k < n_ff; ++k) { // llama's ADD_ID of each bias, before the activation
+            g[k] = bg != NULL ? g[k] + bg[k] : g[k];
+            u[k] = bu != NULL ? u[k] + bu[k] : u[k];
+        }
+        if (!pi2_glu_span(&ctx->dev->glu, &r->act, (int) n_ff, rows + (2 * n + i) * n_ff, g, u)) {
+            PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[r->act.kind]);
+            st = GGML_STATUS_FAILED;
+        }
+    }
+    if (st == GGML_STATUS_SUCCESS) {
+        st = pi2_exec_mul_mat_with(ctx, &f.down, f.wd.type, f.wd.data, f.wd.nb[1]);
+    }
+    for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
+        const int64_t q = order[i];
+        memcpy(pi2_id_out(r->down, q % o->n_used, q / o->n_used), ys + i * n_embd, (size_t) n_embd * sizeof(float));
+    }
+    return st;
+}
+
+// The next expert of the batch in memory (pi2_expert_file_next) and its matrices, as its index in list, -1 when all
+// are done, or -2 with b->error (a read failed, or the file's types are not the model's).
+static int pi2_expert_whole_next(struct pi2_binding * b, const struct pi2_expert_region * r, const int32_t * list, uint8_t * done,
+                                 int n_wanted, struct pi2_expert_matrices * em, struct pi2_expert_read_stats * io) {
+    const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted, io);
+    if (i < 0) {
+        return -1;
+    }
+    done[i] = 1;
+    if (pi2_expert_file_get(b->experts, r->layer, list[i], em, io, b->error, sizeof(b->error)) != 0 ||
+        !pi2_expert_types_match(b, r, em)) {
+        PI2_LOG_ERROR("pi2: %s\n", b->error);
+        return -2;
+    }
+    return i;
+}
+
 // Under a budget with PI2_EXPERT_READS=model: each expert the batch routes to is found in the expert cache or read
 // whole from the model file (expert_file.h), then computed for its tokens by the dense kernels from where it landed,
-// as in RAM: the gate and up products (plus gpt-oss's biases), the activation, down. Each expert is read once a batch
-// and computes all its tokens; the FFN input is copied first, as down's output may share its memory.
+// as in RAM. Each expert is read once a batch and computes all its tokens: the experts' reads are queued at once,
+// then each computed as soon as it is in memory (cached first, then in the order reads complete), so compute overlaps
+// the reads still in flight. A small batch's experts run one per thread (PI2_EXPERT_ALONE_TOKENS), the expert file
+// taken by one thread at a time (it is not thread-safe); a larger one's each on every thread in turn.
 static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_id_operands * o,
                                          const struct pi2_expert_region * r, uint64_t * hits, uint64_t * misses) {
     const int64_t n_pairs = o->n_used * o->n_tokens, n_embd = r->down->ne[0], n_ff = r->gate->ne[0];
+    const int     nth     = ctx->n_threads > 0 ? ctx->n_threads : 1;
+    bool          alone   = nth >= 2 && o->n_tokens <= PI2_EXPERT_ALONE_TOKENS && pi2_sub_contexts(ctx, nth);
     const size_t  x_bytes = ggml_nbytes(o->x);
+    const size_t  per     = (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff); // a thread's scratch, floats
     float *   xcopy  = malloc(x_bytes);
-    float *   buf    = malloc(sizeof(float) * (size_t) o->n_tokens * (size_t) (2 * n_embd + 3 * n_ff));
+    float *   buf    = malloc(sizeof(float) * per * (size_t) (alone ? nth : 1));
     int32_t * order  = malloc(sizeof(int32_t) * (size_t) n_pairs);
     int64_t * start  = calloc((size_t) o->n_expert + 1, sizeof(int64_t));
     int32_t * list   = malloc(sizeof(int32_t) * (size_t) o->n_expert); // the experts with pairs
@@ -971,12 +1066,8 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
     }
     memcpy(xcopy, o->x->data, x_bytes);
     pi2_pairs_by_expert(o, order, start);
-    float * xs = buf, * ys = xs + o->n_tokens * n_embd, * rows = ys + o->n_tokens * n_embd;
     struct pi2_expert_read_stats io = { 0 };
-    enum ggml_status st = GGML_STATUS_SUCCESS;
     pthread_mutex_lock(&b->cache_lock); // the entry stays while its expert computes: one FFN at a time per model
-    // the experts with pairs: their reads queued at once, then each computed as soon as it is in memory (cached
-    // first, then in the order reads complete), so compute overlaps the reads still in flight
     int n_wanted = 0;
     for (int64_t e = 0; e < o->n_expert; ++e) {
         if (start[e + 1] > start[e]) {
@@ -989,67 +1080,55 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
         *hits   += cached[i] ? n : 0;
         *misses += cached[i] ? 0 : n;
     }
-    for (int k = 0; k < n_wanted && st == GGML_STATUS_SUCCESS; ++k) {
-        const int i = pi2_expert_file_next(b->experts, r->layer, list, done, n_wanted, &io);
-        if (i < 0) {
-            break;
-        }
-        done[i] = 1;
-        const int32_t e = list[i];
-        const int64_t p0 = start[e], n = start[e + 1] - start[e];
-        struct pi2_expert_matrices em;
-        if (pi2_expert_file_get(b->experts, r->layer, (int32_t) e, &em, &io, b->error, sizeof(b->error)) != 0) {
-            PI2_LOG_ERROR("pi2: %s\n", b->error);
-            st = GGML_STATUS_FAILED;
-            break;
-        }
-        const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
-        for (int m = 0; m < 3; ++m) {
-            if (em.type[m] != w[m]->type) {
-                snprintf(b->error, sizeof(b->error), "model file %s: layer %d's experts are %s where the loaded model's are %s",
-                         b->model_path, r->layer, ggml_type_name(em.type[m]), ggml_type_name(w[m]->type));
-                PI2_LOG_ERROR("pi2: %s\n", b->error);
-                st = GGML_STATUS_FAILED;
+    atomic_int status = GGML_STATUS_SUCCESS;
+    // side by side only where no expert needs an entry when got (a cache of a few entries has them take turns)
+    alone = alone && n_wanted >= 2 && pi2_expert_file_all_placed(b->experts, r->layer, list, n_wanted);
+    if (alone) {
+        omp_lock_t file_lock; // the expert file's calls, one thread at a time; the experts compute outside it
+        omp_init_lock(&file_lock);
+        const int n_run = n_wanted < nth ? n_wanted : nth;
+        #pragma omp parallel num_threads(n_run)
+        {
+            const int ith = omp_get_thread_num();
+            float * mine = buf + per * (size_t) ith;
+            for (;;) {
+                struct pi2_expert_matrices em;
+                omp_set_lock(&file_lock);
+                const int i = atomic_load(&status) == GGML_STATUS_SUCCESS
+                            ? pi2_expert_whole_next(b, r, list, done, n_wanted, &em, &io) : -1;
+                omp_unset_lock(&file_lock);
+                if (i < 0) {
+                    if (i == -2) {
+                        atomic_store(&status, GGML_STATUS_FAILED);
+                    }
+                    break;
+                }
+                const int32_t e = list[i];
+                const enum ggml_status s = pi2_expert_compute(&ctx->sub[ith], o, r, &em, e, order + start[e],
+                                                              start[e + 1] - start[e], xcopy, mine);
+                omp_set_lock(&file_lock);
+                pi2_expert_file_done(b->experts, r->layer, e);
+                omp_unset_lock(&file_lock);
+                if (s != GGML_STATUS_SUCCESS) {
+                    int expected = GGML_STATUS_SUCCESS;
+                    atomic_compare_exchange_strong(&status, &expected, (int) s);
+                    break;
+                }
             }
         }
-        if (st != GGML_STATUS_SUCCESS) {
-            break;
-        }
-
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t q = order[p0 + i], s = q % o->n_used, t = q / o->n_used;
-            memcpy(xs + i * n_embd, (const char *) xcopy + t * o->x->nb[2] + (s % o->n_b) * o->x->nb[1],
-                   (size_t) n_embd * sizeof(float));
-        }
-        struct pi2_expert_batch f;
-        pi2_expert_batch_init(&f, o, r, n, xs, rows, ys);
-        f.wg = pi2_expert_at(w[0], em.data[0]);
-        f.wu = pi2_expert_at(w[1], em.data[1]);
-        f.wd = pi2_expert_at(w[2], em.data[2]);
-        st = pi2_exec_mul_mat_with(ctx, &f.gate, f.wg.type, f.wg.data, f.wg.nb[1]);
-        if (st == GGML_STATUS_SUCCESS) {
-            st = pi2_exec_mul_mat_with(ctx, &f.up, f.wu.type, f.wu.data, f.wu.nb[1]);
-        }
-        const float * bg = pi2_expert_bias(r->gate_biased, (int32_t) e), * bu = pi2_expert_bias(r->up_biased, (int32_t) e);
-        for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
-            float * g = rows + i * n_ff, * u = rows + (n + i) * n_ff;
-            for (int64_t k = 0; k < n_ff; ++k) { // llama's ADD_ID of each bias, before the activation
-                g[k] = bg != NULL ? g[k] + bg[k] : g[k];
-                u[k] = bu != NULL ? u[k] + bu[k] : u[k];
+        omp_destroy_lock(&file_lock);
+    } else {
+        for (int k = 0; k < n_wanted && atomic_load(&status) == GGML_STATUS_SUCCESS; ++k) {
+            struct pi2_expert_matrices em;
+            const int i = pi2_expert_whole_next(b, r, list, done, n_wanted, &em, &io);
+            if (i < 0) {
+                atomic_store(&status, i == -2 ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS);
+                break;
             }
-            if (!pi2_glu_span(&ctx->dev->glu, &r->act, (int) n_ff, rows + (2 * n + i) * n_ff, g, u)) {
-                PI2_LOG_ERROR("pi2: FFN activation %s is not implemented\n", pi2_activation_names[r->act.kind]);
-                st = GGML_STATUS_FAILED;
-            }
+            const int32_t e = list[i];
+            atomic_store(&status, pi2_expert_compute(ctx, o, r, &em, e, order + start[e], start[e + 1] - start[e], xcopy, buf));
+            pi2_expert_file_done(b->experts, r->layer, e);
         }
-        if (st == GGML_STATUS_SUCCESS) {
-            st = pi2_exec_mul_mat_with(ctx, &f.down, f.wd.type, f.wd.data, f.wd.nb[1]);
-        }
-        for (int64_t i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
-            const int64_t q = order[p0 + i];
-            memcpy(pi2_id_out(r->down, q % o->n_used, q / o->n_used), ys + i * n_embd, (size_t) n_embd * sizeof(float));
-        }
-        pi2_expert_file_done(b->experts, r->layer, (int32_t) e);
     }
     free(list);
     free(cached);
@@ -1066,7 +1145,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
     free(buf);
     free(order);
     free(start);
-    return st;
+    return (enum ggml_status) atomic_load(&status);
 }
 
 int pi2_exec_expert_region_sparse(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_expert_region * r,

@@ -599,6 +599,15 @@ void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t *
     pi2_expert_queue_missing(f, layer, experts, NULL, n, st);
 }
 
+bool pi2_expert_file_all_placed(const struct pi2_expert_file * f, int layer, const int32_t * experts, int n) {
+    for (int i = 0; i < n; ++i) {
+        if (!pi2_expert_valid(f, layer, experts[i]) || f->where[layer][experts[i]] < 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
 // whether entry k's reads are all done (or failed, to be read again when got)
 static bool pi2_expert_landed(const struct pi2_expert_file * f, int32_t k) {
     return f->pending[k] == 0 && f->unissued[k] == 0;

@@ -48,6 +48,9 @@ struct pi2_expert_read_stats {
 // the cache already.
 void pi2_expert_file_want(struct pi2_expert_file * f, int layer, const int32_t * experts, int n, uint8_t * cached,
                           struct pi2_expert_read_stats * st);
+// Whether each of the n experts wanted has an entry (cached, or its read queued into one): then none of them needs an
+// entry when got, and they may be computed side by side, each pinned until done.
+bool pi2_expert_file_all_placed(const struct pi2_expert_file * f, int layer, const int32_t * experts, int n);
 // Of the n wanted experts not yet done (done[i] == 0), the index of one that is in memory (read, or cached), taking the
 // completions that arrived (and requesting the next reads); waits for the next completion while none is, and returns
 // one whose read was not queued (it is read when got) when nothing is in flight. -1 when every one is done.
