@@ -24,6 +24,19 @@ llama_perf_context_print:        eval time =    1600.00 ms /    31 runs   (   51
 llama_perf_context_print:       total time =    1900.00 ms /    58 tokens
 """
 
+# SmallThinker's engine (PowerInfer's smallthinker/ llama.cpp fork: llama-cli streaming from an expert bundle), the end
+# of its stderr as it printed it on a 4-layer synthetic smallthinker model here (2026-11-28); the sampler's line,
+# printed first, is not the decode rate
+SMALLTHINKER_CLI = """\
+generate: n_ctx = 4096, n_batch = 2048, n_predict = 32, n_keep = 0
+
+llama_perf_sampler_print:    sampling time =       1.61 ms /    39 runs   (    0.04 ms per token, 24178.55 tokens per second)
+llama_perf_context_print:        load time =     171.26 ms
+llama_perf_context_print: prompt eval time =     320.64 ms /     7 tokens (   45.81 ms per token,    21.83 tokens per second)
+llama_perf_context_print:        eval time =      73.74 ms /    31 runs   (    2.38 ms per token,   420.38 tokens per second)
+llama_perf_context_print:       total time =     405.40 ms /    38 tokens
+"""
+
 
 def test_bmoe_report_gives_its_rates() -> None:
     got = parse_output(BMOE_REPORT)
@@ -38,6 +51,19 @@ def test_other_engines_give_their_last_rate() -> None:
     assert got is not None and got.decode_tps == 19.38 and got.read_per_token_mb is None
     assert parse_output("done: 12.5 tok/s\n") == parse_output("12.5 tokens/s")
     assert parse_output("no rate here\n") is None
+
+
+def test_llama_cpp_timing_lines_give_prompt_and_decode_rates() -> None:
+    got = parse_output("Load expert bundle from \"m.bundle\".\nWrite a Python function\n" + SMALLTHINKER_CLI)
+    assert got is not None
+    assert (got.decode_tps, got.decoded, got.prompt_tps) == (420.38, 31, 21.83)
+    assert got.read_per_token_mb is None and got.expert_hit_rate is None
+    got = parse_output(LLAMA_PERF)
+    assert got is not None and (got.decode_tps, got.decoded, got.prompt_tps) == (19.38, 31, 135.0)
+    # no decode timed (-n 1): llama.cpp prints nan or inf, which is no rate
+    got = parse_output("llama_perf_context_print:        eval time =       0.00 ms /     0 runs   (    -nan ms per "
+                       "token,     -nan tokens per second)\n")
+    assert got is not None and got.decode_tps == 0.0 and got.decoded == 0
 
 
 def test_command_template_fills_each_argument() -> None:

@@ -2,12 +2,15 @@
 not ours and are not in the repository; docs/OTHER_ENGINES.md says how to build them), run in the same cgroup, with the
 same cold page cache and memory limit as every other row. The command is a template: {model}, {prompt}, {n} and
 {threads} are filled in per argument (a prompt with spaces stays one argument). What it printed gives the rates:
-BigMoeOnEdge's report (decode and prefill tok/s, MiB read a token, its expert cache's hit rate), else the last
-"N tok/s" or "N tokens per second" it printed (llama.cpp's tools print their decode rate last), on stdout or
-stderr."""
+BigMoeOnEdge's report (decode and prefill tok/s, MiB read a token, its expert cache's hit rate), llama.cpp's timing
+lines (llama_perf_context_print's "prompt eval time" and "eval time": prompt and decode tok/s, decoded runs; any
+llama.cpp tool or fork, e.g. SmallThinker's engine), else the last "N tok/s" or "N tokens per second" it printed,
+on stdout or stderr. A peer that needs its own model file (SmallThinker's engine: down transposed,
+tools/peer_model.py) names it literally in its command instead of {model}."""
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -63,7 +66,16 @@ _BMOE_GEN = re.compile(r"generation:\s*(\d+) tokens,\s*[0-9.]+ s/token \(([0-9.]
 _BMOE_PREFILL = re.compile(r"prefill:\s*\d+ tokens,\s*[0-9.]+ s \(([0-9.]+) tok/s\)")
 _BMOE_READ = re.compile(r"moe-stream: read [0-9.]+ MiB \(([0-9.]+) MiB/token\)")
 _BMOE_HIT = re.compile(r"moe-cache:\s*([0-9.]+)% hit")
+_LLAMA_RATE = r"\([^,]*,\s*(-?(?:[0-9.]+|inf|nan)) tokens per second\)"
+_LLAMA_PROMPT = re.compile(r"prompt eval time =\s*[0-9.]+ ms /\s*\d+ tokens\s*" + _LLAMA_RATE)
+_LLAMA_EVAL = re.compile(r"(?<!prompt )eval time =\s*[0-9.]+ ms /\s*(\d+) runs\s*" + _LLAMA_RATE)
 _ANY_TPS = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(?:tok(?:ens)?/s|tokens per second)")
+
+
+def _rate(text: str) -> float:
+    """A rate llama.cpp printed with %f: inf or nan (no time measured) is no rate."""
+    value = float(text)
+    return value if math.isfinite(value) else 0.0
 
 
 def parse_output(text: str) -> PeerResult | None:
@@ -75,5 +87,10 @@ def parse_output(text: str) -> PeerResult | None:
                           prompt_tps=float(prefill.group(1)) if prefill else 0.0,
                           read_per_token_mb=float(read.group(1)) * 2**20 / 1e6 if read else None,
                           expert_hit_rate=float(hit.group(1)) / 100 if hit else None)
+    evals = _LLAMA_EVAL.findall(text)
+    if evals:  # llama.cpp's perf lines: the last report's (a tool may print one per context)
+        runs, tps = evals[-1]
+        prompts = _LLAMA_PROMPT.findall(text)
+        return PeerResult(decode_tps=_rate(tps), decoded=int(runs), prompt_tps=_rate(prompts[-1]) if prompts else 0.0)
     rates = _ANY_TPS.findall(text)
     return PeerResult(decode_tps=float(rates[-1])) if rates else None
