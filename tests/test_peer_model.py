@@ -96,6 +96,9 @@ def test_bad_inputs_are_refused(stock: Path, tmp_path: Path, capsys: pytest.Capt
     assert not (tmp_path / "junk-T.gguf").exists() and not list(tmp_path.glob(".*.tmp"))
     assert peer_model.main([str(stock), "-o", str(tmp_path / "s-T.gguf"), "--llama-cli", str(tmp_path / "none")]) == 2
     assert "is not the engine's llama-cli" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # under the engine's I/O queue depth: it would exit
+        peer_model.main([str(stock), "-o", str(tmp_path / "c-T.gguf"), "--cached", "100"])
+    assert "I/O queue depth, 512" in capsys.readouterr().err and not (tmp_path / "c-T.gguf").exists()
 
 
 def test_peer_command_names_the_transposed_file(tmp_path: Path) -> None:

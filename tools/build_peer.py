@@ -9,7 +9,7 @@ applies our small compatibility patches (patches/peers/), builds, and prints the
 per (peer, source contents, patches, options) and never redone when none changed.
 
     tools/build_peer.py bmoe --source ~/src/BigMoeOnEdge     # ~10 minutes on 2 cores; prints .../bmoe-cli
-    tools/build_peer.py smallthinker --source ~/src/PowerInfer   # ~4 minutes; prints .../bin/llama-cli
+    tools/build_peer.py smallthinker --source ~/src/PowerInfer   # ~5 minutes; prints .../bin/llama-cli
 
 Peers (docs/OTHER_ENGINES.md):
   bmoe  BigMoeOnEdge (github.com/Helldez/BigMoeOnEdge, checked at v0.19.0, 2d4f2b1): streams routed experts from
@@ -69,7 +69,7 @@ RECIPES = {
                                   "-DBUILD_SHARED_LIBS=OFF", "-DAZ_ENABLE_PERFETTO=OFF",
                                   "-DAZ_USE_INTERNAL_PERFETTO=OFF", "-DPOWERINFER_NO_FFN_REPACK=ON",
                                   "-DPOWERINFER_WITH_TRACING=OFF", "-DGGML_CPU_AARCH64=OFF"),
-                           target="llama-cli", binary="bin/llama-cli", minutes=4,
+                           target="llama-cli", binary="bin/llama-cli", minutes=5,
                            needs=(("/usr/include/liburing.h", "liburing-dev"),
                                   ("/usr/include/libaio.h", "libaio-dev"))),
 }

@@ -37,6 +37,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 ARCH = "smallthinker"
 EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 NOTE_KEY = f"{ARCH}.pi2_peer_note"  # marks the file this script wrote
+MIN_CACHED = 512  # MAX_N_CACHED below the engine's I/O queue depth makes it exit
 PAGE = 4096  # the engine asserts an expert matrix is a whole number of pages (its bundle is read with O_DIRECT)
 
 
@@ -187,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cli", type=Path, help="the engine's llama-cli: also generate the expert bundle")
     ap.add_argument("--bundle", type=Path, help="the bundle's path (default: MODEL.bundle beside the model)")
     ap.add_argument("--cached", type=int, default=512, help="MAX_N_CACHED in the printed peer command: expert "
-                    "matrices the engine caches (>= 512; each is n_embd * n_ff * 18/32 bytes)")
+                    "matrices the engine caches (>= 512; each n_embd * n_ff * 18/32 bytes, 3 an expert)")
     args = ap.parse_args(argv)
+    if args.cached < MIN_CACHED:
+        ap.error(f"--cached {args.cached}: the engine exits on a MAX_N_CACHED under its I/O queue depth, {MIN_CACHED}")
     out = args.output or transposed_path(args.model)
     try:
         write_transposed(args.model, out)
