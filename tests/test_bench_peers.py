@@ -3,9 +3,11 @@ printed (BigMoeOnEdge's report as its cli prints it, and llama.cpp's perf lines)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from pi2_gguf.bench.peers import Peer, parse_output, parse_peer, peer_command
+from pi2_gguf.bench.peers import Peer, parse_output, parse_peer, peer_command, peer_files
 from pi2_gguf.errors import Pi2Error
 
 BMOE_REPORT = """\
@@ -85,3 +87,13 @@ def test_command_template_fills_each_argument() -> None:
 def test_malformed_peer_is_refused(text: str, why: str) -> None:
     with pytest.raises(Pi2Error, match=why):
         parse_peer(text)
+
+
+def test_peer_files_are_the_existing_files_its_command_names(tmp_path: Path) -> None:
+    binary, model, bundle = tmp_path / "llama-cli", tmp_path / "st-T.gguf", tmp_path / "st.bundle"
+    for f in (binary, model, bundle):
+        f.write_bytes(b"x")
+    binary.chmod(0o755)
+    peer = parse_peer(f"st=env MAX_N_CACHED=768 EXPERT_BUNDLE_PATH={bundle} {binary} -m {model} -p {{prompt}} "
+                      f"-n {{n}} -o {tmp_path / 'absent.txt'}")
+    assert peer_files(peer) == [bundle, model]

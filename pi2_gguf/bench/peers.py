@@ -11,9 +11,11 @@ tools/peer_model.py) names it literally in its command instead of {model}."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import Pi2Error
 
@@ -60,6 +62,22 @@ def peer_command(peer: Peer, model: str, prompt: str, n: int, threads: int) -> l
     """The command line of one run: the template's arguments with the placeholders filled in."""
     values = {"model": model, "prompt": prompt, "n": str(n), "threads": str(threads)}
     return [arg.format(**values) for arg in shlex.split(peer.template)]
+
+
+def peer_files(peer: Peer) -> list[Path]:
+    """The files a peer's command names literally that exist (an argument, or the value of a NAME=PATH argument such as
+    env's EXPERT_BUNDLE_PATH=...), not programs: its own model file and expert bundle, whose page cache a bench
+    drops before the peer's run as it does the stock model's (the template's {model} is the stock model itself)."""
+    args = shlex.split(peer.template)
+    out: list[Path] = []
+    for arg in args[1:]:
+        if "{" in arg:
+            continue
+        for text in (arg, arg.partition("=")[2]):
+            path = Path(text)
+            if text and path.is_file() and path not in out and not os.access(path, os.X_OK):  # not a program
+                out.append(path)
+    return out
 
 
 _BMOE_GEN = re.compile(r"generation:\s*(\d+) tokens,\s*[0-9.]+ s/token \(([0-9.]+) tok/s\)")
