@@ -97,3 +97,18 @@ def test_peer_files_are_the_existing_files_its_command_names(tmp_path: Path) -> 
     peer = parse_peer(f"st=env MAX_N_CACHED=768 EXPERT_BUNDLE_PATH={bundle} {binary} -m {model} -p {{prompt}} "
                       f"-n {{n}} -o {tmp_path / 'absent.txt'}")
     assert peer_files(peer) == [bundle, model]
+
+
+def test_bench_drops_the_peers_files_page_cache_too(tmp_path: Path) -> None:
+    """Every configuration of a bench starts cold: the files whose page cache is dropped before each run are the
+    model, its sidecars and the files peers' commands name (a peer's own model file and bundle)."""
+    from pi2_gguf.bench.memory_limit import bench_runs
+
+    binary, model, own, bundle, sidecar = (tmp_path / n for n in ("cli", "m.gguf", "m-T.gguf", "m.bundle", "m.pi2.gguf"))
+    for f in (binary, model, own, bundle, sidecar):
+        f.write_bytes(b"x")
+    binary.chmod(0o755)
+    peer = parse_peer(f"st=env EXPERT_BUNDLE_PATH={bundle} {binary} -m {own} -p {{prompt}} -n {{n}}")
+    runs = bench_runs(model, [sidecar], 1 << 30, None, 8, 2, 128, None, 60.0, skip_unlimited=True, peers=[peer])
+    for _, run in runs:
+        assert run.args[3] == [model, sidecar, bundle, own]  # measure(row, cmd, mem, files, ...)

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..runtime.isolated import greedy_command, parse_results
 from ..runtime.memory_budget import BudgetUse
 from . import PROMPT, cgroup, heldout_text
-from .peers import Peer, parse_output, peer_command
+from .peers import Peer, parse_output, peer_command, peer_files
 from .rounds import Series, ratio, run_in_turn
 
 
@@ -168,7 +168,9 @@ def bench_runs(model: Path, sidecars: list[Path], limit: int, read_bps: int | No
                peers: list[Peer] | None = None, stock_defaults: bool = True) -> list[tuple[Row, Callable[[], Row]]]:
     """The configurations under one limit, each (its row's template, a run measuring it once), for run_in_turn;
     stock_defaults False: no row of stock's defaults (repack), which under a limit below the model is OOM-killed."""
-    files = [model] + sidecars  # the page cache is dropped for each before every configuration
+    # the page cache is dropped for each before every configuration: the model, its sidecars and the files peers'
+    # commands name (a peer's own model file and expert bundle), so every row starts cold
+    files = [model] + sidecars + [f for peer in peers or [] for f in peer_files(peer)]
     configs = _configs(model, sidecars, mode, limit, n, threads, ctx, skip_unlimited, variants, forced_text, peers,
                        stock_defaults)
     return [(row, partial(measure, row, cmd, mem, files, read_bps, timeout)) for row, cmd, mem in configs]
