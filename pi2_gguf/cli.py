@@ -442,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise Pi2Error(f"--with {name}={value}: {e}") from e
     rows = run_bench(model, sidecars, limit, read_bps, args.n, args.threads, args.ctx, args.mode, args.timeout,
                      args.skip_unlimited, progress=not args.json, rounds=args.rounds, variants=args.variants,
-                     decode=args.decode, peers=peers)
+                     decode=args.decode, peers=peers, stock_defaults=not args.skip_stock_defaults)
     if args.json:
         json.dump({"model": str(model), "memory_limit": limit, "read_bps": read_bps, "decode": args.decode,
                    "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
@@ -736,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=count(1), default=1,
                    help="run the configurations in turn this many times; report medians and ratio ranges")
     p.add_argument("--skip-unlimited", action="store_true", help="no in-RAM pi2 row")
+    p.add_argument("--skip-stock-defaults", action="store_true",
+                   help="no row of stock's defaults (mmap and repacking), which under a limit below the model is "
+                        "OOM-killed or runs to the timeout; the repack-off row stays as the baseline")
     p.add_argument("--decode", choices=("greedy", "text"), default="greedy",
                    help="greedy: each step evaluates the token picked; text: held-out corpus text instead (teacher "
                         "forcing: routing and neuron use follow real text where a synthetic model repeats one token)")

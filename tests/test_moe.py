@@ -491,7 +491,7 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
         monkeypatch.setattr(sys, "stdout", f)
         peer = f"llama={Path(sys.executable).parent / 'llama-completion'} -m {{model}} -p {{prompt}} -n {{n}} -t {{threads}}"
         assert main(["bench", str(model), "--memory-limit", str(limit), "--sidecar", str(sidecar), "-n", "8",
-                     "--decode", "text", "--skip-unlimited", "--json", "--peer", peer]) == 0
+                     "--decode", "text", "--skip-unlimited", "--skip-stock-defaults", "--json", "--peer", peer]) == 0
     monkeypatch.undo()
     data = json.loads(out.read_text())
     assert data["decode"] == "text"
@@ -499,6 +499,8 @@ def test_moe_bench_reports_expert_hits(moe_sidecar: tuple[Path, Path], monkeypat
     assert pi2["status"] == "ok" and pi2["moe"] and 0 <= pi2["expert_hit_rate"] < 1 and pi2["decoded"] == 8
     assert 0 < pi2["expert_guess_rate"] <= 1
     assert not any(r["moe"] for r in data["rows"] if r["name"].startswith("stock"))
+    stock = [r["name"] for r in data["rows"] if r["name"].startswith("stock")]
+    assert stock == ["stock llama.cpp, mmap, repack off"], stock  # --skip-stock-defaults: the baseline row alone
     peer_row = next(r for r in data["rows"] if r["peer"])
     assert peer_row["name"] == "llama (peer, greedy)" and peer_row["status"] == "ok" and peer_row["decode_tps"] > 0
     assert 0 < peer_row["peak_mb"] <= limit / 1e6 + 1

@@ -149,15 +149,16 @@ def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: in
               threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
               skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
               variants: list[dict[str, str]] | None = None, decode: str = "greedy",
-              peers: list[Peer] | None = None) -> list[Row]:
+              peers: list[Peer] | None = None, stock_defaults: bool = True) -> list[Row]:
     """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each. variants: per-model
     settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit. decode "text": every
     configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks (a
-    peer's cannot: it decodes greedily). peers: one row each, under the same limit (peers.py)."""
+    peer's cannot: it decodes greedily). peers: one row each, under the same limit (peers.py). stock_defaults False:
+    no row of stock's defaults (bench_runs)."""
     sidecars = [sidecars] if isinstance(sidecars, Path) else list(sidecars)
     forced = heldout_text(n) if decode == "text" else None
     runs = bench_runs(model, sidecars, limit, read_bps, n, threads, ctx, mode, timeout, skip_unlimited, variants,
-                      forced, peers)
+                      forced, peers, stock_defaults)
     series = run_in_turn([(row.name, run) for row, run in runs], rounds, failure=row_failure, progress=progress)
     return summarize([row for row, _ in runs], series)
 
