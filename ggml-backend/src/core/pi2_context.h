@@ -50,7 +50,8 @@ struct pi2_backend_ctx {
     // nodes run one after another, so one arena serves them all. Grows, never shrinks.
     char *                  work;
     size_t                  work_size;
-    // a decode's routed experts in RAM run one per thread (expert_ffn.c), each thread with a context of its own
+    // a decode's routed experts (sparse in RAM, or read whole under a budget) run one per thread (expert_ffn.c), each
+    // thread with a context of its own
     // for its scratch: [n_sub], made on first use
     struct pi2_backend_ctx * sub;
     int                      n_sub;
