@@ -261,6 +261,46 @@ def test_deepseek2_shaped_model_from_flash(tmp_path: Path) -> None:
         assert flash.tokens == ram.tokens and flash.io["expert_bytes"] > 0 and flash.io["expert_misses"] > 0, (mode, flash.io)
 
 
+def test_convert_progress_counts_only_the_layers_it_plans_and_writes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """convert --expert-reads model: routed experts read whole are neither planned nor written, so the steps whose
+    rates make the time left count only the dense layer and the shared experts (a DeepSeek-V2-Lite-shaped model's
+    1,664 whole experts had the write step estimated at ~2 hours, as many layers as the 27 it writes)."""
+    from dataclasses import replace
+
+    from pi2_gguf.converter import eta
+    from pi2_gguf.converter.convert import convert
+    from pi2_gguf.sidecar.reader import read as read_sidecar
+
+    path = tmp_path / "ds.gguf"
+    shape = replace(_shape(8, 2), n_head=2, n_head_kv=1, n_rot=synthetic_moe.MLA_ROPE, n_dense_lead=1, n_ff_dense=768,
+                    n_shared=2)
+    synthetic_moe.make_moe(path, shape, synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5), "deepseek2",
+                           "silu", QT.Q8_0, progress=False)
+    units: dict[str, tuple[str, float]] = {}
+    done: dict[str, float] = {}
+    expect, advance = eta.Progress.expect, eta.Progress.advance
+
+    def record_expect(self: eta.Progress, step: str, kind: str, n: float) -> None:
+        units[step] = (kind, n)
+        expect(self, step, kind, n)
+
+    def record_advance(self: eta.Progress, step: str, n: float = 1.0, timed: bool = True) -> None:
+        done[step] = done.get(step, 0.0) + n
+        advance(self, step, n, timed)
+
+    monkeypatch.setattr(eta.Progress, "expect", record_expect)
+    monkeypatch.setattr(eta.Progress, "advance", record_advance)
+    res = convert(path, tmp_path / "ds.pi2.gguf", train_tokens=512, heldout_tokens=128, progress=False,
+                  perplexity_budget=None, expert_reads="model")
+    sc = read_sidecar(res.path)
+    planned = sc.n_layer - len(sc.whole_layers)
+    assert planned == 3 and len(sc.whole_layers) == 16  # the dense layer, 2 layers' shared experts; 2 x 8 routed
+    assert units["write"] == ("write", planned) and done["write"] == planned
+    layer_steps = [k for k, (kind, _) in units.items() if kind == "layer"]
+    assert layer_steps and all(units[k][1] == planned and done[k] == planned for k in layer_steps), (units, done)
+
+
 def test_deepseek2_lite_layout_at_its_layer_count(tmp_path: Path) -> None:
     """At DeepSeek-V2-Lite's 27 layers llama.cpp reads a deepseek2 model without a query LoRA (one attn_q matrix, no
     q_lora_rank key): make_moe writes that layout there (the LoRA one failed to load), and PI2 gives stock's tokens."""

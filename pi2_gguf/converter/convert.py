@@ -243,8 +243,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
             qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
             for pl in out:
                 pl.add(LayerData.whole(model.n_ff(il), *qt), None, qt, "whole", "whole", None)
-            if work is not None:
-                work.progress.advance(step, 1, timed=False)
+            if work is not None:  # not a unit of the step (its units are the layers planned): the mark moves on
+                work.progress.advance(step, 0, timed=False)
             continue
         layer_type, ref = _layer_types(il, bundle_type, bundle_layers, down_type)
         dkey = ""
@@ -480,9 +480,10 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
                                          meta.layers[il].order, lay)
 
     with tqdm(total=model.n_layer, desc="write", unit="layer", disable=not progress) as bar:
-        def done(_: int) -> None:
+        def done(il: int) -> None:
             if overall is not None:
-                overall.advance(step)
+                # a routed expert read whole writes no bundles: not a unit of the step (written_layers)
+                overall.advance(step, 0.0 if planned.sources[il] == "whole" else 1.0)
                 bar.set_postfix_str(overall.postfix(), refresh=False)
             bar.update(1)
 
@@ -671,6 +672,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     """convert() from the profile on, with its work directory open."""
     progress, workdir = work.progress, work.dir
     n_sparse = len(sparse_layers)
+    n_written = float(max(n_sparse, 1))  # a write step's units: the layers with bundles (whole experts write none)
     budget_on = o.perplexity_budget is not None
     score_tokens = QUALITY_CHUNKS * ctx
     # the steps known now (the further targets and levers are added when convert decides to run them)
@@ -679,9 +681,9 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     progress.expect(f"layers {label(targets[0])}", "layer", n_sparse)
     if budget_on:
         progress.expect("perplexity dense", "ppl_dense", score_tokens)
-        progress.expect(f"write {label(targets[0])}", "write", model.n_layer)
+        progress.expect(f"write {label(targets[0])}", "write", n_written)
         progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
-    progress.expect("write", "write", model.n_layer)
+    progress.expect("write", "write", n_written)
 
     prof: Profile
     if prof_given is not None:
@@ -768,7 +770,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             progress.drop(step)
         targets = targets[-1:]
         if budget_on:
-            progress.expect(f"write {label(targets[0])}", "write", model.n_layer)
+            progress.expect(f"write {label(targets[0])}", "write", n_written)
             progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
         plan_k, planned = plan_at(targets[0])
     precision_free = adaptive and bundle_qt is None and down_qt is None
@@ -779,7 +781,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     for lever, on in ((BOTH_LEVERS, copy_lever and down_lever), ("output copy", copy_lever and not down_lever),
                       ("downs at the rows' type", down_lever and not copy_lever)):
         if on:
-            progress.expect(f"write {lever}", "write", model.n_layer)
+            progress.expect(f"write {lever}", "write", n_written)
             progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
@@ -854,7 +856,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     for k, target in enumerate(targets):
         if k > 0:
             for step, kind in ((f"write {label(target)}", "write"), (f"perplexity {label(target)}", "ppl_sparse")):
-                progress.expect(step, kind, model.n_layer if kind == "write" else score_tokens)
+                progress.expect(step, kind, n_written if kind == "write" else score_tokens)
             # the targets after it in the same pass: the shared work is most of a layer's
             plan_k, planned = plan_at(target, tuple(t for t in targets[k + 1:] if t not in planned_at))
         meta, ppl = measure(plan_k, planned, label(target))
@@ -892,7 +894,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             for d in best[1].downs if d is not None):
         # no target holds with the model's down precision: the re-quantized down columns may be what costs
         what = f"{HIGHER_DOWN_TYPE.name} down columns"
-        progress.expect(f"write {what}", "write", model.n_layer)
+        progress.expect(f"write {what}", "write", n_written)
         progress.expect(f"perplexity {what}", "ppl_sparse", score_tokens)
         plan_k, planned = best[0], _with_downs(model, best[1], {il: HIGHER_DOWN_TYPE for il in sparse_layers}, work)
         meta, ppl = measure(plan_k, planned, what)
@@ -928,7 +930,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                              "measured alone")
                 rows, copy = DEFAULT_OUTPUT_ROWS, None
                 for lever in ("output copy", "downs at the rows' type"):
-                    progress.expect(f"write {lever}", "write", model.n_layer)
+                    progress.expect(f"write {lever}", "write", n_written)
                     progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
         if alone and copy_lever:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
