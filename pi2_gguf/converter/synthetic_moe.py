@@ -328,10 +328,6 @@ class _MoeWeights:
         dimensions, written to the context dimensions."""
         s, m = self.shape, self.n_ctx_dims
         sc = 1.0 / np.sqrt(s.n_embd)
-        q_a = np.zeros((MLA_Q_LORA, s.n_embd), np.float32)
-        q_a[:, 0] = 1.0 / x0
-        q_b = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, MLA_Q_LORA), np.float32)
-        q_b[:, MLA_NOPE:, :] = 3.0 / MLA_Q_LORA  # the normed latent is about 1 in every dimension
         kv_a = np.zeros((MLA_KV_LORA + MLA_ROPE, s.n_embd), np.float32)
         kv_a[:MLA_KV_LORA, tok] = rng.standard_normal((MLA_KV_LORA, s.n_embd - tok.start), dtype=np.float32) * sc
         kv_a[MLA_KV_LORA:, 0] = 3.0 / x0
@@ -342,7 +338,11 @@ class _MoeWeights:
             q = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, s.n_embd), np.float32)
             q[:, MLA_NOPE:, 0] = 3.0 / x0
             queries: dict[str, np.ndarray] = {"attn_q": q.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), s.n_embd)}
-        else:
+        else:  # a query LoRA: the latent reads dimension 0, the rope rows sum the normed latent
+            q_a = np.zeros((MLA_Q_LORA, s.n_embd), np.float32)
+            q_a[:, 0] = 1.0 / x0
+            q_b = np.zeros((s.n_head, MLA_NOPE + MLA_ROPE, MLA_Q_LORA), np.float32)
+            q_b[:, MLA_NOPE:, :] = 3.0 / MLA_Q_LORA  # the normed latent is about 1 in every dimension
             queries = {"attn_q_a": q_a, "attn_q_a_norm": np.ones(MLA_Q_LORA, np.float32),
                        "attn_q_b": q_b.reshape(s.n_head * (MLA_NOPE + MLA_ROPE), MLA_Q_LORA)}
         return {**queries, "attn_kv_a_mqa": kv_a, "attn_kv_a_norm": np.ones(MLA_KV_LORA, np.float32),
