@@ -410,7 +410,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for sidecar in sidecars:
         if not sidecar.exists():
             raise Pi2Error(f"sidecar {sidecar}: not found; run `pi2-gguf convert {model}` or pass --sidecar")
-        prepare_sidecar(model, sidecar, args.mode)  # readable, complete and made for this model
+        for mode in args.mode or [None]:
+            prepare_sidecar(model, sidecar, mode)  # readable, complete and made for this model
     if args.rounds < 1:
         raise Pi2Error(f"--rounds must be at least 1, got {args.rounds}")
     peers = [parse_peer(text) for text in args.peers or []]
@@ -458,7 +459,7 @@ def _sweep_limits(args: argparse.Namespace, model: Path, sidecars: list[Path], r
     from .bench.sweep import parse_sweep, resolve_limits
 
     for flag, given in (("--with", bool(args.variants)), ("--peer", bool(args.peers)),
-                        ("the second --sidecar", len(sidecars) > 1)):
+                        ("the second --sidecar", len(sidecars) > 1), ("the second --mode", len(args.mode or []) > 1)):
         if given:
             raise Pi2Error(f"--sweep compares stock llama.cpp with one pi2 sidecar; drop {flag}")
     limits = [(e.text, b) for e, b in resolve_limits(parse_sweep(args.sweep), model.stat().st_size)]
@@ -727,7 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-bps", help="cap disk reads, e.g. 1GB (per second; UFS 4.0 random 4 KiB reads ~1GB)")
     p.add_argument("--sidecar", type=Path, action="append",
                    help="default: MODEL.pi2.gguf beside the model; repeat for one pi2 row per sidecar")
-    p.add_argument("--mode", choices=("oracle", "predicted"), help="pi2 decode mode (default predicted)")
+    p.add_argument("--mode", choices=MODES, action="append",
+                   help="pi2 decode mode (default predicted); repeat for one pi2 row per mode under the limit, e.g. "
+                        "--mode predicted --mode dense (dense under a budget reads every neuron: what whole-layer "
+                        "reads cost beside the sparse reads the sidecar's neuron layout allows)")
     p.add_argument("-n", type=count(1), default=32, help="tokens to decode")
     p.add_argument("--threads", type=THREADS, default=2)
     p.add_argument("--ctx", type=count(16), help=f"context size (default {BENCH_CTX}, or the model's training "

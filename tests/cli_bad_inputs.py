@@ -426,6 +426,8 @@ CASES: list[Case] = [
          "--sweep entry '1000TB' (1000000000 MB) is more than this machine's memory"),
     Case("bench", "--sweep with --with", (S, "--sidecar", B, "--sweep", "50%", "--with", "output_rows=64"),
          "--sweep compares stock llama.cpp with one pi2 sidecar; drop --with"),
+    Case("bench", "--sweep with two --mode", (S, "--sidecar", B, "--sweep", "50%", "--mode", "predicted", "--mode", "dense"),
+         "--sweep compares stock llama.cpp with one pi2 sidecar; drop the second --mode"),
     Case("bench", "--png without --sweep", (S, "--sidecar", B, "--memory-limit", "300MB", "--png", "s.png"),
          "--png plots a --sweep"),
     Case("bench", "--png in a missing directory", (S, "--sidecar", B, "--sweep", "50%", "--png", "{nodir}/s.png"),

@@ -112,3 +112,22 @@ def test_bench_drops_the_peers_files_page_cache_too(tmp_path: Path) -> None:
     runs = bench_runs(model, [sidecar], 1 << 30, None, 8, 2, 128, None, 60.0, skip_unlimited=True, peers=[peer])
     for _, run in runs:
         assert run.args[3] == [model, sidecar, bundle, own]  # measure(row, cmd, mem, files, ...)
+
+
+def test_bench_runs_one_pi2_row_per_mode_each_named(tmp_path: Path) -> None:
+    """--mode repeated: one pi2 row per mode under the limit, each naming its mode and passing it to the run (mode
+    dense under a budget reads every neuron, beside predicted's sparse reads); the in-RAM row takes the first."""
+    from pi2_gguf.bench.memory_limit import bench_runs
+
+    model, sidecar = tmp_path / "m.gguf", tmp_path / "m.pi2.gguf"
+    for f in (model, sidecar):
+        f.write_bytes(b"x")
+    runs = bench_runs(model, [sidecar], 300_000_000, None, 8, 2, 128, ["predicted", "dense"], 60.0)
+    names = [row.name for row, _ in runs]
+    assert names[-3:] == ["pi2, memory budget 300 MB, mode predicted", "pi2, memory budget 300 MB, mode dense",
+                          "pi2, all in RAM (no limit)"]
+    cmds = [run.args[1] for _, run in runs]  # measure(row, cmd, mem, files, ...)
+    modes = [c[c.index("--mode") + 1] if "--mode" in c else None for c in cmds]
+    assert modes == [None, None, "predicted", "dense", "predicted"]
+    one = bench_runs(model, [sidecar], 300_000_000, None, 8, 2, 128, None, 60.0)
+    assert [row.name for row, _ in one][2] == "pi2, memory budget 300 MB"  # one mode: the name as before

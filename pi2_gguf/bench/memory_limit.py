@@ -47,7 +47,15 @@ class Row:
 STOCK_BASE = "stock llama.cpp, mmap, repack off"
 
 
-def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n: int, threads: int, ctx: int,
+def _modes(mode: str | None | list[str | None]) -> list[str | None]:
+    """bench's --mode, given once or repeated (None: the runner's default, predicted with a sidecar)."""
+    if isinstance(mode, list):
+        return list(mode) or [None]
+    return [mode]
+
+
+def _configs(model: Path, sidecars: list[Path], mode: str | None | list[str | None], limit: int, n: int,
+             threads: int, ctx: int,
              skip_unlimited: bool, variants: list[dict[str, str]] | None = None,
              forced_text: str | None = None, peers: list[Peer] | None = None,
              stock_defaults: bool = True) -> list[tuple[Row, list[str], int | None]]:
@@ -57,18 +65,23 @@ def _configs(model: Path, sidecars: list[Path], mode: str | None, limit: int, n:
     if stock_defaults:
         rows.append((Row("stock llama.cpp, defaults (mmap, repack)", True), command(pi2=False), limit))
     rows.append((Row(STOCK_BASE, True), command(pi2=False, repack=False), limit))
+    modes = _modes(mode)
     for sc in sidecars:
         name = f" ({sc.name})" if len(sidecars) > 1 else ""
-        for settings in [{}, *(variants or [])]:
-            with_ = "".join(f", {k}={v}" for k, v in settings.items())
-            rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB{with_}", True),
-                         command(pi2=True, sidecar=sc, mode=mode, memory_budget=limit, settings=settings), limit))
+        for m in modes:
+            # with more than one mode each row names its own (mode dense under a budget reads every neuron: what a
+            # whole-layer read costs, beside the sparse reads the neuron layout allows)
+            in_mode = f", mode {m or 'predicted'}" if len(modes) > 1 else ""
+            for settings in [{}, *(variants or [])]:
+                with_ = "".join(f", {k}={v}" for k, v in settings.items())
+                rows.append((Row(f"pi2{name}, memory budget {limit / 1e6:.0f} MB{in_mode}{with_}", True),
+                             command(pi2=True, sidecar=sc, mode=m, memory_budget=limit, settings=settings), limit))
     for peer in peers or []:  # a peer cannot be fed text: it decodes its own greedy picks
         rows.append((Row(f"{peer.name} (peer{', greedy' if forced_text is not None else ''})", True, peer=True),
                      peer_command(peer, str(model), PROMPT, n, threads), limit))
     if not skip_unlimited:
         rows.append((Row("pi2, all in RAM (no limit)", False),
-                     command(pi2=True, sidecar=sidecars[0], mode=mode), None))
+                     command(pi2=True, sidecar=sidecars[0], mode=modes[0]), None))
     return rows
 
 
@@ -146,12 +159,13 @@ def _summary_row(template: Row, series: Series[Row]) -> Row:
 
 
 def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: int | None, n: int = 32,
-              threads: int = 2, ctx: int = 512, mode: str | None = None, timeout: float = 1200,
-              skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
+              threads: int = 2, ctx: int = 512, mode: str | None | list[str | None] = None,
+              timeout: float = 1200, skip_unlimited: bool = False, progress: bool = True, rounds: int = 1,
               variants: list[dict[str, str]] | None = None, decode: str = "greedy",
               peers: list[Peer] | None = None, stock_defaults: bool = True) -> list[Row]:
     """Every configuration `rounds` times in turn (bench/rounds.py); one summary row each. variants: per-model
-    settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit. decode "text": every
+    settings (e.g. {"output_rows": "64"}), each one more pi2 row per sidecar under the limit. mode: one decode mode,
+    or a list of them for one pi2 row per mode under the limit (the in-RAM row takes the first). decode "text": every
     configuration's decode steps evaluate held-out corpus text (teacher forcing) instead of the model's picks (a
     peer's cannot: it decodes greedily). peers: one row each, under the same limit (peers.py). stock_defaults False:
     no row of stock's defaults (bench_runs)."""
@@ -164,7 +178,7 @@ def run_bench(model: Path, sidecars: Path | list[Path], limit: int, read_bps: in
 
 
 def bench_runs(model: Path, sidecars: list[Path], limit: int, read_bps: int | None, n: int, threads: int, ctx: int,
-               mode: str | None, timeout: float, skip_unlimited: bool = False,
+               mode: str | None | list[str | None], timeout: float, skip_unlimited: bool = False,
                variants: list[dict[str, str]] | None = None, forced_text: str | None = None,
                peers: list[Peer] | None = None, stock_defaults: bool = True) -> list[tuple[Row, Callable[[], Row]]]:
     """The configurations under one limit, each (its row's template, a run measuring it once), for run_in_turn;
