@@ -29,6 +29,7 @@ from pi2_gguf.converter.convert import convert  # noqa: E402
 from pi2_gguf.errors import MemoryBudgetError, ModelFileError  # noqa: E402
 from pi2_gguf.runtime.generate import Greedy  # noqa: E402
 from pi2_gguf.runtime.isolated import greedy_in_subprocess  # noqa: E402
+from pi2_gguf.sidecar import format as fmt  # noqa: E402
 from pi2_gguf.sidecar.format import Key, moe_layer_first  # noqa: E402
 from pi2_gguf.sidecar.inspect import summary  # noqa: E402
 from pi2_gguf.sidecar.reader import read as read_sidecar  # noqa: E402
@@ -142,7 +143,8 @@ def test_what_pi2_computes(built: dict[tuple[str, str], Path], name: str) -> Non
 @pytest.fixture(scope="module")
 def sidecars(built: dict[tuple[str, str], Path],
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | ModelFileError]:
-    """convert's sidecar for each family's f32 model (its defaults, a short profile), or its refusal; in a
+    """convert's sidecar for each family's f32 model (its defaults but routed experts in neuron bundles, the path
+    these tests take; the default's whole reads: test_moe_sidecar_holds_no_second_copy), or its refusal; in a
     directory of their own, so no run takes one as its model's default sidecar."""
     d = tmp_path_factory.mktemp("arch_matrix_sidecars")
     out: dict[str, Path | ModelFileError] = {}
@@ -150,7 +152,7 @@ def sidecars(built: dict[tuple[str, str], Path],
         model = built[(name, "f32")]
         try:
             out[name] = convert(model, d / f"{name}.pi2.gguf", train_tokens=1024, heldout_tokens=256,
-                                progress=False, perplexity_budget=None).path
+                                progress=False, perplexity_budget=None, expert_reads="bundles").path
         except ModelFileError as e:
             out[name] = e
     return out
@@ -323,7 +325,7 @@ def test_gpt_oss_in_mxfp4(built: dict[tuple[str, str], Path], tmp_path: Path) ->
     assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
     assert _relative(held.logits_first, stock.logits_first) <= 1e-4
     sidecar = convert(model, tmp_path / "gpt_oss.mxfp4.pi2.gguf", train_tokens=1024, heldout_tokens=256,
-                      progress=False, perplexity_budget=None).path
+                      progress=False, perplexity_budget=None, expert_reads="bundles").path
     for mode in ("oracle", "predicted"):
         ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode=mode,
                                    settings=RAM)[0]
@@ -338,14 +340,17 @@ _MOE = [n for n, r in ROWS.items() if r.sidecar == "yes" and ("routed" in r.comp
 @pytest.mark.parametrize("name", _MOE)
 def test_moe_sidecar_holds_no_second_copy(built: dict[tuple[str, str], Path], sidecars: dict[str, Path | ModelFileError],
                                           tmp_path: Path, name: str) -> None:
-    """convert --expert-reads model: routed experts are read whole from the model file under a budget, and the
-    sidecar holds no bundles, predictors or rankings of them (where every FFN is a routed expert: at most 15% of the
-    model file, these well under 1%); under a budget every mode gives the tokens of the in-RAM dense run, whose
-    experts run dense. The default sidecar (bundles) holds them."""
-    model, default = built[(name, "f32")], sidecars[name]
-    assert isinstance(default, Path) and read_sidecar(default).kv[Key.MOE_EXPERT_READS] == "bundles"
-    sidecar = convert(model, tmp_path / f"{name}.whole.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                      perplexity_budget=None, expert_reads="model").path
+    """convert's default for experts that are not ReLU-family (--expert-reads auto; every family here, whose GGUFs
+    state no activation): routed experts are read whole from the model file under a budget, and the sidecar holds no
+    bundles, predictors or rankings of them (where every FFN is a routed expert: at most 15% of the model file, these
+    well under 1%); under a budget every mode gives the tokens of the in-RAM dense run, whose experts run dense. The
+    sidecar converted with --expert-reads bundles holds them."""
+    model, bundled = built[(name, "f32")], sidecars[name]
+    assert isinstance(bundled, Path) and read_sidecar(bundled).kv[Key.MOE_EXPERT_READS] == "bundles"
+    res = convert(model, tmp_path / f"{name}.whole.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
+                  perplexity_budget=None)
+    assert res.meta.activation not in fmt.RELU_FAMILY and any("--expert-reads auto" in n for n in res.notes), res.notes
+    sidecar = res.path
     sc = read_sidecar(sidecar)
     assert sc.kv[Key.MOE_EXPERT_READS] == "model"
     assert not any(t.endswith("pi2_bundles") and int(t.split(".")[1]) in sc.whole_layers for t in sc.tensors)

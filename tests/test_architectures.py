@@ -92,7 +92,7 @@ def test_sidecar_made_for_another_activation_is_refused(smallthinker_as_converte
     model, _ = smallthinker_as_converted
     monkeypatch.setattr(model_ffn, "ARCH_ACTIVATION", {})
     old = convert(model, tmp_path / "old.pi2.gguf", train_tokens=512, heldout_tokens=256, progress=False,
-                  perplexity_budget=None).path
+                  perplexity_budget=None, expert_reads="bundles").path
     monkeypatch.undo()
     from pi2_gguf.sidecar.reader import read as read_sidecar
     assert read_sidecar(old).kv["pi2.activation"] == "silu"

@@ -685,3 +685,16 @@ def test_f32_keys_past_f32_range_are_written_as_inf(tmp_path: Path) -> None:
     assert float(fields["pi2.quality.perplexity"].parts[-1][0]) == pytest.approx(9.5)
     f = fields["pi2.test.values"]
     assert [float(f.parts[i][0]) for i in f.data] == [np.inf, -np.inf, 0.25]
+
+
+def test_expert_reads_auto_follows_the_experts_activation() -> None:
+    """convert's default --expert-reads auto: neuron bundles for ReLU-family experts (reads of the neurons that fire
+    pay for the copy), whole reads from the model file for every other activation (their bundles would hold nearly
+    every neuron); an explicit choice is kept whatever the activation."""
+    from pi2_gguf.converter.options import DEFAULT_EXPERT_READS, expert_reads_for
+    from pi2_gguf.sidecar import format as fmt
+
+    assert DEFAULT_EXPERT_READS == "auto"
+    assert [expert_reads_for("auto", a) for a in fmt.RELU_FAMILY] == ["bundles"] * len(fmt.RELU_FAMILY)
+    assert [expert_reads_for("auto", a) for a in ("silu", "gelu", "swiglu_oai")] == ["model"] * 3
+    assert expert_reads_for("bundles", "silu") == "bundles" and expert_reads_for("model", "relu") == "model"

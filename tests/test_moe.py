@@ -165,9 +165,9 @@ def test_silu_experts_are_placed_by_the_cost_rule(tmp_path: Path) -> None:
     synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.15), synthetic_moe.Routing(1.0, 0.5),
                            "qwen3moe", "silu", QT.Q4_K, progress=False)
     loose = convert(path, tmp_path / "loose.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                    perplexity_budget=None).path
+                    perplexity_budget=None, expert_reads="bundles").path
     tight = convert(path, tmp_path / "tight.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                    perplexity_budget=None, threshold=0.4).path
+                    perplexity_budget=None, threshold=0.4, expert_reads="bundles").path
     mean = {sc: [float(np.mean(native.sparse_cost_c(sc)[il * 8:(il + 1) * 8])) for il in range(3)] for sc in (loose, tight)}
     assert min(mean[loose]) >= 1.0 and max(mean[tight]) < 1.0, mean  # both kinds, or the test shows nothing
     auto = {"layers": "auto"}
@@ -219,7 +219,7 @@ def test_gpt_oss_shaped_model_from_flash(tmp_path: Path) -> None:
     assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
     assert np.abs(np.array(held.logits_first) - np.array(stock.logits_first)).max() <= 1e-4 * np.abs(stock.logits_first).max()
     sidecar = convert(path, tmp_path / "oss.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
-                      perplexity_budget=None)
+                      perplexity_budget=None, expert_reads="bundles")
     assert sidecar.meta.activation == "swiglu_oai"
     for mode in ("oracle", "predicted"):
         ram = greedy_in_subprocess(path, [PROMPT], 8, pi2=True, repack=False, sidecar=sidecar.path, mode=mode,
@@ -382,6 +382,7 @@ def test_moe_sidecar_describes_each_expert(moe_sidecar: tuple[Path, Path]) -> No
     kv = read_sidecar(sidecar).kv
     assert kv["pi2.moe.expert_count"] == 8 and len(kv["pi2.n_ff"]) == 3 * 8
     assert kv["pi2.activation"] == "drelu"
+    assert kv["pi2.moe.expert_reads"] == "bundles"  # convert's default for ReLU-family experts: only firing neurons read
     assert all(0.02 < d < 0.3 for d in kv["pi2.sparsity.density"])  # active: gate > 0 and up > 0
     share = np.array(kv["pi2.moe.routed_share"]).reshape(3, 8)
     assert np.allclose(share.sum(axis=1), 2.0, atol=1e-5)  # each token routed to n_expert_used = 2 experts

@@ -30,7 +30,8 @@ from . import resume
 from . import sparsity as sp
 from .eta import Progress
 from .model_ffn import ModelFfn
-from .options import DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, SMALL_OUTPUT_COPY, ConvertOptions
+from .options import (DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, EXPERT_READS_CHOICES, SMALL_OUTPUT_COPY,
+                      ConvertOptions, expert_reads_for)
 from .profile import Profile, default_train_tokens, run_profile
 from .resume import WorkDir, key_hash
 
@@ -559,16 +560,18 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         raise Pi2Error(f"--output-copy {o.output_copy!r}: one of {', '.join(fmt.OUTPUT_COPIES)}")
     if o.output_copy is not None and o.output_rows == 0:
         raise Pi2Error("--output-copy needs output rows (--output-rows 0 keeps the output matrix in RAM)")
-    if o.expert_reads not in fmt.EXPERT_READS:
-        raise Pi2Error(f"--expert-reads {o.expert_reads!r}: one of {', '.join(fmt.EXPERT_READS)}")
+    if o.expert_reads not in EXPERT_READS_CHOICES:
+        raise Pi2Error(f"--expert-reads {o.expert_reads!r}: one of {', '.join(EXPERT_READS_CHOICES)}")
     if o.expert_reads == "model" and not model.n_expert:
         raise Pi2Error(f"--expert-reads model: {model.path.name} has no routed experts")
-    expert_reads = o.expert_reads if model.n_expert else None
+    expert_reads = expert_reads_for(o.expert_reads, model.activation) if model.n_expert else None
     whole = frozenset(fmt.routed_layers(model.layer_experts if model.mixed else None, model.n_expert, model.n_layer)) \
         if expert_reads == "model" else frozenset()
     if whole:
-        notes.append("routed experts are read whole from the model file under a memory budget (--expert-reads model): "
-                     "the sidecar holds no copy of them")
+        why = "--expert-reads model" if o.expert_reads == "model" else \
+            f"--expert-reads auto: {model.activation} experts' bundles would hold nearly every neuron"
+        notes.append(f"routed experts are read whole from the model file under a memory budget ({why}): the sidecar "
+                     f"holds no copy of them")
     if o.predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {o.predictor!r}")
     if not 0.5 <= o.recall < 1.0:

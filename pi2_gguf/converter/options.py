@@ -28,11 +28,23 @@ DEFAULT_OUTPUT_ROWS = 64
 # neuron cache under 600 MB, 10.278 against 10.285 (Q2_K with 64 rows: 10.550, with 256: 10.371)
 SMALL_OUTPUT_COPY = ("q2_k", 1024)
 
-# routed experts under a memory budget: the sidecar's neuron bundles. Read whole from the model file instead, the
-# same bytes a token decoded 0.72x as fast on the Qwen3-MoE-shaped q3s under 220 MB (14.0 against 19.6 tok/s, both
-# 54 MB a token, 37-38% hits) and 0.91x on the SmallThinker-shaped st6 under 200 MB (docs/MEASUREMENTS.md,
-# 2026-11-27): the bundles' read path (read-ahead across layers on the router's guess) is not yet the whole reads'
-DEFAULT_EXPERT_READS = "bundles"
+# routed experts under a memory budget, by the experts' activation (convert's default, --expert-reads auto; measured,
+# docs/MEASUREMENTS.md, 2026-11-28): SiLU/GELU experts are read whole from the model file, since their bundles hold
+# nearly every neuron anyway (predicted density 0.93 at the default target) and only copy the model: on the
+# Qwen3-MoE-shaped q3 (--stats real) under 241 MB whole reads decoded 1.32x the bundles (22.4 against 16.9 tok/s),
+# from a 0.05 MB sidecar made in seconds against 806 MB in 38 minutes (q3m under 300 MB: 1.39x; the worst case, a
+# cache holding fewer experts than a token routes to, 0.82-0.87x). ReLU-family experts keep their bundles, which read
+# only the neurons that fire (the SmallThinker-shaped st6 under 200 MB: 1.10x the whole reads).
+DEFAULT_EXPERT_READS = "auto"
+EXPERT_READS_CHOICES = ("auto", *fmt.EXPERT_READS)
+
+
+def expert_reads_for(choice: str, activation: str) -> str:
+    """--expert-reads resolved for a model whose experts compute `activation`: auto is bundles for the ReLU family
+    (sparse reads pay) and model otherwise; bundles or model as given."""
+    if choice != "auto":
+        return choice
+    return "bundles" if activation in fmt.RELU_FAMILY else "model"
 
 CLI = "cli"  # the metadata key of a field's Flag
 PROFILE_OPTIONS = ("text", "train_tokens", "heldout_tokens", "window", "threads")  # `pi2-gguf profile` takes these
@@ -75,9 +87,9 @@ class ConvertOptions:
     output_rows: the exact output rows a token reads under a memory budget, recorded in the sidecar
     (pi2.budget.output_rows; 0: none recorded); None: DEFAULT_OUTPUT_ROWS where the model has an output matrix of
     its own and the quality is measured.
-    expert_reads: an MoE model's routed experts under a memory budget: "bundles" (neuron bundles in the sidecar) or
+    expert_reads: an MoE model's routed experts under a memory budget: "bundles" (neuron bundles in the sidecar),
     "model" (read whole from the model file; the sidecar holds nothing of them but their fingerprints and routing
-    statistics).
+    statistics) or "auto" (expert_reads_for: bundles for ReLU-family experts, model otherwise).
     output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
     sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
     budget, else none recorded (the plugin's q3_k).
@@ -153,11 +165,12 @@ class ConvertOptions:
              "--bundle-type's, else the model's down type). Without --bundle-type/--down-type and --sparsity, "
              "where no target holds the perplexity budget convert measures Q8_0 down columns too"))
     expert_reads: str = field(default=DEFAULT_EXPERT_READS, metadata=flag(
-        "--expert-reads", choices=fmt.EXPERT_READS,
-        help="MoE models: where a memory budget reads routed experts from. bundles (default): neuron bundles in "
-             "the sidecar, read sparsely, a second copy of the experts; model: each expert whole from the model "
-             "file, so the sidecar holds no copy of them (no bundles, predictors or rankings: a few percent of the "
-             "model, and convert skips their per-expert work), at the decode speed docs/CONVERT.md measures"))
+        "--expert-reads", choices=EXPERT_READS_CHOICES,
+        help="MoE models: where a memory budget reads routed experts from. auto (default): bundles for ReLU-family "
+             "experts, model otherwise; bundles: neuron bundles in the sidecar, read sparsely, a second copy of the "
+             "experts; model: each expert whole from the model file, so the sidecar holds no copy of them (no "
+             "bundles, predictors or rankings: a few percent of the model, and convert skips their per-expert "
+             "work), at the decode speed docs/CONVERT.md measures"))
     output_rows: int | None = field(default=None, metadata=flag(
         "--output-rows", type=argtypes.count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
         help="under a memory budget, leave the output matrix in the model file and read a token's N most "
