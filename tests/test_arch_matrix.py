@@ -360,6 +360,9 @@ def test_moe_sidecar_holds_no_second_copy(built: dict[tuple[str, str], Path], si
     assert "read whole from the model file" in summary(sc)
     if not _shared_expert_layers(model) and name not in ("deepseek2", "glm4moe"):
         assert sidecar.stat().st_size <= 0.15 * model.stat().st_size, (sidecar.stat().st_size, model.stat().st_size)
+        assert "sparsity       none: every FFN layer is read whole" in summary(sc)  # no target or predictor to show
+    else:
+        assert "sparsity       product, target 0.50" in summary(sc)  # the dense layers' and shared experts' plan
     ram = greedy_in_subprocess(model, [PROMPT], N_TOKENS, pi2=True, repack=False, sidecar=sidecar, mode="dense",
                                settings=RAM)[0]
     for mode in ("dense", "predicted"):

@@ -790,7 +790,7 @@ def test_budget_use_states_every_item_and_adds_up(smollm2: Path, smol_sidecar: P
         return tuple(json.loads(r.stdout.strip().splitlines()[-1]))  # type: ignore[return-value]
 
     loose = run(400_000_000)
-    assert loose[2] > 50_000_000 and "unused (every bundle cached)" in loose[3], loose  # SmolLM2's bundles: ~110 MB
+    assert loose[2] > 50_000_000 and "unused (every bundle cached, or less than" in loose[3], loose  # SmolLM2's: ~110 MB
     budget, use, unused, line, predictors, kv, bufts = run(150_000_000)
     items = dict(use["items"])
     assert use["budget"] == budget and unused < 1_000_000, (use, unused)

@@ -636,6 +636,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         return work.layer_key(il, dataclasses.replace(plan, target=target), layer_type, ref, shipped.get(il))
 
     def label(target: float | None) -> str:
+        if not sparse_layers:  # routed experts read whole: no sparsity, the candidate differs only by its output rows
+            return "every layer read whole"
         return f"sparsity {target:.2f}" if target is not None else \
             "ReLU-family sparsity" if plan.method == "relu" else "the threshold given"
 
@@ -836,9 +838,9 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 progress.end(f"perplexity {what}")
                 progress.seed("ppl_sparse", got[0].get("seconds"), score_tokens)
                 return meta, float(got[0]["ppl"])
-            progress.begin(f"write {what}", f"writing the candidate at {what}")
+            progress.begin(f"write {what}", f"writing the candidate with {what}")
             _write(out, model, meta, planned, o.progress, progress, f"write {what}")
-            progress.begin(f"perplexity {what}", f"scoring the candidate at {what} on held-out text")
+            progress.begin(f"perplexity {what}", f"scoring the candidate with {what} on held-out text")
             t_ppl = time.monotonic()
             ppl = _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)
             progress.advance(f"perplexity {what}", score_tokens)
@@ -880,6 +882,11 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                    f"the first target whose perplexity stays within +{budget:.1%} (tried {', '.join(tried)})")
             notes.append(f"sparsity {t:.2f} chosen: {why}" if held else
                          f"no sparsity target down to {t:.2f} stays within +{budget:.1%} (tried {', '.join(tried)})")
+    elif best is not None and not sparse_layers:
+        choice.append("no sparsity: every FFN layer is a routed expert read whole from the model file")
+        if not within(best[3]):
+            notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
+                         f"+{budget:.1%}: the output matrix's copy costs it (--output-rows 0 keeps it in RAM)")
     elif best is not None:
         choice.append(f"sparsity {best[0].target:.2f} as given" if best[0].target is not None else "threshold as given")
         if not within(best[3]):

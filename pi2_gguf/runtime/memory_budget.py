@@ -117,7 +117,10 @@ class BudgetUse:
 
     def line(self) -> str:
         parts = ", ".join(f"{name} {size / 1e6:.0f}" for name, size in self.items)
-        unused = f", {self.unused / 1e6:.0f} MB unused (every bundle cached)" if self.unused >= 1_000_000 else ""
+        # what is left is either more than every bundle needs or less than one more entry (an expert cache's are whole
+        # experts): the line cannot tell which, so it says both
+        unused = (f", {self.unused / 1e6:.0f} MB unused (every bundle cached, or less than one more cache entry)"
+                  if self.unused >= 1_000_000 else "")
         return (f"budget {self.budget / 1e6:.0f} MB: {parts} MB; the caches got {self.cache / 1e6:.0f} MB "
                 f"({self.cache / self.budget:.0%} of the budget){unused}")
 

@@ -75,9 +75,19 @@ def _disk_line(sc: Sidecar) -> str:
             f"{(size - bundles - predictors) / 1e6:.1f} MB)")
 
 
+def _sparsity_lines(kv: dict, target: float) -> list[str]:
+    return [f"sparsity       {kv[Key.SPARSITY_METHOD]}"
+            + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")
+            + f", held-out density {np.mean(kv[Key.SPARSITY_DENSITY]):.3f} (mean of layers)",
+            f"predictors     recall target {kv[Key.PREDICTOR_RECALL_TARGET]:.3f}; held-out recall "
+            f"{min(kv[Key.PREDICTOR_RECALL]):.4f} (worst layer), predicted density "
+            f"{np.mean(kv[Key.PREDICTOR_DENSITY]):.3f} (mean)"]
+
+
 def summary(sc: Sidecar) -> str:
     kv = sc.kv
     target = kv[Key.SPARSITY_TARGET]
+    sparse = len(sc.whole_layers) < sc.n_layer  # some layer has a plan (thresholds, predictors) of its own
     product = kv[Key.SPARSITY_METHOD] == "product"
     lines = [
         f"sidecar        {sc.path} ({sc.path.stat().st_size / 1e6:.1f} MB), format {kv[Key.FORMAT_VERSION]}",
@@ -87,15 +97,11 @@ def summary(sc: Sidecar) -> str:
         f"FFN            {sc.n_layer} layers, n_embd {kv[Key.N_EMBD]}, activation {kv[Key.ACTIVATION]}"
         + _moe_line(kv, sc.n_layer),
         *_expert_hotness(kv),
-        f"sparsity       {kv[Key.SPARSITY_METHOD]}"
-        + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")
-        + f", held-out density {np.mean(kv[Key.SPARSITY_DENSITY]):.3f} (mean of layers)",
-        f"predictors     recall target {kv[Key.PREDICTOR_RECALL_TARGET]:.3f}; held-out recall "
-        f"{min(kv[Key.PREDICTOR_RECALL]):.4f} (worst layer), predicted density "
-        f"{np.mean(kv[Key.PREDICTOR_DENSITY]):.3f} (mean)",
+        *(_sparsity_lines(kv, target) if sparse else
+          ["sparsity       none: every FFN layer is read whole from the model file, computed exactly"]),
         f"calibration    {kv[Key.CALIB_CORPUS]}, {kv[Key.CALIB_TOKENS]} tokens + "
         f"{kv[Key.CALIB_HELDOUT_TOKENS]} held out, {kv[Key.CALIB_DATE]}",
-        _quality_line(kv),
+        _quality_line(kv, sparse),
         *(["choice         " + kv[Key.QUALITY_CHOICE]] if Key.QUALITY_CHOICE in kv else []),
         *([f"memory budget  output matrix left in the model file, {kv[Key.BUDGET_OUTPUT_ROWS]} exact rows a token, "
            f"the rest from a {kv.get(Key.BUDGET_OUTPUT_COPY, 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
@@ -134,11 +140,12 @@ def summary(sc: Sidecar) -> str:
     return "\n".join(lines)
 
 
-def _quality_line(kv: dict) -> str:
+def _quality_line(kv: dict, sparse: bool = True) -> str:
     if Key.QUALITY_PERPLEXITY not in kv:
         return "perplexity     not measured (convert --perplexity-budget records it)"
     dense, ppl = float(kv[Key.QUALITY_PERPLEXITY_DENSE]), float(kv[Key.QUALITY_PERPLEXITY])
-    return (f"perplexity     {ppl:.3f} predicted, every layer sparse, against {dense:.3f} dense "
+    how = "predicted, every layer sparse" if sparse else "with the sidecar (its output rows; no sparse layer)"
+    return (f"perplexity     {ppl:.3f} {how}, against {dense:.3f} dense "
             f"({ppl / dense - 1:+.1%}; budget +{float(kv[Key.QUALITY_BUDGET]):.1%}) on {kv[Key.QUALITY_TEXT]}")
 
 
