@@ -569,7 +569,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         if expert_reads == "model" else frozenset()
     if whole:
         why = "--expert-reads model" if o.expert_reads == "model" else \
-            f"--expert-reads auto: {model.activation} experts' bundles would hold nearly every neuron"
+            f"--expert-reads auto: {model.activation} experts are not sparse enough for neuron bundles to pay"
         notes.append(f"routed experts are read whole from the model file under a memory budget ({why}): the sidecar "
                      f"holds no copy of them")
     if o.predictor not in pred_mod.KINDS:

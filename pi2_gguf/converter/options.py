@@ -32,7 +32,7 @@ SMALL_OUTPUT_COPY = ("q2_k", 1024)
 # docs/MEASUREMENTS.md, 2026-11-28): SiLU/GELU experts are read whole from the model file, since their bundles hold
 # nearly every neuron anyway (predicted density 0.93 at the default target) and only copy the model: on the
 # Qwen3-MoE-shaped q3 (--stats real) under 241 MB whole reads decoded 1.32x the bundles (22.4 against 16.9 tok/s),
-# from a 0.05 MB sidecar made in seconds against 806 MB in 38 minutes (q3m under 300 MB: 1.39x; the worst case, a
+# from a 0.05 MB sidecar made in 48 s against 806 MB in 38 minutes (q3m under 300 MB: 1.39x; the worst case, a
 # cache holding fewer experts than a token routes to, 0.82-0.87x). ReLU-family experts keep their bundles, which read
 # only the neurons that fire (the SmallThinker-shaped st6 under 200 MB: 1.10x the whole reads).
 DEFAULT_EXPERT_READS = "auto"
