@@ -221,24 +221,40 @@ def _prompt_tokens(model: Path, text: str) -> int:
         return -n  # with no room for the tokens: minus their count
 
 
+def expert_share_note(entries: int, routed_layers: int, used: float) -> str:
+    """Where the expert cache, split evenly between the routed layers (flash/expert_file.c), gives a layer fewer
+    entries than the experts a token routes to there: the case where whole reads measured 0.82-0.87x the neuron
+    bundles (docs/CONVERT.md, "MoE models"). Empty otherwise, or before any token was routed."""
+    if entries <= 0 or routed_layers <= 0 or used <= 0:
+        return ""
+    share = entries / routed_layers
+    if share >= used:
+        return ""
+    return (f"; {share:.1f} a layer, fewer than the {used:.0f} experts a token routes to in each: whole reads "
+            "decoded 0.82-0.87x the neuron bundles there (docs/CONVERT.md); a larger budget holds a token's experts")
+
+
 def _print_pi2_run(llm: Llama) -> None:
     """The neuron cache (with a memory budget) and what the PI2 device executed."""
     from .runtime.counters import read_counters
 
     info = llm.cache_info()
+    c = read_counters()
     if info is not None and llm.pi2_memory_budget is not None:  # a binding has a neuron cache under a budget only
         print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
         if info.expert_entries:
+            routed_layers = int(np.count_nonzero(c.expert_tokens))
+            used = float(c.experts_routed.sum()) / max(float(c.expert_tokens.sum()), 1.0)
             print(f"expert cache    {info.expert_bytes / 1e6:.0f} MB ({info.expert_entries} routed experts read whole from "
-                  "the model file, least recently used replaced)")
+                  "the model file, least recently used replaced" + expert_share_note(info.expert_entries, routed_layers,
+                                                                                     used) + ")")
         if info.embedding_bytes:
             print(f"token embedding {info.embedding_bytes / 1e6:.0f} MB left in the model file (rows read per token)")
         use = llm.budget_use()
         if use is not None:
             print(f"where it went   {use.line()}")
-    c = read_counters()
     print(f"PI2 FFN matmuls {int(c.matmul_calls.sum())} over {c.n_layers} layers")
     if c.sparse_tokens.sum():
         per_layer = c.active_per_token()

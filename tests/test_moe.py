@@ -613,3 +613,15 @@ def test_moe_flash_prompt_batches_read_each_expert_once(moe_sidecar: tuple[Path,
     want, _ = prompt("oracle", "pairs")
     assert np.argmax(got) == np.argmax(want)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_expert_share_note_only_where_a_layer_gets_fewer_entries_than_a_token_routes() -> None:
+    """`pi2-gguf run -v`'s expert cache line: a note where the cache's even split gives a layer fewer entries than the
+    experts a token routes to there (the case whole reads lose to bundles), none where it holds them or before
+    any token was routed."""
+    from pi2_gguf.cli import expert_share_note
+
+    assert "6.0 a layer, fewer than the 8 experts a token routes to" in expert_share_note(48, 8, 8.0)
+    assert "0.5 a layer" in expert_share_note(4, 8, 2.0)  # fewer entries than layers: one pool for all
+    assert expert_share_note(64, 8, 8.0) == ""            # 8 a layer: a token's experts fit
+    assert expert_share_note(48, 8, 0.0) == "" and expert_share_note(0, 8, 8.0) == ""
