@@ -625,3 +625,31 @@ def test_expert_share_note_only_where_a_layer_gets_fewer_entries_than_a_token_ro
     assert "0.5 a layer" in expert_share_note(4, 8, 2.0)  # fewer entries than layers: one pool for all
     assert expert_share_note(64, 8, 8.0) == ""            # 8 a layer: a token's experts fit
     assert expert_share_note(48, 8, 0.0) == "" and expert_share_note(0, 8, 8.0) == ""
+
+
+def test_run_verbose_names_an_expert_cache_smaller_than_a_tokens_experts(tmp_path: Path) -> None:
+    """A SiLU MoE model converted with defaults reads its experts whole (--expert-reads auto), and `pi2-gguf run -v`
+    under a budget whose expert cache gives each routed layer fewer entries than a token routes to there says so;
+    with room for every expert it does not."""
+    import os
+    import subprocess
+
+    from pi2_gguf.converter.convert import convert
+
+    path = tmp_path / "q3moe.gguf"
+    synthetic_moe.make_moe(path, _shape(8, 2), synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5),
+                           "qwen3moe", "silu", QT.Q8_0, progress=False)
+    sidecar = convert(path, tmp_path / "q3moe.pi2.gguf", train_tokens=512, heldout_tokens=128, progress=False,
+                      perplexity_budget=None)
+    assert sidecar.meta.expert_reads == "model"
+
+    def run(cache_max: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "pi2_gguf.cli", "run", str(path), "--sidecar", str(sidecar.path),
+                              "--memory-budget", "1GB", "-p", PROMPT, "-n", "4", "-c", "256", "-v"],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PI2_CACHE_MAX": cache_max})
+        assert res.returncode == 0, res.stderr[-2000:]
+        return next(line for line in res.stdout.splitlines() if line.startswith("expert cache"))
+
+    small = run("1MiB")  # two experts of ~0.4 MB for three routed layers of two experts a token each
+    assert "a layer, fewer than the 2 experts a token routes to in each" in small, small
+    assert "fewer than" not in run("64MiB"), "every expert fits"
