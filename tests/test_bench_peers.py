@@ -131,4 +131,3 @@ def test_bench_runs_one_pi2_row_per_mode_each_named(tmp_path: Path) -> None:
     assert modes == [None, None, "predicted", "dense", "predicted"]
     one = bench_runs(model, [sidecar], 300_000_000, None, 8, 2, 128, None, 60.0)
     assert [row.name for row, _ in one][2] == "pi2, memory budget 300 MB"  # one mode: the name as before
-
