@@ -351,7 +351,7 @@ def test_moe_sidecar_holds_no_second_copy(built: dict[tuple[str, str], Path], si
     res = convert(model, tmp_path / f"{name}.whole.pi2.gguf", train_tokens=1024, heldout_tokens=256, progress=False,
                   perplexity_budget=None)
     if res.meta.activation in fmt.RELU_FAMILY:  # SmallThinker's ReGLU: auto keeps bundles, read only where they fire
-        assert res.meta.expert_reads == "bundles", res.meta.expert_reads
+        assert res.meta.expert_reads == "bundles" and any("--expert-reads auto" in n for n in res.notes), res.notes
         res = convert(model, tmp_path / f"{name}.whole.pi2.gguf", train_tokens=1024, heldout_tokens=256,
                       progress=False, perplexity_budget=None, expert_reads="model")
     else:

@@ -572,6 +572,10 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
             f"--expert-reads auto: {model.activation} experts are not sparse enough for neuron bundles to pay"
         notes.append(f"routed experts are read whole from the model file under a memory budget ({why}): the sidecar "
                      f"holds no copy of them")
+    elif expert_reads == "bundles" and o.expert_reads == "auto":
+        notes.append(f"routed experts are read from neuron bundles under a memory budget (--expert-reads auto: "
+                     f"{model.activation} experts read only the neurons that fire; --expert-reads model reads them "
+                     f"whole from the model file, with no copy here)")
     if o.predictor not in pred_mod.KINDS:
         raise Pi2Error(f"predictor must be one of {', '.join(pred_mod.KINDS)}, got {o.predictor!r}")
     if not 0.5 <= o.recall < 1.0:
