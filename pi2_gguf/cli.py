@@ -340,8 +340,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(summary(read(res.path)))  # the table of `pi2-gguf inspect`, from the file as written
     for note in res.notes:
         print(note)
-    print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s "
-          f"(profiling {res.profile_seconds:.0f} s)")
+    profiled = res.meta.tokens > 0  # --dense-reads model profiles nothing
+    print(f"\nwrote {res.path} ({res.size / 1e6:.1f} MB) in {res.seconds:.0f} s"
+          + (f" (profiling {res.profile_seconds:.0f} s)" if profiled else ""))
     return 0
 
 

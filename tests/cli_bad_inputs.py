@@ -320,6 +320,7 @@ CASES: list[Case] = [
          "argument --output-rows: 5000 is out of range (from 0 to 4096)"),
     Case("convert", "negative --output-rows", (S, "--output-rows=-1"), "argument --output-rows: -1 is out of range"),
     Case("convert", "zero --bundle-neurons", (S, "--bundle-neurons", "0"), "argument --bundle-neurons: invalid choice"),
+    Case("convert", "--dense-reads not a choice", (S, "--dense-reads", "whole"), "argument --dense-reads: invalid choice"),
     Case("convert", "--bundle-type not a type", (S, "--bundle-type", "q5"), "--bundle-type 'q5' is not a ggml type name"),
     Case("convert", "--bundle-type whose blocks do not fit", (S, "--bundle-type", "q3_k"),
          "bundle type q3_k has blocks of 256 values, which do not divide this model's rows of n_embd = 576"),

@@ -698,3 +698,22 @@ def test_expert_reads_auto_follows_the_experts_activation() -> None:
     assert [expert_reads_for("auto", a) for a in fmt.RELU_FAMILY] == ["bundles"] * len(fmt.RELU_FAMILY)
     assert [expert_reads_for("auto", a) for a in ("silu", "gelu", "swiglu_oai")] == ["model"] * 3
     assert expert_reads_for("bundles", "silu") == "bundles" and expert_reads_for("model", "relu") == "model"
+
+
+def test_dense_reads_default_keeps_bundles_and_model_refuses_a_target(smollm2: Path, smol_sidecar: Path,
+                                                                       tmp_path: Path) -> None:
+    """convert's default --dense-reads bundles writes no pi2.dense_reads key (the sidecar earlier converts wrote);
+    --dense-reads model with a sparsity target or threshold is refused by name before anything is profiled (whole
+    layers have no sparsity)."""
+    from pi2_gguf.converter.convert import convert
+    from pi2_gguf.converter.options import DEFAULT_DENSE_READS
+    from pi2_gguf.sidecar import format as fmt
+    from pi2_gguf.sidecar.reader import read as read_sidecar
+
+    assert DEFAULT_DENSE_READS == "bundles"
+    sc = read_sidecar(smol_sidecar)
+    assert fmt.Key.DENSE_READS not in sc.kv and not sc.whole_layers and sc.kv[fmt.Key.CALIB_TOKENS] > 0
+    for flag in ({"sparsity": 0.5}, {"threshold": 0.1, "criterion": "act"}):
+        with pytest.raises(Pi2Error, match="--dense-reads model reads every layer whole, which has no sparsity"):
+            convert(smollm2, tmp_path / "s.pi2.gguf", dense_reads="model", progress=False, **flag)
+    assert not list(tmp_path.iterdir())

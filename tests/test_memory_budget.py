@@ -801,3 +801,52 @@ def test_budget_use_states_every_item_and_adds_up(smollm2: Path, smol_sidecar: P
     assert 5_000_000 < items["llama.cpp's weights in RAM"] < 60_000_000, items
     assert items["runtime (Python, libraries, heap)"] > 20_000_000 and items["compute buffers"] > 0, items
     assert line.startswith(f"budget {budget / 1e6:.0f} MB: runtime") and "the caches got" in line
+
+
+@pytest.fixture(scope="module")
+def smol_whole(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 (SiLU) converted with --dense-reads model (no perplexity measure): every FFN layer read whole."""
+    return convert(smollm2, tmp_path_factory.mktemp("whole") / "smol.pi2.gguf", perplexity_budget=None,
+                   dense_reads="model", progress=False).path
+
+
+def _ffn_spans(model: Path) -> list[int]:
+    """Per layer, the bytes a whole read of its ffn_gate, up and down takes: each range widened to 4 KiB blocks."""
+    r = GGUFReader(model)
+    spans: dict[int, int] = {}
+    for t in r.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            lo = t.data_offset // 4096 * 4096
+            hi = -(-(t.data_offset + int(t.n_bytes)) // 4096) * 4096
+            spans[int(parts[1])] = spans.get(int(parts[1]), 0) + hi - lo
+    return [spans[il] for il in sorted(spans)]
+
+
+def test_dense_layers_read_whole_from_the_model_file(smollm2: Path, smol_whole: Path) -> None:
+    """pi2.dense_reads = model (convert --dense-reads model): the sidecar holds no copy of the FFN (under 1% of
+    the model), decoding gives stock's tokens in RAM and under a budget; a cache of every layer reads nothing once
+    the prompt has read it, one of 5 layers pins 2 and streams the other 28 through 3 entries (each a whole read a
+    token, the next two read while one computes), one of 3 layers pins 1 and streams through 2, and one of a single
+    layer streams them all."""
+    from pi2_gguf.runtime.isolated import greedy_in_subprocess
+
+    sc = read_sidecar(smol_whole)
+    assert sc.kv[fmt.Key.DENSE_READS] == "model" and sc.whole_layers == frozenset(range(sc.n_layer))
+    assert not sc.tensors and smol_whole.stat().st_size < 0.01 * smollm2.stat().st_size
+    assert sc.kv[fmt.Key.CALIB_TOKENS] == 0  # nothing profiled
+    stock = greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=False, repack=False)[0]
+    ram = greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=True, sidecar=smol_whole, mode="predicted")[0]
+    assert ram.tokens == stock.tokens
+    spans = _ffn_spans(smollm2)
+    entry = max(spans)
+    evals = N_STEPS - 1  # the prompt's batch computes the first token
+    for entries, pinned in ((len(spans), len(spans)), (5, 2), (3, 1), (1, 0)):
+        flash = greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=True, sidecar=smol_whole, mode="predicted",
+                                     memory_budget=2 << 30, settings={"cache_max": entries * entry})[0]
+        assert flash.tokens == stock.tokens, entries
+        streamed = len(spans) - pinned
+        read = flash.io["bundle_bytes"]
+        # every layer streamed is read once a token (a layer's span is at most an entry)
+        assert evals * streamed * min(spans) <= read <= evals * streamed * entry, (entries, read, flash.io)
+        assert flash.io["cold_hits"] == evals * pinned, (entries, flash.io)

@@ -322,6 +322,19 @@ def test_deepseek2_lite_layout_at_its_layer_count(tmp_path: Path) -> None:
     assert held.pi2_matmuls > 0 and held.tokens == stock.tokens
 
 
+def test_dense_reads_are_a_dense_model_s_choice(tmp_path: Path) -> None:
+    """convert --dense-reads model on an MoE model is refused by name before anything is profiled (--expert-reads
+    chooses for its routed experts)."""
+    from pi2_gguf.converter.convert import convert
+
+    path = tmp_path / "m.gguf"
+    synthetic_moe.make_moe(path, _shape(4, 2), synthetic.Sparsity(density=0.5), synthetic_moe.Routing(1.0, 0.5),
+                           progress=False)
+    with pytest.raises(Pi2Error, match="--dense-reads model: m.gguf is an MoE model"):
+        convert(path, tmp_path / "m.pi2.gguf", dense_reads="model", progress=False)
+    assert not (tmp_path / "m.pi2.gguf").exists()
+
+
 def test_make_moe_refuses_bad_shapes(tmp_path: Path) -> None:
     sp, ro = synthetic.Sparsity(density=0.15), synthetic_moe.Routing()
     with pytest.raises(Pi2Error, match="n-expert-used"):

@@ -389,6 +389,30 @@ def test_moe_expert_reads(tmp_path: Path, count: int | None, reads: str, expecte
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize("count,reads,expected", [
+    (None, "bundles", None),
+    (None, "model", None),  # every layer read whole from the model file: their tensors are not read
+    (None, "whole", "key pi2.dense_reads is not the string bundles or model"),
+    (2, "model", "has key pi2.dense_reads, which only a dense model's sidecar has, beside pi2.moe.expert_count"),
+])
+def test_dense_reads(tmp_path: Path, count: int | None, reads: str, expected: str | None) -> None:
+    """pi2.dense_reads (FORMAT.md, "Dense FFN layers read whole from the model file"): bundles or model (every layer
+    read whole, without tensors here), or refused by name in both readers."""
+    sc = factory.build()
+    if count is not None:
+        sc.set_raw(sf.Key.MOE_EXPERT_COUNT, count, GGUFValueType.UINT32)
+    sc.set_raw(sf.Key.DENSE_READS, reads, GGUFValueType.STRING)
+    path = factory.write(sc, tmp_path / "dense.pi2.gguf")
+    if expected is None:
+        validate_sidecar_c(path)
+        assert read_sidecar(path).whole_layers == (frozenset({0, 1}) if reads == "model" else frozenset())
+        return
+    assert expected in _refused(path)
+    with pytest.raises(SidecarError) as e:
+        read_sidecar(path)
+    assert expected in str(e.value)
+
+
 def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
     sc = factory.build(bundle_size=[4096, 4000])
     msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))

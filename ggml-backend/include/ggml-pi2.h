@@ -49,7 +49,7 @@ struct pi2_layer_counters {
     // flash-resident FFN (a memory budget): bundles the tokens needed, by where they were found
     uint64_t hot_hits;           // in the pinned hot segment
     uint64_t cold_hits;          // in the cold segment
-    uint64_t misses;             // read from the sidecar
+    uint64_t misses;             // read from the sidecar (or from the model file: dense layers read whole)
     uint64_t bytes_read;         // by those reads
     uint64_t io_requests;        // reads issued (consecutive bundles share one)
     uint64_t io_wait_ns;         // time the compute threads waited for bundles (per thread, on average)

@@ -30,8 +30,8 @@ from . import resume
 from . import sparsity as sp
 from .eta import Progress
 from .model_ffn import ModelFfn
-from .options import (DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, EXPERT_READS_CHOICES, SMALL_OUTPUT_COPY,
-                      ConvertOptions, expert_reads_for)
+from .options import (DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, DENSE_READS_CHOICES, EXPERT_READS_CHOICES,
+                      SMALL_OUTPUT_COPY, ConvertOptions, expert_reads_for)
 from .profile import Profile, default_train_tokens, run_profile
 from .resume import WorkDir, key_hash
 
@@ -420,7 +420,7 @@ def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> floa
 
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
           bundle_align: int, bundle_neurons: int | None, expert_reads: str | None = None,
-          date: str | None = None) -> SidecarMeta:
+          date: str | None = None, dense_reads: str | None = None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
     a token reads (nearly) every bundle anyway, wanted or bridged (bridged_read_share >= PACK_READ_SHARE); a
     layer whose reads leave most bundles out keeps one neuron per bundle."""
@@ -444,7 +444,8 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         method=plan.method, target=-1.0 if plan.target is None else plan.target, recall_target=recall,
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
         date=date if date is not None else _now(), layers=layers, bundle_align=bundle_align,
-        n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None, expert_reads=expert_reads)
+        n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None, expert_reads=expert_reads,
+        dense_reads=dense_reads)
 
 
 def _now() -> str:
@@ -539,8 +540,9 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     bundle_align = o.bundle_align
     if bundle_align is None:
         bundle_align, why = default_bundle_align(out)
-        notes.append(f"bundles aligned to {bundle_align} bytes: {why} (--bundle-align sets it; a sidecar moved to a "
-                     f"device with larger blocks reads through the page cache)")
+        if o.dense_reads != "model":  # whole layers write no bundles
+            notes.append(f"bundles aligned to {bundle_align} bytes: {why} (--bundle-align sets it; a sidecar moved to "
+                         f"a device with larger blocks reads through the page cache)")
     try:
         fmt.check_bundle_align(bundle_align)
         if o.bundle_neurons is not None:
@@ -572,6 +574,20 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
             f"--expert-reads auto: {model.activation} experts are not sparse enough for neuron bundles to pay"
         notes.append(f"routed experts are read whole from the model file under a memory budget ({why}): the sidecar "
                      f"holds no copy of them")
+    if o.dense_reads not in DENSE_READS_CHOICES:
+        raise Pi2Error(f"--dense-reads {o.dense_reads!r}: one of {', '.join(DENSE_READS_CHOICES)}")
+    if o.dense_reads == "model" and model.n_expert:
+        raise Pi2Error(f"--dense-reads model: {model.path.name} is an MoE model (--expert-reads says where its routed "
+                       f"experts are read from; its dense layers keep neuron bundles)")
+    if o.dense_reads == "model" and (o.sparsity is not None or o.threshold is not None):
+        raise Pi2Error("--dense-reads model reads every layer whole, which has no sparsity: --sparsity and --threshold "
+                       "need --dense-reads bundles")
+    # pi2.dense_reads is written only where it says model: a bundles sidecar is the one earlier converts wrote
+    dense_reads = "model" if o.dense_reads == "model" else None
+    if dense_reads == "model":
+        whole = frozenset(range(model.n_layer))
+        notes.append("FFN layers are read whole from the model file under a memory budget (--dense-reads model): the "
+                     "sidecar holds no copy of them, and in RAM they run dense")
     elif expert_reads == "bundles" and o.expert_reads == "auto":
         notes.append(f"routed experts are read from neuron bundles under a memory budget (--expert-reads auto: "
                      f"{model.activation} experts read only the neurons that fire; --expert-reads model reads them "
@@ -605,6 +621,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
         prof_given.check_model(model.path)
     else:
         corpus = corpus_mod.load(o.text)
+        if dense_reads == "model":  # no layer is planned and no expert routed: nothing to profile
+            prof_given = Profile.unprofiled(model.path, corpus.name, corpus.sha256, model.n_layer, model.n_embd)
     ranks = list(o.ranks) if o.ranks else default_ranks(model.n_embd)
     # The configuration (docs/CONVERT.md, "What convert chooses"): the target asked for, or by default the
     # largest of TARGET_STEPS whose perplexity on held-out text stays within the budget, each candidate written
@@ -660,7 +678,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     success = False
     try:
         res = _convert_work(o, model, out, notes, t0, bundle_align, bundle_qt, down_qt, bundle_layers, expert_reads,
-                            whole, plan, shipped, prof_given, work, targets, adaptive, ctx, ranks, sparse_layers, label)
+                            dense_reads, whole, plan, shipped, prof_given, work, targets, adaptive, ctx, ranks, sparse_layers, label)
         success = True
         return res
     except (Pi2Error, Interrupted) as e:
@@ -674,7 +692,7 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
 
 def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str], t0: float, bundle_align: int,
                   bundle_qt: QT | None, down_qt: QT | None, bundle_layers: frozenset[int] | None,
-                  expert_reads: str | None, whole: frozenset[int], plan: sp.SparsityPlan,
+                  expert_reads: str | None, dense_reads: str | None, whole: frozenset[int], plan: sp.SparsityPlan,
                   shipped: dict[int, pred_mod.Predictor], prof_given: Profile | None, work: _Work,
                   targets: list[float | None], adaptive: bool, ctx: int, ranks: list[int], sparse_layers: list[int],
                   label: Callable[[float | None], str]) -> ConvertResult:
@@ -782,7 +800,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             progress.expect(f"write {label(targets[0])}", "write", n_written)
             progress.expect(f"perplexity {label(targets[0])}", "ppl_sparse", score_tokens)
         plan_k, planned = plan_at(targets[0])
-    precision_free = adaptive and bundle_qt is None and down_qt is None
+    # every layer read whole (no sparsity to choose): the output copy is still a lever (downs are the model's own)
+    precision_free = (adaptive or (budget_on and not sparse_layers)) and bundle_qt is None and down_qt is None
     # the levers a held budget measures (they are dropped again where it does not hold): both together where both
     # apply, each alone where only one does (or together they miss the budget, decided then)
     copy_lever = precision_free and rows is not None and o.output_rows is None and o.output_copy is None
@@ -795,7 +814,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons,
-                                         expert_reads, date),
+                                         expert_reads, date, dense_reads),
                                    output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
 
     def final_write(meta: SidecarMeta, planned: _Planned) -> None:
@@ -822,7 +841,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
         # everything the candidate's bytes depend on but its date (which does not change its perplexity)
         candidate = key_hash({"layers": planned.keys, "downs": planned.down_keys, "bundle_align": bundle_align,
                               "bundle_neurons": o.bundle_neurons, "rows": rows, "copy": copy,
-                              "expert_reads": expert_reads, "profile": work.profile})
+                              "expert_reads": expert_reads, "dense_reads": dense_reads, "profile": work.profile})
         try:
             if not dense:
                 got = workdir.load("ppl", score_key(None))
@@ -887,7 +906,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             notes.append(f"sparsity {t:.2f} chosen: {why}" if held else
                          f"no sparsity target down to {t:.2f} stays within +{budget:.1%} (tried {', '.join(tried)})")
     elif best is not None and not sparse_layers:
-        choice.append("no sparsity: every FFN layer is a routed expert read whole from the model file")
+        choice.append("no sparsity: every FFN layer is " + ("read whole from the model file" if dense_reads == "model" else
+                                                            "a routed expert read whole from the model file"))
         if not within(best[3]):
             notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
                          f"+{budget:.1%}: the output matrix's copy costs it (--output-rows 0 keeps it in RAM)")

@@ -46,6 +46,15 @@ def expert_reads_for(choice: str, activation: str) -> str:
         return choice
     return "bundles" if activation in fmt.RELU_FAMILY else "model"
 
+
+# a dense model's FFN layers under a memory budget (--dense-reads): neuron bundles by default, as measured
+# (docs/MEASUREMENTS.md, 2026-11-28, "Dense layers read whole"): even where a SiLU model's predictors select every
+# neuron, convert's bundles read fewer bytes a token than the model's own layers (down columns at the gate/up rows'
+# type, a smaller output copy: Qwen2.5-Coder-1.5B under 600 MB read 399 against 554 MB and decoded 3.65 against 1.47
+# tok/s); `model` keeps no copy (SmolLM2 under 190 MB: 23.1 against 23.9 tok/s, 30 against 45 MB a token)
+DEFAULT_DENSE_READS = "bundles"
+DENSE_READS_CHOICES = fmt.DENSE_READS
+
 CLI = "cli"  # the metadata key of a field's Flag
 PROFILE_OPTIONS = ("text", "train_tokens", "heldout_tokens", "window", "threads")  # `pi2-gguf profile` takes these
 
@@ -90,6 +99,8 @@ class ConvertOptions:
     expert_reads: an MoE model's routed experts under a memory budget: "bundles" (neuron bundles in the sidecar),
     "model" (read whole from the model file; the sidecar holds nothing of them but their fingerprints and routing
     statistics) or "auto" (expert_reads_for: bundles for ReLU-family experts, model otherwise).
+    dense_reads: a dense model's FFN layers under a memory budget: "bundles" or "model" (each layer read whole from the
+    model file; the sidecar holds nothing of them but their fingerprints).
     output_copy: the type of the output matrix's in-RAM copy under output rows (fmt.OUTPUT_COPIES), recorded in the
     sidecar (pi2.budget.output_copy); None: SMALL_OUTPUT_COPY where convert chose output rows and it is within the
     budget, else none recorded (the plugin's q3_k).
@@ -171,6 +182,12 @@ class ConvertOptions:
              "experts; model: each expert whole from the model file, so the sidecar holds no copy of them (no "
              "bundles, predictors or rankings: a few percent of the model, and convert skips their per-expert "
              "work), at the decode speed docs/CONVERT.md measures"))
+    dense_reads: str = field(default=DEFAULT_DENSE_READS, metadata=flag(
+        "--dense-reads", choices=DENSE_READS_CHOICES,
+        help="dense models: where a memory budget reads the FFN layers from. bundles (default): neuron bundles in "
+             "the sidecar, read sparsely, a second copy of the FFN; model: each layer whole from the model file, so "
+             "the sidecar holds no copy of it (no bundles, predictors or rankings, and convert profiles nothing; in "
+             "RAM the layers run dense), at the decode speed docs/CONVERT.md measures"))
     output_rows: int | None = field(default=None, metadata=flag(
         "--output-rows", type=argtypes.count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
         help="under a memory budget, leave the output matrix in the model file and read a token's N most "

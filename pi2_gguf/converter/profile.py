@@ -82,6 +82,13 @@ class Profile:
     expert_share: list[float] | None = None
     expert_reuse: list[float] | None = None
 
+    @classmethod
+    def unprofiled(cls, model: Path, corpus: str, corpus_sha256: str, n_layer: int, n_embd: int) -> Profile:
+        """No tokens profiled: the profile of a convert that plans no layer (every FFN layer read whole)."""
+        empty = [np.zeros((0, n_embd), np.float16) for _ in range(n_layer)]
+        return cls(model_file=model.name, model_size=model.stat().st_size, corpus=corpus, corpus_sha256=corpus_sha256,
+                   window=0, train=empty, heldout=list(empty))
+
     @property
     def n_layer(self) -> int:
         return len(self.train)

@@ -90,6 +90,7 @@ class Key:
     MOE_REUSE = "pi2.moe.reuse"
     MOE_LAYER_EXPERTS = "pi2.moe.layer_experts"
     MOE_EXPERT_READS = "pi2.moe.expert_reads"
+    DENSE_READS = "pi2.dense_reads"
 
 
 KEYS: dict[str, KT] = {
@@ -145,11 +146,14 @@ OPTIONAL_KEYS: dict[str, KT] = {
     Key.MOE_REUSE: KT.F32_ARR,
     Key.MOE_LAYER_EXPERTS: KT.U32_ARR,
     Key.MOE_EXPERT_READS: KT.STR,
+    Key.DENSE_READS: KT.STR,
 }
 
 # pi2.moe.expert_reads: where a memory budget reads routed experts from, the sidecar's neuron bundles or the model file
 # (whole experts; the sidecar then holds no bundles, predictor or ranking for them)
 EXPERT_READS = ("bundles", "model")
+# pi2.dense_reads: the same for a dense model's FFN layers (its values are EXPERT_READS')
+DENSE_READS = EXPERT_READS
 
 
 def moe_layer_first(layer_experts: list[int] | None, n_expert: int, n_layer: int) -> list[int]:

@@ -119,13 +119,18 @@ def summary(sc: Sidecar) -> str:
     lines.insert(-2, f"in RAM         predicted mode holds {held} of {sc.n_layer} FFN layers in PI2; "
                      f"the others run in ggml-cpu's kernels (PI2_LAYERS=auto)")
     whole = sc.whole_layers
-    if whole:
+    dense_whole = kv.get(Key.DENSE_READS) == "model"
+    if dense_whole:
+        lines.insert(-2, f"FFN layers     all {sc.n_layer} read whole from the model file under a memory budget "
+                         "(pi2.dense_reads = model): no bundles, predictors or rankings here; in RAM they run dense")
+    elif whole:
         lines.insert(-2, f"experts        {len(whole)} routed experts read whole from the model file under a memory budget "
                          "(pi2.moe.expert_reads = model): no bundles, predictors or rankings here")
     for il in range(sc.n_layer):
         g = lambda k: kv[k][il]  # noqa: E731
         if il in whole:
-            lines.append(f"{il:5d} {g(Key.N_FF):5d}  routed expert, read whole from the model file "
+            lines.append(f"{il:5d} {g(Key.N_FF):5d}  {'dense FFN' if dense_whole else 'routed expert'}, read whole from the "
+                         f"model file "
                          f"({GGMLQuantizationType(g(Key.BUNDLE_GATE_TYPE)).name})")
             continue
         place = "PI2" if relu_family or cost[il] < 1.0 else "cpu"

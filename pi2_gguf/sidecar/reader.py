@@ -28,7 +28,10 @@ class Sidecar:
 
     @property
     def whole_layers(self) -> frozenset[int]:
-        """Sidecar layers of routed experts read whole from the model file (pi2.moe.expert_reads = model): no tensors."""
+        """Sidecar layers read whole from the model file (routed experts with pi2.moe.expert_reads = model, every layer of
+        a dense model with pi2.dense_reads = model): no tensors."""
+        if self.kv.get(Key.DENSE_READS) == "model":
+            return frozenset(range(self.n_layer))
         if self.kv.get(Key.MOE_EXPERT_READS) != "model":
             return frozenset()
         return frozenset(fmt.routed_layers(self.kv.get(Key.MOE_LAYER_EXPERTS), int(self.kv[Key.MOE_EXPERT_COUNT]),
@@ -134,6 +137,13 @@ def read(path: str | Path) -> Sidecar:
                                f"{' or '.join(fmt.EXPERT_READS)}")
         if Key.MOE_EXPERT_COUNT not in kv:
             raise SidecarError(f"sidecar {p}: has key {Key.MOE_EXPERT_READS} but no {Key.MOE_EXPERT_COUNT}")
+    f = reader.get_field(Key.DENSE_READS)
+    if f is not None:  # as the plugin refuses it
+        if kv.get(Key.DENSE_READS) not in fmt.DENSE_READS:
+            raise SidecarError(f"sidecar {p}: key {Key.DENSE_READS} is not the string {' or '.join(fmt.DENSE_READS)}")
+        if Key.MOE_EXPERT_COUNT in kv:
+            raise SidecarError(f"sidecar {p}: has key {Key.DENSE_READS}, which only a dense model's sidecar has, beside "
+                               f"{Key.MOE_EXPERT_COUNT}")
     f = reader.get_field(Key.BUDGET_OUTPUT_ROWS)
     if f is not None:
         rows = kv.get(Key.BUDGET_OUTPUT_ROWS)

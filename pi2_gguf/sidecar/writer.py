@@ -51,7 +51,8 @@ class LayerData:
 
     @classmethod
     def whole(cls, n_ff: int, gate_type: int, up_type: int, down_type: int) -> LayerData:
-        """A routed expert read whole from the model file (pi2.moe.expert_reads = model): its size and types, and
+        """A routed expert or a dense FFN layer read whole from the model file (pi2.moe.expert_reads or pi2.dense_reads
+        = model): its size and types, and
         placeholders for what it does not have (no predictor, bundles or ranking; density 1: every neuron)."""
         empty = np.zeros(0, np.float32)
         return cls(n_ff=n_ff, threshold=0.0, density=1.0, rank=0, cutoff=0.0, recall=1.0, precision=1.0,
@@ -100,9 +101,14 @@ class SidecarMeta:
     # pi2.moe.expert_reads: "model" where routed experts are read whole from the model file (their layers LayerData.whole,
     # no tensors); None or "bundles": from the sidecar's bundles
     expert_reads: str | None = None
+    # pi2.dense_reads: "model" where a dense model's FFN layers are read whole from the model file (every layer
+    # LayerData.whole); None or "bundles": from the sidecar's bundles
+    dense_reads: str | None = None
 
     @property
     def whole_layers(self) -> frozenset[int]:
+        if self.dense_reads == "model":
+            return frozenset(range(len(self.layers)))
         if self.expert_reads != "model":
             return frozenset()
         return frozenset(fmt.routed_layers(self.layer_experts, self.n_expert, len(self.layers)))
@@ -188,6 +194,12 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
             kv[Key.MOE_EXPERT_READS] = m.expert_reads
     elif m.expert_reads is not None:
         raise ValueError("expert reads are a setting of an MoE sidecar, and this one has no experts")
+    if m.dense_reads is not None:
+        if m.n_expert:
+            raise ValueError("dense reads are a setting of a dense model's sidecar, and this one has experts")
+        if m.dense_reads not in fmt.DENSE_READS:
+            raise ValueError(f"dense reads {m.dense_reads!r} is not one of {', '.join(fmt.DENSE_READS)}")
+        kv[Key.DENSE_READS] = m.dense_reads
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")

@@ -3,7 +3,9 @@
 // along ne[2]; with ffn_gate_up_exps its gate and up rows are one range). A miss reads the 4 KiB-aligned span
 // covering each range with O_DIRECT straight into a cache entry, and the matrices are used where they landed
 // inside it (no bounce copy). Entries hold one expert each and are replaced least recently used first, so a
-// layer's experts that routing reuses stay; the dense kernels compute from the entry as from RAM.
+// layer's experts that routing reuses stay; the dense kernels compute from the entry as from RAM. A dense model's FFN
+// layers (pi2.dense_reads = model) are read the same way, each layer one expert (ffn_gate/up/down, or phi3's fused
+// ffn_up as its two halves): entries pinned to layers, the rest streamed (pi2_expert_file_ahead).
 // Not thread-safe: the binding's cache lock serializes its users (one FFN at a time per model).
 #pragma once
 
@@ -21,16 +23,16 @@ struct pi2_expert_matrices {
     enum ggml_type type[3];
 };
 
-// Opens the model file and finds every routed-expert layer's tensors, with an expert cache of `bytes` (at least
-// one entry: pi2_expert_file_entry_bytes); reads go to the disk in requests of at most chunk_max bytes
-// (PI2_IO_MAX_BYTES). NULL with err on failure (naming the file and the tensor).
-struct pi2_expert_file * pi2_expert_file_open(const char * model_path, uint64_t bytes, uint64_t chunk_max, char * err,
-                                               size_t errlen);
+// Opens the model file and finds every routed-expert layer's tensors (dense: every dense FFN layer's, each layer one
+// expert 0), with an expert cache of `bytes` (at least one entry: pi2_expert_file_entry_bytes); reads go to the disk
+// in requests of at most chunk_max bytes (PI2_IO_MAX_BYTES). NULL with err on failure (naming the file and the tensor).
+struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dense, uint64_t bytes, uint64_t chunk_max,
+                                               char * err, size_t errlen);
 void pi2_expert_file_free(struct pi2_expert_file * f);
 
 // Bytes one entry takes (the largest expert of any layer, with its alignment slack); 0 with err where the model
 // has no routed experts or its file cannot be read.
-uint64_t pi2_expert_file_entry_bytes(const char * model_path, char * err, size_t errlen);
+uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen);
 
 // The cache's entries (each one expert) and their bytes
 uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f);
@@ -56,6 +58,11 @@ bool pi2_expert_file_all_placed(const struct pi2_expert_file * f, int layer, con
 // one whose read was not queued (it is read when got) when nothing is in flight. -1 when every one is done.
 int pi2_expert_file_next(struct pi2_expert_file * f, int layer, const int32_t * experts, const uint8_t * done, int n,
                          struct pi2_expert_read_stats * st);
+
+// A dense model's layer `layer` is wanted (pi2_expert_file_want): the next layer that streams (has no entry of its own)
+// is queued for reading into a free entry behind it, so the disk reads it while this one and the pinned layers between
+// compute. Nothing for a routed-expert cache, a cache where every layer has its entry, or synchronous reads.
+void pi2_expert_file_ahead(struct pi2_expert_file * f, int layer, struct pi2_expert_read_stats * st);
 
 // Expert e has computed: its entry may be replaced (least recently used first) by an expert still to come.
 void pi2_expert_file_done(struct pi2_expert_file * f, int layer, int32_t e);

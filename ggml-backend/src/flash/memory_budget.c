@@ -225,15 +225,17 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     }
     pi2_expert_file_free(b->experts);
     b->experts = NULL;
-    // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own
-    const bool whole = b->sc->n_expert > 0 && (b->sc->experts_whole || pi2_binding_setting(b, PI2_SET_EXPERT_READS) != 0.0);
+    // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own; so do
+    // a dense model's FFN layers where the sidecar says so (pi2.dense_reads = model), each layer one expert
+    const bool dense = b->sc->dense_whole;
+    const bool whole = dense || (b->sc->n_expert > 0 && (b->sc->experts_whole || pi2_binding_setting(b, PI2_SET_EXPERT_READS) != 0.0));
     if (whole && b->model_path == NULL) {
-        snprintf(err, errlen, "sidecar %s: PI2_EXPERT_READS=model reads routed experts from the model file, whose path the "
-                 "load did not give (pi2_gguf.Llama gives it)", b->sc->path);
+        snprintf(err, errlen, "sidecar %s: %s read whole from the model file, whose path the load did not give "
+                 "(pi2_gguf.Llama gives it)", b->sc->path, dense ? "the FFN layers are" : "PI2_EXPERT_READS=model: routed experts are");
         pthread_mutex_unlock(&b->cache_lock);
         return -1;
     }
-    const uint64_t expert_entry = whole ? pi2_expert_file_entry_bytes(b->model_path, err, errlen) : 0;
+    const uint64_t expert_entry = whole ? pi2_expert_file_entry_bytes(b->model_path, dense, err, errlen) : 0;
     if (whole && expert_entry == 0) {
         pthread_mutex_unlock(&b->cache_lock);
         return -1;
@@ -256,8 +258,8 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     if (resident == 0 || budget < fixed + min_cache) {
         snprintf(err, errlen, "memory budget %.0f MB is too small for this model: it needs at least %.0f MB "
                  "(resident now %.0f MB: llama.cpp's weights and KV cache, the predictors %.0f MB, the runtime; "
-                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles (and one routed expert read "
-                 "whole); tables and margin %.0f MB)",
+                 "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles (and one routed expert or "
+                 "dense FFN layer read whole); tables and margin %.0f MB)",
                  pi2_mb(budget), pi2_mb(fixed + min_cache), pi2_mb(resident), pi2_mb(b->fixed_bytes), pi2_mb(reserved),
                  pi2_mb(min_cache), pi2_mb(overhead));
         pthread_mutex_unlock(&b->cache_lock);
@@ -279,7 +281,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         const uint64_t neuron_min = pi2_cache_min_bytes(b->sc);
         uint64_t neuron = neuron_min + (other < cache_bytes / 2 ? other : cache_bytes / 2);
         neuron = neuron + expert_entry > cache_bytes ? cache_bytes - expert_entry : neuron; // at least one expert
-        b->experts = pi2_expert_file_open(b->model_path, cache_bytes - neuron, (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
+        b->experts = pi2_expert_file_open(b->model_path, dense, cache_bytes - neuron, (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES),
                                            err, errlen);
         if (b->experts == NULL) {
             pthread_mutex_unlock(&b->cache_lock);
@@ -341,7 +343,16 @@ int pi2_budget_floor(const char * model_path, const char * sidecar_path, int64_t
         const uint64_t bytes = (uint64_t) sc->layer[il].n_bundles * sc->layer[il].bundle_size;
         out->one_layer = bytes > out->one_layer ? bytes : out->one_layer;
     }
+    // layers read whole from the model file: the cache holds at least one of them (a dense layer, or a routed expert)
+    const bool dense = sc->dense_whole, whole = dense || (sc->n_expert > 0 && sc->experts_whole);
     pi2_sidecar_free(sc);
+    if (whole) {
+        const uint64_t entry = pi2_expert_file_entry_bytes(model_path, dense, err, errlen);
+        if (entry == 0) {
+            return -1;
+        }
+        out->one_layer += entry;
+    }
     const uint64_t outside = m.ffn_bytes + m.embedding_bytes +
                              (output_rows > 0 && m.output_copy_bytes > 0 ? m.output_bytes - m.output_copy_bytes : 0);
     out->non_ffn = m.file_size > outside ? m.file_size - outside : 0;

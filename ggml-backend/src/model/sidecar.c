@@ -453,6 +453,20 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         }
         sc->experts_whole = strcmp(v, PI2_EXPERT_READS_MODEL) == 0;
     }
+    const int64_t dense_reads = pi2_find(rd, PI2_KEY_DENSE_READS);
+    if (dense_reads >= 0) {
+        const char * v = gguf_get_kv_type(rd->file.gguf, dense_reads) == GGUF_TYPE_STRING
+                       ? gguf_get_val_str(rd->file.gguf, dense_reads) : NULL;
+        if (v == NULL || (strcmp(v, PI2_EXPERT_READS_BUNDLES) != 0 && strcmp(v, PI2_EXPERT_READS_MODEL) != 0)) {
+            return pi2_fail(rd, "key %s is not the string %s or %s", PI2_KEY_DENSE_READS, PI2_EXPERT_READS_BUNDLES,
+                            PI2_EXPERT_READS_MODEL);
+        }
+        if (sc->n_expert != 0) {
+            return pi2_fail(rd, "has key %s, which only a dense model's sidecar has, beside %s", PI2_KEY_DENSE_READS,
+                            PI2_KEY_MOE_EXPERT_COUNT);
+        }
+        sc->dense_whole = strcmp(v, PI2_EXPERT_READS_MODEL) == 0;
+    }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));
     if (sc->source_arch == NULL || sc->source_name == NULL) {
@@ -496,7 +510,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         if (n_ff[il] == 0 || n_ff[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_N_FF, il, n_ff[il], INT32_MAX);
         }
-        L->whole = sc->experts_whole && pi2_sidecar_layer_routed(sc, il);
+        L->whole = sc->dense_whole || (sc->experts_whole && pi2_sidecar_layer_routed(sc, il));
         if ((rank[il] == 0 && !L->whole) || rank[il] > INT32_MAX) {
             return pi2_fail(rd, "%s[%" PRIu32 "] is %" PRIu32 ", expected 1..%d", PI2_KEY_PREDICTOR_RANK, il, rank[il], INT32_MAX);
         }

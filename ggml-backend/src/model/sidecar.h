@@ -21,8 +21,8 @@ enum pi2_sparsity_method {
 };
 
 struct pi2_sidecar_layer {
-    // a routed expert of a sidecar whose experts are read whole from the model file (pi2.moe.expert_reads = model):
-    // only n_ff, the types, density and fingerprints are set; no bundles, predictor or ranking (every pointer NULL)
+    // a routed expert of a sidecar whose experts are read whole from the model file (pi2.moe.expert_reads = model), or
+    // a dense model's FFN layer read so (pi2.dense_reads = model): only n_ff, the types, density and fingerprints are set; no bundles, predictor or ranking (every pointer NULL)
     bool     whole;
     uint32_t n_ff;
     uint32_t rank;           // r, hidden width of the predictor
@@ -82,6 +82,7 @@ struct pi2_sidecar {
     int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
     uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert) and dense FFN layers; 0: dense
     bool     experts_whole; // pi2.moe.expert_reads = model: routed experts are read whole from the model file
+    bool     dense_whole;   // pi2.dense_reads = model: a dense model's FFN layers are read whole from the model file
     // model layer il's FFN is sidecar layers first[il] .. first[il + 1] - 1: one for a dense FFN, n_expert for
     // routed experts, n_expert + 1 for routed experts and their shared expert (pi2.moe.layer_experts; FORMAT.md,
     // "MoE sidecars"); use the functions below

@@ -54,6 +54,8 @@
 #define PI2_KEY_MOE_EXPERT_COUNT           "pi2.moe.expert_count"           // u32
 #define PI2_KEY_MOE_LAYER_EXPERTS          "pi2.moe.layer_experts"          // u32[]
 #define PI2_KEY_MOE_EXPERT_READS           "pi2.moe.expert_reads"           // string
+#define PI2_KEY_DENSE_READS                "pi2.dense_reads"                // string
+// values of pi2.moe.expert_reads and pi2.dense_reads
 #define PI2_EXPERT_READS_BUNDLES "bundles"
 #define PI2_EXPERT_READS_MODEL   "model"
 

@@ -11,6 +11,7 @@
 #include "graph/route.h"
 #include "ggml-cpu.h"
 #include "core/pi2_log.h"
+#include "flash/dense_whole.h"
 #include "flash/pipeline.h"
 #include "sparse/predictor.h"
 #include "sparse/sparse_plan.h"
@@ -53,7 +54,15 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
         *st = GGML_STATUS_FAILED;
         return r->n_nodes;
     }
-    if (pi2_route_region(b, r->gate->src[1]->ne[1]) == PI2_ROUTE_DENSE) {
+    if (b->sc->layer[r->layer].whole && b->flash) { // read whole from the model file: no bundles, no predictor
+        int layer = -1; // the model's layer: pi2.dense_reads is a dense model's, whose layers are the sidecar's
+        for (uint32_t il = 0; il < b->sc->n_model_layer && layer < 0; ++il) {
+            layer = b->sc->first[il] == (uint32_t) r->layer && !b->sc->routed[il] ? (int) il : -1;
+        }
+        *st = pi2_dense_whole_run(ctx, b, r, layer);
+        return r->n_nodes;
+    }
+    if (b->sc->layer[r->layer].whole || pi2_route_region(b, r->gate->src[1]->ne[1]) == PI2_ROUTE_DENSE) {
         *st = pi2_exec_gate_up_act(ctx, r);
         if (*st == GGML_STATUS_SUCCESS) {
             *st = pi2_exec_mul_mat(ctx, r->down);
