@@ -244,7 +244,12 @@ def _print_pi2_run(llm: Llama) -> None:
         print(f"memory budget   {llm.pi2_memory_budget / 1e6:.0f} MB: neuron cache hot {info.hot_bytes / 1e6:.0f} MB "
               f"({info.hot_neurons} neurons), cold {info.cold_bytes / 1e6:.0f} MB ({info.n_cold} entries), predictors "
               f"{info.fixed_bytes / 1e6:.0f} MB; reads {'O_DIRECT' if info.direct_io else 'buffered'}")
-        if info.expert_entries:
+        if info.expert_entries and not c.expert_tokens.sum():  # a dense model's layers read whole (no routing)
+            streams = info.expert_entries < c.n_layers
+            print(f"layer cache     {info.expert_bytes / 1e6:.0f} MB ({info.expert_entries} FFN layers read whole from the "
+                  "model file" + (f" of {c.n_layers}: most pinned, the others streamed through the rest each token)"
+                                  if streams else ": every layer at once)"))
+        elif info.expert_entries:
             routed_layers = int(np.count_nonzero(c.expert_tokens))
             used = float(c.experts_routed.sum()) / max(float(c.expert_tokens.sum()), 1.0)
             print(f"expert cache    {info.expert_bytes / 1e6:.0f} MB ({info.expert_entries} routed experts read whole from "

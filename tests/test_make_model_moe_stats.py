@@ -22,7 +22,9 @@ REAL_SHAPE = synthetic_moe.MoeShape(n_embd=256, n_ff=256, n_layer=4, n_head=4, n
 TINY_MOE = ["--n-embd", "64", "--n-ff", "128", "--n-layer", "2", "--n-head", "2", "--n-head-kv", "1", "--n-expert",
             "4", "--n-expert-used", "2", "--arch", "qwen3moe", "--activation", "relu", "--type", "F32",
             "--calib-tokens", "128", "--heldout-tokens", "0"]
-TINY_MOE_UNIFORM_SHA256 = "cae3f94fe576144d75d33962f64f92250f3e80769fb09f22771232ad308f0248"
+# re-recorded 2026-11-28 on a fresh machine's llama-cpp-python build, as TINY_UNIFORM_SHA256 in test_make_model_stats.py
+# (the first machine's: cae3f94f...)
+TINY_MOE_UNIFORM_SHA256 = "d286952fdb92c7eeb805bfa463c0b60ac06f4a57651215dcffd07c68e2ab4ed3"
 
 
 def test_working_set_generator_reproduces_its_fit() -> None:

@@ -850,3 +850,20 @@ def test_dense_layers_read_whole_from_the_model_file(smollm2: Path, smol_whole: 
         # every layer streamed is read once a token (a layer's span is at most an entry)
         assert evals * streamed * min(spans) <= read <= evals * streamed * entry, (entries, read, flash.io)
         assert flash.io["cold_hits"] == evals * pinned, (entries, flash.io)
+
+
+def test_run_verbose_states_the_layer_cache(smollm2: Path, smol_whole: Path) -> None:
+    """`pi2-gguf run -v` under a budget with layers read whole from the model file: how many layers the cache holds,
+    and whether the others stream (python -m: the source tree's CLI)."""
+    entry = max(_ffn_spans(smollm2))
+
+    def run(entries: int) -> str:
+        res = subprocess.run([sys.executable, "-m", "pi2_gguf.cli", "run", str(smollm2), "--sidecar", str(smol_whole),
+                              "--memory-budget", "1GB", "-p", PROMPT, "-n", "4", "-c", "256", "-v"],
+                             capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PI2_CACHE_MAX": str(entries * entry)})
+        assert res.returncode == 0, res.stderr[-2000:]
+        return next(line for line in res.stdout.splitlines() if line.startswith("layer cache"))
+
+    assert "(5 FFN layers read whole from the model file of 30: most pinned, the others streamed" in run(5)
+    assert "(30 FFN layers read whole from the model file: every layer at once)" in run(30)

@@ -365,44 +365,26 @@ def test_moe_layer_map(tmp_path: Path, count: int | None, layer_experts: list[in
     assert expected in str(e.value)
 
 
-@pytest.mark.parametrize("count,reads,expected", [
-    (2, "bundles", None),
-    (2, "model", None),  # every layer a routed expert read whole: their tensors are not read
-    (2, "mmap", "key pi2.moe.expert_reads is not the string bundles or model"),
-    (None, "model", "has key pi2.moe.expert_reads but no pi2.moe.expert_count"),
+@pytest.mark.parametrize("key,count,reads,expected", [
+    (sf.Key.MOE_EXPERT_READS, 2, "bundles", None),
+    (sf.Key.MOE_EXPERT_READS, 2, "model", None),  # every layer a routed expert read whole: their tensors are not read
+    (sf.Key.MOE_EXPERT_READS, 2, "mmap", "key pi2.moe.expert_reads is not the string bundles or model"),
+    (sf.Key.MOE_EXPERT_READS, None, "model", "has key pi2.moe.expert_reads but no pi2.moe.expert_count"),
+    (sf.Key.DENSE_READS, None, "bundles", None),
+    (sf.Key.DENSE_READS, None, "model", None),  # every layer read whole from the model file: no tensors read
+    (sf.Key.DENSE_READS, None, "whole", "key pi2.dense_reads is not the string bundles or model"),
+    (sf.Key.DENSE_READS, 2, "model", "has key pi2.dense_reads, which only a dense model's sidecar has, beside "
+                                     "pi2.moe.expert_count"),
 ])
-def test_moe_expert_reads(tmp_path: Path, count: int | None, reads: str, expected: str | None) -> None:
-    """pi2.moe.expert_reads (FORMAT.md, "MoE sidecars"): bundles or model (routed experts read whole from the model
-    file, which then have no tensors here), or refused by name in both readers."""
+def test_reads_from_the_model_file(tmp_path: Path, key: str, count: int | None, reads: str, expected: str | None) -> None:
+    """pi2.moe.expert_reads (FORMAT.md, "MoE sidecars") and pi2.dense_reads ("Dense FFN layers read whole from the
+    model file"): bundles or model (layers read whole from the model file, which then have no tensors here), or
+    refused by name in both readers."""
     sc = factory.build()
     if count is not None:
         sc.set_raw(sf.Key.MOE_EXPERT_COUNT, count, GGUFValueType.UINT32)
-    sc.set_raw(sf.Key.MOE_EXPERT_READS, reads, GGUFValueType.STRING)
-    path = factory.write(sc, tmp_path / "moe.pi2.gguf")
-    if expected is None:
-        validate_sidecar_c(path)
-        assert read_sidecar(path).whole_layers == (frozenset({0, 1}) if reads == "model" else frozenset())
-        return
-    assert expected in _refused(path)
-    with pytest.raises(SidecarError) as e:
-        read_sidecar(path)
-    assert expected in str(e.value)
-
-
-@pytest.mark.parametrize("count,reads,expected", [
-    (None, "bundles", None),
-    (None, "model", None),  # every layer read whole from the model file: their tensors are not read
-    (None, "whole", "key pi2.dense_reads is not the string bundles or model"),
-    (2, "model", "has key pi2.dense_reads, which only a dense model's sidecar has, beside pi2.moe.expert_count"),
-])
-def test_dense_reads(tmp_path: Path, count: int | None, reads: str, expected: str | None) -> None:
-    """pi2.dense_reads (FORMAT.md, "Dense FFN layers read whole from the model file"): bundles or model (every layer
-    read whole, without tensors here), or refused by name in both readers."""
-    sc = factory.build()
-    if count is not None:
-        sc.set_raw(sf.Key.MOE_EXPERT_COUNT, count, GGUFValueType.UINT32)
-    sc.set_raw(sf.Key.DENSE_READS, reads, GGUFValueType.STRING)
-    path = factory.write(sc, tmp_path / "dense.pi2.gguf")
+    sc.set_raw(key, reads, GGUFValueType.STRING)
+    path = factory.write(sc, tmp_path / "reads.pi2.gguf")
     if expected is None:
         validate_sidecar_c(path)
         assert read_sidecar(path).whole_layers == (frozenset({0, 1}) if reads == "model" else frozenset())

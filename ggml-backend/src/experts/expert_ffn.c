@@ -1134,13 +1134,7 @@ static enum ggml_status pi2_expert_whole(struct pi2_backend_ctx * ctx, struct pi
     free(cached);
     free(done);
     pthread_mutex_unlock(&b->cache_lock);
-    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
-    pi2_count_layer_seen(&ctx->dev->counters, r->layer);
-    pi2_count(&L->misses, io.misses);
-    pi2_count(&L->cold_hits, io.hits);
-    pi2_count(&L->bytes_read, io.bytes_read);
-    pi2_count(&L->io_requests, io.requests);
-    pi2_count(&L->io_wait_ns, io.wait_ns);
+    pi2_expert_read_count(&ctx->dev->counters, r->layer, &io);
     free(xcopy);
     free(buf);
     free(order);

@@ -57,12 +57,6 @@ enum ggml_status pi2_dense_whole_run(struct pi2_backend_ctx * ctx, struct pi2_bi
     }
     pi2_expert_file_done(b->experts, layer, e);
     pthread_mutex_unlock(&b->cache_lock);
-    struct pi2_layer_counters * L = &ctx->dev->counters.layer[r->layer];
-    pi2_count_layer_seen(&ctx->dev->counters, r->layer);
-    pi2_count(&L->misses, io.misses);
-    pi2_count(&L->cold_hits, io.hits);
-    pi2_count(&L->bytes_read, io.bytes_read);
-    pi2_count(&L->io_requests, io.requests);
-    pi2_count(&L->io_wait_ns, io.wait_ns);
+    pi2_expert_read_count(&ctx->dev->counters, r->layer, &io);
     return st;
 }

@@ -10,13 +10,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/pi2_context.h"
 #include "flash/io_ring.h"
 #include "model/gguf_file.h"
 
 #define PI2_DIRECT_ALIGN 4096 // O_DIRECT's offset, length and buffer alignment (the largest logical block in use)
 // Entries a dense model's streaming layers take turns in: one computing, two read ahead. With one read ahead the disk
-// idled whenever the next layer landed before its turn (Qwen2.5-Coder-1.5B under 600 MB: 1.56 tok/s against 2.50,
-// for one layer more read a token).
+// idled whenever the next layer landed before its turn (Qwen2.5-Coder-1.5B under 600 MB, in separate runs: 1.56 tok/s
+// against 2.50, for one layer more read a token).
 #define PI2_DENSE_STREAM 3
 
 struct pi2_expert_layer {
@@ -414,6 +415,16 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dens
     return f;
 }
 
+void pi2_expert_read_count(struct pi2_counters * c, int layer, const struct pi2_expert_read_stats * st) {
+    struct pi2_layer_counters * L = &c->layer[layer];
+    pi2_count_layer_seen(c, layer);
+    pi2_count(&L->misses, st->misses);
+    pi2_count(&L->cold_hits, st->hits);
+    pi2_count(&L->bytes_read, st->bytes_read);
+    pi2_count(&L->io_requests, st->requests);
+    pi2_count(&L->io_wait_ns, st->wait_ns);
+}
+
 bool pi2_expert_file_ring(const struct pi2_expert_file * f) {
     return f->ring != NULL;
 }
@@ -462,8 +473,8 @@ static bool pi2_expert_valid(const struct pi2_expert_file * f, int layer, int32_
     return layer >= 0 && layer < f->n_layer && f->layer[layer].present && e >= 0 && e < f->layer[layer].n_expert;
 }
 
-// the least recently used entry serving the layer, neither pinned for this batch nor being read (an empty one first),
-// emptied; one read ahead and not yet used only where no other is free; -1: none
+// the least recently used entry serving the layer, neither pinned for this batch nor being read (an empty one first);
+// one read ahead and not yet used only with take_ahead, where no other is free; -1: none
 static int32_t pi2_expert_free_entry(const struct pi2_expert_file * f, int layer, bool take_ahead) {
     int32_t k = -1;
     for (int pass = 0; pass < (take_ahead ? 2 : 1) && k < 0; ++pass) {
@@ -478,6 +489,7 @@ static int32_t pi2_expert_free_entry(const struct pi2_expert_file * f, int layer
     return k;
 }
 
+// that entry (read-ahead ones last), emptied
 static int32_t pi2_expert_victim(struct pi2_expert_file * f, int layer) {
     const int32_t k = pi2_expert_free_entry(f, layer, true);
     if (k >= 0 && f->tag_layer[k] >= 0) {
@@ -674,7 +686,6 @@ void pi2_expert_file_ahead(struct pi2_expert_file * f, int layer, struct pi2_exp
         }
         if (pi2_expert_free_entry(f, j, false) < 0 || !pi2_expert_queue(f, j, 0, st)) {
             break; // no entry free but those read ahead for nearer layers
-            break;
         }
         f->ahead[f->where[j][0]] = 1;
         queued = true;

@@ -43,6 +43,10 @@ struct pi2_expert_read_stats {
     uint64_t hits, misses, bytes_read, requests, wait_ns;
 };
 
+struct pi2_counters;
+// Adds st to layer `layer`'s flash counters (hits count as cold hits: an expert cache has no hot segment).
+void pi2_expert_read_count(struct pi2_counters * c, int layer, const struct pi2_expert_read_stats * st);
+
 // A batch's experts of one layer, before any computes, in the order they will be got: those cached are pinned for
 // the batch, then the others' reads queued into free entries (none left: queued as entries free), in this order,
 // and submitted at once (io_uring where the kernel allows), so the disk has them all while those that arrived
