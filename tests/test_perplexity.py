@@ -99,3 +99,37 @@ def test_cli_perplexity_mode(smollm2: Path, smol_sidecar: Path, tmp_path: Path, 
                           "--ctx", "128", "--chunks", "1", "--mode", "oracle"], capture_output=True, text=True,
                          cwd=tmp_path)
     assert res.returncode == 2 and "needs a sidecar" in res.stderr
+
+
+def test_budget_scores_a_chunk_as_one_batch_of_each_token_s_neurons(smollm2: Path, smol_sidecar: Path,
+                                                                     heldout_text: str) -> None:
+    """Under a memory budget predicted mode scores a chunk as one batch whose tokens each compute only their own
+    predicted neurons (PI2_BATCH_NEURONS=token): as many gate rows as decode token by token computes, where the
+    batch's union (the prompt default) computes more. Where every neuron is selected the two modes are one function.
+    The perplexities differ by llama.cpp's own batch numerics (stock SmolLM2 on held-out text: 13.264 in batches
+    of 256, 13.308 token by token), amplified by the thresholds a 50% sidecar cuts at, so only their order of
+    magnitude is checked."""
+    import pi2_gguf
+
+    kw = dict(n_ctx=128, max_chunks=2, progress=False, sidecar=smol_sidecar, mode="predicted",
+              memory_budget=2_000_000_000)
+    always = {"predictor": "always"}  # SmolLM2's predictors do not pay: run them so that selections differ per token
+    runs = {}
+    for name, extra in (("decode", dict(token_by_token=True, settings=always)), ("batch", dict(settings=always)),
+                        ("union", dict(settings={**always, "batch_neurons": "union"})),
+                        ("all batch", dict(settings={"predictor": "auto"})),
+                        ("all union", dict(settings={"predictor": "auto", "batch_neurons": "union"}))):
+        pi2_gguf.reset_counters()
+        ppl = perplexity(smollm2, heldout_text, **kw, **extra)  # type: ignore[arg-type]
+        c = pi2_gguf.read_counters()
+        runs[name] = (ppl.ppl, int(c.rows[:, 0].sum()), int(c.sparse_tokens.sum()))
+    (decode, dg, dt), (batch, bg, bt), (union, ug, ut) = runs["decode"], runs["batch"], runs["union"]
+    assert dt == bt == ut > 0
+    # the same neurons (predictor scores differ only by the order sums are taken in)
+    assert abs(bg - dg) <= 5e-3 * dg, (bg, dg)
+    assert abs(math.log(batch / decode)) < 0.1, (batch, decode)
+    # the union: every token of the chunk computes any token's neurons
+    assert ug > 1.005 * bg, (ug, bg, union)
+    # no predictor runs (SmolLM2's do not pay): every neuron selected, token and union compute alike
+    assert runs["all batch"] == runs["all union"], runs
+    assert runs["all batch"][1] >= ug > bg

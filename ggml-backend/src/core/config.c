@@ -45,6 +45,7 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
     [PI2_SET_EXPERT_AHEAD]      = { "PI2_EXPERT_AHEAD", PI2_KIND_COUNT, 0, 64, 16, "a number of routed experts", NULL },
     [PI2_SET_EXPERT_GUESS]      = { "PI2_EXPERT_GUESS", PI2_KIND_SWITCH, 0, 1, 1, "router", "off" },
     [PI2_SET_EXPERT_READS]      = { "PI2_EXPERT_READS", PI2_KIND_SWITCH, 0, 1, 0, "model", "bundles" },
+    [PI2_SET_BATCH_NEURONS]     = { "PI2_BATCH_NEURONS", PI2_KIND_SWITCH, 0, 1, 0, "token", "union" },
 };
 
 // The process settings, read by pi2_config_from_env (the per-model ones are the table above).

@@ -44,7 +44,12 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
             }
             const uint8_t * gate_row = bundle[j], * up_row = bundle[j] + L->up_offset;
             const int32_t neuron = L->order[s];
+            const uint8_t * token_want = p->token_want != NULL ? p->token_want + s : NULL;
             for (int64_t t = 0; t < n_tokens; ++t) {
+                if (token_want != NULL && token_want[t * p->n_ff] == 0) { // not this token's: its outputs stay 0
+                    continue;
+                }
+                st->predicted++;
                 struct pi2_token_rows r = pi2_token_rows(p, ith, t);
                 float g = 0.0f, u = 0.0f, a = 0.0f;
                 p->gate_dot((int) n_embd, &g, 0, gate_row, 0, r.xq, 0, 1);
@@ -65,7 +70,6 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
                 }
                 acts[t * PI2_CLUSTER + j] = a;
             }
-            st->predicted += n_tokens;
         }
         for (int64_t t = 0; t < n_tokens; ++t) {
             struct pi2_column_sum sum = { .type = L->down_type, .n = n_embd, .y = y + (size_t) t * (size_t) n_embd, .tmp = tmp };
@@ -82,7 +86,8 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
 
 // The neurons the batch computes (p->want): in predicted mode those the predictor selects for any of its tokens,
 // else all. A batch reads no bundle that no token's predictor wants (for a routed expert with a few tokens, far fewer
-// than all), and computes every wanted neuron for every token.
+// than all), and computes every wanted neuron for every token, or with p->token_want only for the tokens whose
+// predictor selected it (each token then computes what its decode would).
 static void pi2_batch_want(struct pi2_sparse_plan * p, int ith, int nth) {
     const int64_t n_ff = p->n_ff, f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
     if (p->select == PI2_SELECT_ALL) {
@@ -100,7 +105,11 @@ static void pi2_batch_want(struct pi2_sparse_plan * p, int ith, int nth) {
         int64_t z0 = 0, z1 = 0;
         pi2_predictor_scores(p, ith, nth, &z0, &z1);
         for (int64_t s = z0; s < z1; ++s) {
-            p->want[s] |= pi2_plan_selects(p, s);
+            const bool sel = pi2_plan_selects(p, s);
+            p->want[s] |= sel;
+            if (p->token_want != NULL) {
+                p->token_want[t * n_ff + s] = sel;
+            }
         }
         #pragma omp barrier // h, z and xp are the next token's
     }

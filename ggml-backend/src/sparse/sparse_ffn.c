@@ -199,6 +199,9 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     p.nth = nth;
     p.n_split = n_split > 0 ? n_split : 1;
     const int n_part = nth > p.n_split ? nth : p.n_split; // per-thread or per-split rows
+    // a batch computing each token's own predicted neurons, as decode would (convert's perplexity scores)
+    const bool token_want = p.batch && p.select == PI2_SELECT_PREDICTED &&
+                            pi2_setting(&b->settings, b->defaults, PI2_SET_BATCH_NEURONS) != 0.0;
     p.xq_stride    = ggml_row_size(tg->vec_dot_type, p.n_embd);
     p.tmp_stride   = pi2_column_scratch(p.n_embd); // down columns of n_embd; z's F16 rows need 256 at most
     p.xq_up_stride = ggml_row_size(tu->vec_dot_type, p.n_embd);
@@ -220,6 +223,7 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         pi2_align64(ggml_row_size(td->vec_dot_type, p.n_ff)),
         b->flash ? pi2_align64((size_t) p.n_ff) : 0,
         pi2_align64((size_t) nth * p.n_ff * sizeof(int32_t)),
+        token_want ? pi2_align64((size_t) p.n_tokens * (size_t) p.n_ff) : 0,
         // a patched llama.cpp's FATReLU graph may place act(gate) * up over the gate or up product (an
         // in-place MUL): their values then go to scratch, as nothing but that product reads them
         alias_gate ? pi2_align64(ggml_nbytes(r->gate)) : 0,
@@ -249,12 +253,13 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     p.gluq   = w;                             w += sizes[12];
     p.want   = b->flash ? (uint8_t *) w : NULL; w += sizes[13];
     p.cand   = (int32_t *) w;          w += sizes[14];
+    p.token_want = token_want ? (uint8_t *) w : NULL; w += sizes[15];
     if (alias_gate) {
         gate_scratch.data = w;
         gate_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);
         p.gate = &gate_scratch;
     }
-    w += sizes[15];
+    w += sizes[16];
     if (alias_up) {
         up_scratch.data = w;
         up_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);

@@ -100,6 +100,9 @@ struct pi2_sparse_plan {
     struct pi2_neuron_cache *    cache;
     int                          prefetch_layer; // flash: the next layer, if it reads every bundle; else -1
     uint8_t *                    want;           // [n_ff] flash: 1 = predicted, 2 = recall check only
+    // a batch whose tokens each compute only their own predicted neurons (PI2_BATCH_NEURONS=token, as decode computes
+    // them): [n_tokens][n_ff] 1 where token t's predictor selects slot s; NULL: every token computes the union
+    uint8_t *                    token_want;
     struct pi2_cache_token_stats io;
     atomic_int                   failed;
     char                         error[512];
