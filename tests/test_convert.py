@@ -639,13 +639,13 @@ def test_budget_levers_are_measured_and_kept_within_the_budget(mixed_silu: Path,
 
 def test_budget_levers_beyond_the_budget_are_dropped(mixed_silu: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same choice with the measurements scripted (dense 10.0; the target 10.1, both levers together 10.6, then
-    alone the Q2_K copy 10.5 and the lowered down columns 10.2; budget +3%): together they miss the budget, so each
-    is measured alone; the copy is beyond the budget and dropped (Q3_K with 64 rows stays recorded as before), the
-    down columns are kept, and the sidecar records 10.2."""
+    """The same choice with the measurements scripted (dense 10.0; both levers together on the first target 10.6, the
+    target alone 10.1, then alone the Q2_K copy 10.5 and the lowered down columns 10.2; budget +3%): together they
+    miss the budget, so the target is scored and each lever alone; the copy is beyond the budget and dropped (Q3_K
+    with 64 rows stays recorded as before), the down columns are kept, and the sidecar records 10.2."""
     from pi2_gguf.converter import convert as convert_mod
 
-    measured = iter([10.0, 10.1, 10.6, 10.5, 10.2])
+    measured = iter([10.0, 10.6, 10.1, 10.5, 10.2])
     monkeypatch.setattr(convert_mod, "_perplexity", lambda *a, **k: next(measured))
     res = convert_mod.convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256,
                               progress=False, perplexity_budget=0.03)
@@ -655,7 +655,30 @@ def test_budget_levers_beyond_the_budget_are_dropped(mixed_silu: Path, tmp_path:
     assert kv["pi2.quality.perplexity"] == pytest.approx(10.2)
     assert any("together: +6.0%, beyond the budget; each measured alone" in n for n in res.notes), res.notes
     assert any("Q2_K with 1024 exact rows: +5.0%, beyond the budget" in n for n in res.notes), res.notes
-    assert next(measured, None) is None  # dense, the target, both levers, and one candidate per lever
+    assert next(measured, None) is None  # dense, both levers, the target, and one candidate per lever
+
+
+def test_budget_levers_held_together_spare_the_target_alone(mixed_silu: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scripted (dense 10.0, both levers together on the first target 10.2; budget +3%): they hold, so the target
+    without them is not scored (it takes no precision they take): two held-out runs instead of three, the sidecar
+    with both levers and 10.2 recorded."""
+    from pi2_gguf.converter import convert as convert_mod
+    from pi2_gguf.converter.convert import SMALL_OUTPUT_COPY
+
+    measured = iter([10.0, 10.2])
+    monkeypatch.setattr(convert_mod, "_perplexity", lambda *a, **k: next(measured))
+    res = convert_mod.convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256,
+                              progress=False, perplexity_budget=0.03)
+    kv = sidecar.read(res.path).kv
+    assert kv["pi2.budget.output_copy"] == SMALL_OUTPUT_COPY[0] and kv["pi2.budget.output_rows"] == SMALL_OUTPUT_COPY[1]
+    assert all(bundles.bits_per_weight(QT(t)) <= bundles.bits_per_weight(QT.Q4_K) for t in kv["pi2.bundle.down_type"])
+    assert kv["pi2.quality.perplexity"] == pytest.approx(10.2)
+    assert f"down columns at the gate/up rows' type in {len(kv['pi2.n_ff'])} layers (+2.0% with the output copy)" \
+        in kv["pi2.quality.choice"]
+    assert any("together: +2.0%, within the budget, both kept (the target without them was not scored" in n
+               for n in res.notes), res.notes
+    assert next(measured, None) is None
 
 
 def test_explicit_target_is_kept_and_measured(smol_sidecar: Path) -> None:

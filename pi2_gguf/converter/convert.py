@@ -62,8 +62,8 @@ HIGHER_DOWN_TYPE = QT.Q8_0
 # - the output matrix's in-RAM copy in Q2_K with 1,024 exact rows instead of Q3_K with 64 (options.SMALL_OUTPUT_COPY);
 # - down columns at the gate/up rows' type where the model stores down more precisely (Q4_K_M's Q6_K downs, 14 of
 #   28 layers): 54 MB fewer bundle bytes, +1.7% against +1.3% over dense.
-# Where both apply they are measured together first (the step's name below), each alone only where together they
-# miss the budget.
+# Where both apply they are measured together first (the step's name below), on the first target before it is scored
+# alone (where they hold, it holds); each alone only where together they miss the budget.
 BOTH_LEVERS = "output copy and downs at the rows' type"
 
 
@@ -881,12 +881,36 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
 
     tried: list[str] = []  # "0.50 (+3.6%)" per target measured
     best: tuple[sp.SparsityPlan, _Planned, SidecarMeta, float] | None = None
+    # both byte levers on the first target first: where they hold together (as on Qwen2.5-1.5B) the target alone is not
+    # scored (the levers only take precision away, so it holds too); where they do not, it is, and each lever alone
+    together: bool | None = None  # held, missed, or not measured first
+    n_low = 0
     for k, target in enumerate(targets):
         if k > 0:
             for step, kind in ((f"write {label(target)}", "write"), (f"perplexity {label(target)}", "ppl_sparse")):
                 progress.expect(step, kind, n_written if kind == "write" else score_tokens)
             # the targets after it in the same pass: the shared work is most of a layer's
             plan_k, planned = plan_at(target, tuple(t for t in targets[k + 1:] if t not in planned_at))
+        lowered = _downs_at_row_type(model, planned, work) if k == 0 and copy_lever and down_lever else None
+        if lowered is not None:
+            n_low = sum(a != b for a, b in zip(lowered.types, planned.types))
+            rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
+            meta, ppl = measure(plan_k, lowered, BOTH_LEVERS)
+            if ppl is not None and within(ppl):
+                together = True
+                best = (plan_k, lowered, meta, ppl)
+                tried.append(f"{target if target is not None else 0.0:.2f} ({rel(ppl)} with both levers)")
+                notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows and down columns at the "
+                             f"rows' type in {n_low} layers, together: {rel(ppl)}, within the budget, both kept (the "
+                             f"target without them was not scored: it takes no precision they take)")
+                progress.drop(f"write {label(target)}")
+                progress.drop(f"perplexity {label(target)}")
+                break
+            together = False
+            rows, copy = DEFAULT_OUTPUT_ROWS, None
+            notes.append(f"output matrix's copy in {SMALL_OUTPUT_COPY[0].upper()} with {SMALL_OUTPUT_COPY[1]} exact rows "
+                         f"and down columns at the rows' type in {n_low} layers, together: "
+                         f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; each measured alone")
         meta, ppl = measure(plan_k, planned, label(target))
         if ppl is None:
             best = None
@@ -919,10 +943,18 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
             notes.append(f"perplexity {best[3]:.4g} is {rel(best[3])} over dense ({dense[0]:.4g}), beyond the budget of "
                          f"+{budget:.1%}: {lever}")
 
-    if best is None or not within(best[3]):  # the levers below run only where the budget holds
+    if together and best is not None:
+        choice.append(f"down columns at the gate/up rows' type in {n_low} layers ({rel(best[3])} with the output copy)")
+    if best is None or not within(best[3]) or together:  # the levers below run only where the budget holds
         for lever in (BOTH_LEVERS, "output copy", "downs at the rows' type"):
             progress.drop(f"write {lever}")
             progress.drop(f"perplexity {lever}")
+    elif together is False:  # measured together first and missed: each alone
+        progress.drop(f"write {BOTH_LEVERS}")
+        progress.drop(f"perplexity {BOTH_LEVERS}")
+        for lever in ("output copy", "downs at the rows' type"):
+            progress.expect(f"write {lever}", "write", n_written)
+            progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
     if best is not None and precision_free and not within(best[3]) and any(
             bundles_mod.bits_per_weight(d.qtype) < bundles_mod.bits_per_weight(HIGHER_DOWN_TYPE)
             for d in best[1].downs if d is not None):
@@ -941,13 +973,13 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                               f"{rel(best[3])})")
                 best = (plan_k, planned, meta, ppl)
 
-    if best is not None and precision_free and within(best[3]):
+    if best is not None and precision_free and within(best[3]) and not together:
         # fewer bytes a token under a budget, each kept only within the budget: both levers measured together first
-        # (one held-out run where both hold, as on Qwen2.5-1.5B), each alone where together they do not
+        # (above, on the first target), each alone where together they do not hold
         lowered = _downs_at_row_type(model, best[1], work)
         n_low = sum(a != b for a, b in zip(lowered.types, best[1].types)) if lowered is not None else 0
         alone = True
-        if copy_lever and lowered is not None:
+        if copy_lever and lowered is not None and together is None:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
             meta, ppl = measure(best[0], lowered, BOTH_LEVERS)
             what = (f"output matrix's copy in {copy.upper()} with {rows} exact rows and down columns at the rows' "
