@@ -41,6 +41,18 @@ def test_heldout_documents_are_not_training_documents() -> None:
     assert not set(train) & set(held)
 
 
+@pytest.mark.parametrize("shape", [(1,), (2,), (7,), (300, 17), (1000, 33)])
+def test_quantile_threshold_is_numpy_s_linear_quantile(shape: tuple[int, ...]) -> None:
+    """convert's thresholds partition the values instead of calling np.quantile (which copies them to sort); the
+    value is np.quantile's exactly, at every share, ties and repeated values included."""
+    rng = np.random.default_rng(sum(shape))
+    for values in (np.abs(rng.standard_normal(shape)).astype(np.float32),
+                   rng.integers(0, 4, size=shape).astype(np.float32)):  # ties
+        for q in (1e-6, 0.02, 0.1, 0.5, 0.9, 0.98, 1.0):
+            assert sparsity._quantile_threshold(values, q) == float(np.quantile(values, q)), (shape, q)
+    assert sparsity._quantile_threshold(np.ones(4, np.float32), 0.0) == 0.0  # every value passes
+
+
 @pytest.mark.parametrize("criterion", ["product", "act"])
 def test_density_on_heldout_is_within_5_points_of_target(smollm2: Path, smol_sidecar: Path, smol_cats_sidecar: Path,
                                                          smol_profile: Profile, criterion: str) -> None:

@@ -84,10 +84,19 @@ def admit_density(target: float) -> float:
 
 
 def _quantile_threshold(values: np.ndarray, q: float) -> float:
-    """t such that a share q of values is <= t; with q == 0 a t below every value (values >= 0)."""
+    """t such that a share q of values is <= t; with q == 0 a t below every value (values >= 0). np.quantile's
+    linear method exactly, but partitioning the values in place of a float64 copy: the two order statistics it
+    interpolates between, then its own interpolation of those two (a layer's [6,144 x 8,960] values: 0.40 s
+    against 0.64, four times a layer when convert plans two targets)."""
     if q <= 0.0:
         return 0.0 if values.min() > 0 else -1.0  # every value passes: v > -1
-    return float(np.quantile(values, q))
+    flat = values.reshape(-1)
+    n = flat.size
+    h = q * (n - 1)  # np.quantile's virtual index
+    lo = min(int(np.floor(h)), n - 1)
+    hi = min(lo + 1, n - 1)
+    part = np.partition(flat, [lo, hi] if hi != lo else [lo])
+    return float(np.quantile(np.array([part[lo], part[hi]], dtype=values.dtype), h - lo))
 
 
 def product_thresholds(plan: SparsityPlan, magnitudes: np.ndarray, products: np.ndarray) -> tuple[float, float]:
