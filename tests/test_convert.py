@@ -41,13 +41,14 @@ def test_heldout_documents_are_not_training_documents() -> None:
     assert not set(train) & set(held)
 
 
-@pytest.mark.parametrize("shape", [(1,), (2,), (7,), (300, 17), (1000, 33)])
+@pytest.mark.parametrize("shape", [(1,), (2,), (7,), (300, 17), (1000, 33), (400, 1000)])
 def test_quantile_threshold_is_numpy_s_linear_quantile(shape: tuple[int, ...]) -> None:
-    """convert's thresholds partition the values instead of calling np.quantile (which copies them to sort); the
-    value is np.quantile's exactly, at every share, ties and repeated values included."""
+    """convert's thresholds partition the values (past 65,536 of them, those a sample brackets) instead of calling
+    np.quantile (which sorts a copy); the value is np.quantile's exactly, at every share, ties included."""
     rng = np.random.default_rng(sum(shape))
     for values in (np.abs(rng.standard_normal(shape)).astype(np.float32),
-                   rng.integers(0, 4, size=shape).astype(np.float32)):  # ties
+                   rng.integers(0, 4, size=shape).astype(np.float32),  # ties
+                   np.where(rng.random(shape) < 0.3, 0.0, rng.random(shape)).astype(np.float32)):  # a cut's zeros
         for q in (1e-6, 0.02, 0.1, 0.5, 0.9, 0.98, 1.0):
             assert sparsity._quantile_threshold(values, q) == float(np.quantile(values, q)), (shape, q)
     assert sparsity._quantile_threshold(np.ones(4, np.float32), 0.0) == 0.0  # every value passes

@@ -12,6 +12,7 @@ The price: up rows are computed for the admitted neurons, not only the active on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -83,11 +84,48 @@ def admit_density(target: float) -> float:
     return min(1.0 - target / 5.0, 2.5 * (1.0 - target))
 
 
+_SAMPLE = 1 << 16  # values drawn to bracket an order statistic (below this many, the values are partitioned whole)
+
+
+def _order_statistics(flat: np.ndarray, ks: list[int]) -> list[float]:
+    """The ks-th smallest of flat (ks ascending), exactly: the values inside a bracket drawn from a sample around
+    those ranks are partitioned instead of all of them (a Qwen2.5-1.5B layer's 55M values: ~0.15 s against ~0.6);
+    where the bracket misses (it holds with six standard deviations to spare) every value is."""
+    n = flat.size
+    if n <= _SAMPLE:
+        part = np.partition(flat, ks)
+        return [part[k] for k in ks]
+    sample = np.sort(flat[np.random.default_rng(n).integers(0, n, _SAMPLE)])
+
+    def edge(k: int, side: int) -> Any:  # a sample value surely below (side -1) or above (+1) rank k, or None
+        r = k / (n - 1) * (_SAMPLE - 1)
+        p = min(max(k / n, 1.0 / _SAMPLE), 1.0 - 1.0 / _SAMPLE)
+        margin = 6.0 * np.sqrt(_SAMPLE * p * (1.0 - p)) + 8.0
+        i = int(np.floor(r - margin)) if side < 0 else int(np.ceil(r + margin))
+        return sample[i] if 0 <= i < _SAMPLE else None
+
+    lo, hi = ks[0], ks[-1]
+    a, b = edge(lo, -1), edge(hi, 1)
+    below = int(np.count_nonzero(flat < a)) if a is not None else 0
+    if a is not None and a == b:  # one value fills the bracket (ties: zeros where a threshold cut)
+        if below <= lo and hi < below + int(np.count_nonzero(flat == a)):
+            return [a for _ in ks]
+    elif a is not None or b is not None:
+        inside = flat >= a if a is not None else flat <= b
+        if a is not None and b is not None:
+            inside &= flat <= b
+        sub = flat[inside]
+        if below <= lo and hi < below + sub.size:
+            part = np.partition(sub, [k - below for k in ks])
+            return [part[k - below] for k in ks]
+    part = np.partition(flat, ks)
+    return [part[k] for k in ks]
+
+
 def _quantile_threshold(values: np.ndarray, q: float) -> float:
     """t such that a share q of values is <= t; with q == 0 a t below every value (values >= 0). np.quantile's
-    linear method exactly, but partitioning the values in place of a float64 copy: the two order statistics it
-    interpolates between, then its own interpolation of those two (a layer's [6,144 x 8,960] values: 0.40 s
-    against 0.64, four times a layer when convert plans two targets)."""
+    linear method exactly: the two order statistics it interpolates between (_order_statistics, without its sort of
+    a copy), then its own interpolation of those two."""
     if q <= 0.0:
         return 0.0 if values.min() > 0 else -1.0  # every value passes: v > -1
     flat = values.reshape(-1)
@@ -95,8 +133,9 @@ def _quantile_threshold(values: np.ndarray, q: float) -> float:
     h = q * (n - 1)  # np.quantile's virtual index
     lo = min(int(np.floor(h)), n - 1)
     hi = min(lo + 1, n - 1)
-    part = np.partition(flat, [lo, hi] if hi != lo else [lo])
-    return float(np.quantile(np.array([part[lo], part[hi]], dtype=values.dtype), h - lo))
+    got = _order_statistics(flat, [lo, hi] if hi != lo else [lo])
+    v_lo, v_hi = got[0], got[-1]
+    return float(np.quantile(np.array([v_lo, v_hi], dtype=values.dtype), h - lo))
 
 
 def product_thresholds(plan: SparsityPlan, magnitudes: np.ndarray, products: np.ndarray) -> tuple[float, float]:
