@@ -960,15 +960,8 @@ static struct ggml_tensor pi2_expert_at(const struct ggml_tensor * w, const void
 
 // whether the expert's matrices as read from the model file have the loaded model's types (else b->error says not)
 static bool pi2_expert_types_match(struct pi2_binding * b, const struct pi2_expert_region * r, const struct pi2_expert_matrices * em) {
-    const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
-    for (int m = 0; m < 3; ++m) {
-        if (em->type[m] != w[m]->type) {
-            snprintf(b->error, sizeof(b->error), "model file %s: layer %d's experts are %s where the loaded model's are %s",
-                     b->model_path, r->layer, ggml_type_name(em->type[m]), ggml_type_name(w[m]->type));
-            return false;
-        }
-    }
-    return true;
+    const struct ggml_tensor * const w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
+    return pi2_expert_matrices_match(em, w, b->model_path, r->layer, true, b->error, sizeof(b->error));
 }
 
 // Expert e's n pairs (order[0 .. n)) computed from its matrices where they landed, on ctx's threads (one-thread

@@ -15,7 +15,7 @@ enum ggml_status pi2_dense_whole_run(struct pi2_backend_ctx * ctx, struct pi2_bi
         PI2_LOG_ERROR("pi2: %s\n", b->error);
         return GGML_STATUS_FAILED;
     }
-    const struct ggml_tensor * w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
+    const struct ggml_tensor * const w[3] = { r->gate->src[0], r->up->src[0], r->down->src[0] };
     struct pi2_expert_read_stats io = { 0 };
     pthread_mutex_lock(&b->cache_lock); // the entry stays while the layer computes: one FFN at a time per model
     const int32_t e = 0;
@@ -27,12 +27,8 @@ enum ggml_status pi2_dense_whole_run(struct pi2_backend_ctx * ctx, struct pi2_bi
     if (pi2_expert_file_get(b->experts, layer, e, &em, &io, b->error, sizeof(b->error)) != 0) {
         st = GGML_STATUS_FAILED;
     }
-    for (int m = 0; m < 3 && st == GGML_STATUS_SUCCESS; ++m) {
-        if (em.type[m] != w[m]->type) {
-            snprintf(b->error, sizeof(b->error), "model file %s: layer %d's FFN is %s where the loaded model's is %s",
-                     b->model_path, layer, ggml_type_name(em.type[m]), ggml_type_name(w[m]->type));
-            st = GGML_STATUS_FAILED;
-        }
+    if (st == GGML_STATUS_SUCCESS && !pi2_expert_matrices_match(&em, w, b->model_path, layer, false, b->error, sizeof(b->error))) {
+        st = GGML_STATUS_FAILED;
     }
     if (st == GGML_STATUS_SUCCESS) {
         // the region's products, their weights now where the cache entry holds them (outputs where llama put them)

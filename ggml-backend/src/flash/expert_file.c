@@ -429,6 +429,19 @@ bool pi2_expert_file_ring(const struct pi2_expert_file * f) {
     return f->ring != NULL;
 }
 
+bool pi2_expert_matrices_match(const struct pi2_expert_matrices * em, const struct ggml_tensor * const w[3],
+                               const char * model_path, int layer, bool experts, char * err, size_t errlen) {
+    const char * is = experts ? "are" : "is";
+    for (int m = 0; m < 3; ++m) {
+        if (em->type[m] != w[m]->type) {
+            snprintf(err, errlen, "model file %s: layer %d's %s %s %s where the loaded model's %s %s", model_path, layer,
+                     experts ? "experts" : "FFN", is, ggml_type_name(em->type[m]), is, ggml_type_name(w[m]->type));
+            return false;
+        }
+    }
+    return true;
+}
+
 uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f) {
     return f->n_entries;
 }

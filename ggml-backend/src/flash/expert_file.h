@@ -78,3 +78,9 @@ int pi2_expert_file_get(struct pi2_expert_file * f, int layer, int32_t e, struct
 
 // whether reads go through io_uring (else each expert is read when it is got)
 bool pi2_expert_file_ring(const struct pi2_expert_file * f);
+
+// Whether matrices got from the model file have the types of the loaded model's weights w (gate, up, down): a file
+// changed since the model loaded would otherwise be computed as another type. False with err naming the layer (its
+// routed experts, or a dense layer's FFN) and both types.
+bool pi2_expert_matrices_match(const struct pi2_expert_matrices * em, const struct ggml_tensor * const w[3],
+                               const char * model_path, int layer, bool experts, char * err, size_t errlen);

@@ -29,7 +29,7 @@ static int pi2_compute_ffn_region(struct pi2_backend_ctx * ctx, struct ggml_cgra
     if (pi2_ffn_region_find(cgraph, i, &sa, &r, &why)) {
         if (b != NULL) {
             r.layer = sl;
-            return pi2_sparse_ffn_compute(ctx, b, &r, st);
+            return pi2_sparse_ffn_compute(ctx, b, &r, layer, st);
         }
         *st = pi2_exec_gate_up_act(ctx, &r);
         return r.n_nodes - (r.down != NULL); // down runs next, alone

@@ -39,7 +39,7 @@ static const char * pi2_sparse_ffn_unfit(const struct pi2_ffn_region * r) {
 }
 
 int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
-                           enum ggml_status * st) {
+                           int model_layer, enum ggml_status * st) {
     const char * why = pi2_sparse_ffn_unfit(r);
     if (why != NULL) {
         if (pi2_binding_unfit_layer(b, r->layer, why)) {
@@ -55,11 +55,7 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
         return r->n_nodes;
     }
     if (b->sc->layer[r->layer].whole && b->flash) { // read whole from the model file: no bundles, no predictor
-        int layer = -1; // the model's layer: pi2.dense_reads is a dense model's, whose layers are the sidecar's
-        for (uint32_t il = 0; il < b->sc->n_model_layer && layer < 0; ++il) {
-            layer = b->sc->first[il] == (uint32_t) r->layer && !b->sc->routed[il] ? (int) il : -1;
-        }
-        *st = pi2_dense_whole_run(ctx, b, r, layer);
+        *st = pi2_dense_whole_run(ctx, b, r, model_layer);
         return r->n_nodes;
     }
     if (b->sc->layer[r->layer].whole || pi2_route_region(b, r->gate->src[1]->ne[1]) == PI2_ROUTE_DENSE) {

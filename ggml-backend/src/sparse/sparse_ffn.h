@@ -12,9 +12,10 @@
 // A layer's FFN region (ffn_region.h) of a model with a sidecar: the weights are verified once and the layer
 // runs sparse for decode batches in oracle/predicted mode (flash: always), else dense. A region sparse
 // decode cannot run (no down product after it) runs dense in RAM (said once), and on flash, where the
-// weights are nowhere else, the compute is refused (*st). Returns the nodes consumed.
+// weights are nowhere else, the compute is refused (*st). model_layer: the model's layer (r->layer is the sidecar's).
+// Returns the nodes consumed.
 int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b, const struct pi2_ffn_region * r,
-                           enum ggml_status * st);
+                           int model_layer, enum ggml_status * st);
 
 // Computes the products (zero where a neuron was not computed), act(gate) * up (zero for inactive neurons)
 // and down's output, in the binding's mode. io (may be NULL): what the neuron cache found (flash; else zeros).
