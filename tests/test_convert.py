@@ -554,7 +554,7 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
     text = "\n\n".join(corpus.load(None).split()[1])
     # what a memory budget decodes: the sidecar's FFN on flash (a budget the whole FFN fits in)
     again = perplexity(smollm2, text, QUALITY_CTX, QUALITY_CHUNKS, progress=False, sidecar=res.path, mode="predicted",
-                       memory_budget=2_000_000_000)
+                       memory_budget=2_000_000_000, chunk_batches=True)
     assert again.ppl == pytest.approx(ppl, rel=1e-5)
 
 

@@ -103,9 +103,10 @@ def test_cli_perplexity_mode(smollm2: Path, smol_sidecar: Path, tmp_path: Path, 
 
 def test_budget_scores_a_chunk_as_one_batch_of_each_token_s_neurons(smollm2: Path, smol_sidecar: Path,
                                                                      heldout_text: str) -> None:
-    """Under a memory budget predicted mode scores a chunk as one batch whose tokens each compute only their own
-    predicted neurons (PI2_BATCH_NEURONS=token): as many gate rows as decode token by token computes, where the
-    batch's union (the prompt default) computes more. Where every neuron is selected the two modes are one function.
+    """Under a memory budget predicted mode can score a chunk as one batch whose tokens each compute only their own
+    predicted neurons (chunk_batches, PI2_BATCH_NEURONS=token: convert's scores): as many gate rows as decode token
+    by token computes, where the batch's union (the prompt default) computes more. Where every neuron is selected
+    the two modes are one function.
     The perplexities differ by llama.cpp's own batch numerics (stock SmolLM2 on held-out text: 13.264 in batches
     of 256, 13.308 token by token), amplified by the thresholds a 50% sidecar cuts at, so only their order of
     magnitude is checked."""
@@ -115,10 +116,11 @@ def test_budget_scores_a_chunk_as_one_batch_of_each_token_s_neurons(smollm2: Pat
               memory_budget=2_000_000_000)
     always = {"predictor": "always"}  # SmolLM2's predictors do not pay: run them so that selections differ per token
     runs = {}
-    for name, extra in (("decode", dict(token_by_token=True, settings=always)), ("batch", dict(settings=always)),
-                        ("union", dict(settings={**always, "batch_neurons": "union"})),
-                        ("all batch", dict(settings={"predictor": "auto"})),
-                        ("all union", dict(settings={"predictor": "auto", "batch_neurons": "union"}))):
+    one = dict(chunk_batches=True)
+    for name, extra in (("decode", dict(settings=always)), ("batch", dict(settings=always, **one)),
+                        ("union", dict(settings={**always, "batch_neurons": "union"}, **one)),
+                        ("all batch", dict(settings={"predictor": "auto"}, **one)),
+                        ("all union", dict(settings={"predictor": "auto", "batch_neurons": "union"}, **one))):
         pi2_gguf.reset_counters()
         ppl = perplexity(smollm2, heldout_text, **kw, **extra)  # type: ignore[arg-type]
         c = pi2_gguf.read_counters()

@@ -44,14 +44,14 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
                plugin: bool = True, threads: int | None = None, progress: bool = True,
                sidecar: str | Path | None = None, mode: str = "dense",
                settings: Mapping[str, str | int | float | bool] | None = None,
-               memory_budget: int | None = None, token_by_token: bool = False) -> Perplexity:
+               memory_budget: int | None = None, chunk_batches: bool = False) -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
-    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees (under a
-    memory budget a chunk is one batch whose tokens each compute their own predicted neurons: the same function).
+    micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees.
     settings: PI2_* settings for the model (pi2_gguf.Llama's settings=). memory_budget: the FFN on flash behind
     a neuron cache, as decode under that budget computes it (and what only a budget does: PI2_OUTPUT_ROWS).
-    token_by_token: in predicted mode under a budget, micro-batches of the sparse batch size instead of one batch a
-    chunk (the same function, slower: to check the batch against decode)."""
+    chunk_batches: in predicted mode under a budget, each chunk as one batch whose tokens each compute only their own
+    predicted neurons (PI2_BATCH_NEURONS=token): decode's neurons, with llama.cpp's batch numerics as the dense score
+    has them, ~1.3x faster; its compute buffers grow with the chunk (convert scores so, under a roomy budget)."""
     from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
@@ -63,8 +63,8 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
 
         register()
     ubatch = SPARSE_UBATCH if mode != "dense" else None
-    if mode == "predicted" and memory_budget is not None and not token_by_token:
-        # on flash a batch computes each token's own predicted neurons with PI2_BATCH_NEURONS=token, the function
+    if chunk_batches and mode == "predicted" and memory_budget is not None:
+        # on flash a batch computes each token's own predicted neurons with PI2_BATCH_NEURONS=token, the neurons
         # decode computes token by token, so a chunk goes in one batch: its bundles are read and dotted once for all
         # its tokens (docs/MEASUREMENTS.md, "Convert's perplexity scores as one batch a chunk")
         ubatch = n_ctx

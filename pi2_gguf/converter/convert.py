@@ -496,7 +496,8 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
 
 def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads: int | None, progress: bool) -> float:
     """Perplexity of held-out text as decode computes it: dense without a sidecar, else predicted mode under a
-    memory budget the whole FFN fits in (its bundles, down columns re-quantized, and the predictors a budget runs).
+    memory budget the whole FFN fits in (its bundles, down columns re-quantized, and the predictors a budget runs),
+    each chunk one batch of decode's neurons for each token, as the dense score is taken in batches.
     In RAM layers may be left dense and many-active downs take the model's own rows, which a budget does not
     have: Qwen2.5-1.5B at 50% product scored +1.8% in RAM with every layer held, +3.6% under a budget (2026-11-25)."""
     from ..bench.perplexity import perplexity
@@ -510,7 +511,8 @@ def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads:
         budget = min(resident_bytes() + model.stat().st_size + sidecar.stat().st_size + (1 << 30), int(0.8 * ram))
         kw = dict(sidecar=sidecar, mode="predicted", memory_budget=budget)
     try:
-        return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, **kw).ppl
+        return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, chunk_batches=True,
+                          **kw).ppl
     except Pi2Error as e:
         raise Pi2Error(f"{e} (on held-out text for --perplexity-budget)") from e
 
