@@ -976,31 +976,11 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 best = (plan_k, planned, meta, ppl)
 
     if best is not None and precision_free and within(best[3]) and not together:
-        # fewer bytes a token under a budget, each kept only within the budget: both levers measured together first
-        # (above, on the first target), each alone where together they do not hold
+        # fewer bytes a token under a budget, each alone, kept only within the budget: where both apply they were
+        # measured together on the first target (above): this runs where only one applies, or together they missed
         lowered = _downs_at_row_type(model, best[1], work)
         n_low = sum(a != b for a, b in zip(lowered.types, best[1].types)) if lowered is not None else 0
-        alone = True
-        if copy_lever and lowered is not None and together is None:
-            rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
-            meta, ppl = measure(best[0], lowered, BOTH_LEVERS)
-            what = (f"output matrix's copy in {copy.upper()} with {rows} exact rows and down columns at the rows' "
-                    f"type in {n_low} layers, together")
-            if ppl is not None and within(ppl):
-                notes.append(f"{what}: {rel(ppl)} (Q3_K with {DEFAULT_OUTPUT_ROWS} rows and the model's down types: "
-                             f"{rel(best[3])}), both kept")
-                choice.append(f"down columns at the gate/up rows' type in {n_low} layers ({rel(ppl)} with the output "
-                              f"copy; the model's types and Q3_K {rel(best[3])})")
-                best = (best[0], lowered, meta, ppl)
-                alone = False
-            else:
-                notes.append(f"{what}: {rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; each "
-                             "measured alone")
-                rows, copy = DEFAULT_OUTPUT_ROWS, None
-                for lever in ("output copy", "downs at the rows' type"):
-                    progress.expect(f"write {lever}", "write", n_written)
-                    progress.expect(f"perplexity {lever}", "ppl_sparse", score_tokens)
-        if alone and copy_lever:
+        if copy_lever:
             rows, copy = SMALL_OUTPUT_COPY[1], SMALL_OUTPUT_COPY[0]
             meta, ppl = measure(best[0], best[1], "output copy")
             if ppl is not None and within(ppl):
@@ -1011,7 +991,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 notes.append(f"output matrix's copy in {copy.upper()} with {rows} exact rows: "
                              f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; Q3_K kept")
                 rows, copy = DEFAULT_OUTPUT_ROWS, None
-        if alone and lowered is not None:
+        if lowered is not None:
             meta, ppl = measure(best[0], lowered, "downs at the rows' type")
             if ppl is not None and within(ppl):
                 notes.append(f"down columns at the rows' type in {n_low} layers: {rel(ppl)} (the model's types: "
