@@ -182,6 +182,12 @@ GGML_BACKEND_API size_t pi2_struct_size(const char * name);
 GGML_BACKEND_API int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float * a,
                                      const void * const * cols);
 
+// The same for a batch of n_tokens tokens, as a prompt batch on flash sums its columns: y[t][0..n) += sum of
+// a[t * n_cols + c] * column c (a NULL column is skipped), n_cols at most 32 (a cluster). 0, or -1 as above or
+// for more columns.
+GGML_BACKEND_API int pi2_columns_add_batch(int type, int64_t n, int64_t n_tokens, float * y, int64_t n_cols,
+                                           const float * a, const void * const * cols);
+
 // Planning (pi2-gguf plan): weight bytes a second of PI2's dense decode product (one token) on this machine, on
 // n_rows random rows of k values of a ggml type with `threads` threads for about `seconds`. 0, or -1 for a type
 // without a dot product or one that needs an importance matrix to quantize, or a k that is not whole blocks.

@@ -148,3 +148,20 @@ def columns_add(qtype: int, y: np.ndarray, a: np.ndarray, columns: np.ndarray) -
     ptrs = (ctypes.c_void_p * len(a))(*[columns[c].ctypes.data for c in range(len(a))])
     if capi.lib().pi2_columns_add(int(qtype), y.size, y.ctypes.data, len(a), a.ctypes.data, ptrs) != 0:
         raise ValueError(f"no column kernel for type {qtype} and length {y.size}")
+
+
+def columns_add_batch(qtype: int, y: np.ndarray, a: np.ndarray, columns: list[np.ndarray | None]) -> None:
+    """y[t] += sum of a[t, c] * column c for every token t, in place, as a prompt batch on flash sums a cluster's
+    columns (dequantized once, four tokens at a time). y: [n_tokens, n] float32; a: [n_tokens, n_cols]; columns:
+    n_cols rows of quantized bytes (None: a column no token computed). For tests."""
+    y = np.asarray(y)
+    if y.dtype != np.float32 or y.ndim != 2 or not y.flags.c_contiguous:
+        raise ValueError("y must be a contiguous [n_tokens, n] float32 array")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.shape != (y.shape[0], len(columns)):
+        raise ValueError(f"a must be [{y.shape[0]}, {len(columns)}], got {list(a.shape)}")
+    kept = [None if c is None else np.ascontiguousarray(c, dtype=np.uint8) for c in columns]
+    ptrs = (ctypes.c_void_p * len(kept))(*[None if c is None else c.ctypes.data for c in kept])
+    if capi.lib().pi2_columns_add_batch(int(qtype), y.shape[1], y.shape[0], y.ctypes.data, len(kept), a.ctypes.data,
+                                        ptrs) != 0:
+        raise ValueError(f"no batch column kernel for type {qtype}, length {y.shape[1]} and {len(kept)} columns")

@@ -56,6 +56,24 @@ int pi2_columns_add(int type, int64_t n, float * y, int64_t n_cols, const float 
     return 0;
 }
 
+int pi2_columns_add_batch(int type, int64_t n, int64_t n_tokens, float * y, int64_t n_cols, const float * a,
+                          const void * const * cols) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || !pi2_column_type_usable((enum ggml_type) type) || n <= 0 ||
+        n % ggml_blck_size((enum ggml_type) type) != 0 || n_tokens < 0 || n_cols < 0 || n_cols > PI2_COLUMNS_MAX) {
+        return -1;
+    }
+    float * tmp  = malloc((size_t) pi2_column_scratch(n) * sizeof(float));
+    float * colf = malloc((size_t) PI2_COLUMNS_MAX * (size_t) n * sizeof(float));
+    const int rc = tmp != NULL && colf != NULL ? 0 : -1;
+    if (rc == 0) {
+        pi2_columns_add_tokens((enum ggml_type) type, n, n_tokens, y, (size_t) n * sizeof(float), (int) n_cols, a,
+                               n_cols, cols, colf, tmp);
+    }
+    free(colf);
+    free(tmp);
+    return rc;
+}
+
 int pi2_time_dense_rows(int type, int64_t k, int64_t n_rows, int threads, double seconds, double * bytes_per_s) {
     if (type < 0 || type >= GGML_TYPE_COUNT || !(seconds > 0.0 && seconds < 60.0)) {
         return -1;

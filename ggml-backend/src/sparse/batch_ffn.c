@@ -8,6 +8,11 @@
 #include "sparse/predictor.h"
 #include "sparse/sparse_kernels.h"
 
+// From this many tokens a batch dequantizes a cluster's down columns once and adds them to four tokens at a time
+// (pi2_columns_add_tokens), instead of unpacking each column again for every token that uses it.
+#define PI2_BATCH_FLOAT_DOWN 4
+_Static_assert(PI2_COLUMNS_MAX >= PI2_CLUSTER, "a cluster's columns fit one pi2_columns_add4 call");
+
 // Thread ith owns clusters ith, ith + nth, ... (a fixed share, so a run is reproducible for a thread count): for each
 // of its neurons in slot order, the gate and up rows are dotted with every token's input while they sit in L1, then
 // each token adds the cluster's active down columns (in L2 by then) to the thread's partial sum of that token. The
@@ -21,6 +26,7 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
     float * y    = p->y + (size_t) ith * (size_t) n_tokens * (size_t) n_embd;
     float * acts = p->acts + (size_t) ith * (size_t) n_tokens * PI2_CLUSTER; // [n_tokens][PI2_CLUSTER]
     float * tmp  = p->tmp + (size_t) ith * p->tmp_stride;
+    float * colf = p->colf + (size_t) ith * PI2_CLUSTER * (size_t) n_embd;
     const uint8_t * bundle[PI2_CLUSTER];
     for (int64_t c = ith; c < p->n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += nth) {
         const int64_t s0 = c * PI2_CLUSTER, s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
@@ -70,6 +76,15 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
                 }
                 acts[t * PI2_CLUSTER + j] = a;
             }
+        }
+        if (n_tokens >= PI2_BATCH_FLOAT_DOWN) {
+            const void * cols[PI2_CLUSTER];
+            for (int64_t j = 0; j < s1 - s0; ++j) {
+                cols[j] = bundle[j] != NULL ? bundle[j] + L->down_offset : NULL;
+            }
+            pi2_columns_add_tokens(L->down_type, n_embd, n_tokens, y, (size_t) n_embd * sizeof(float), (int) (s1 - s0),
+                                   acts, PI2_CLUSTER, cols, colf, tmp);
+            continue;
         }
         for (int64_t t = 0; t < n_tokens; ++t) {
             struct pi2_column_sum sum = { .type = L->down_type, .n = n_embd, .y = y + (size_t) t * (size_t) n_embd, .tmp = tmp };

@@ -1,5 +1,7 @@
 #include "sparse/column_axpy.h"
 
+#include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #define GGML_COMMON_DECL_C
@@ -135,6 +137,20 @@ static void pi2_axpy_q3_k(int64_t n, float * restrict y, float a, const block_q3
                 }
                 yb += 32;
             }
+        }
+    }
+}
+
+// y[t][o0..n) of pi2_columns_add4, one element at a time
+static void pi2_columns_add4_scalar(int64_t o0, int64_t n, int n_cols, const float * restrict cols,
+                                    const float * restrict a, float * const * y) {
+    for (int t = 0; t < 4; ++t) {
+        for (int64_t o = o0; o < n; ++o) {
+            float v = y[t][o];
+            for (int k = 0; k < n_cols; ++k) {
+                v = fmaf(cols[(size_t) k * (size_t) n + (size_t) o], a[t * PI2_COLUMNS_MAX + k], v);
+            }
+            y[t][o] = v;
         }
     }
 }
@@ -356,6 +372,33 @@ static void pi2_axpy4_q3_k(int64_t n, float * restrict y, const float * a, const
         }
     }
 }
+// Four tokens' rows, two vectors of outputs at a time: eight sums in registers while the columns stream past, so a
+// column value loaded once feeds four FMAs (the one-token kernels above load y and a column for every FMA).
+static void pi2_columns_add4_simd(int64_t n, int n_cols, const float * restrict cols, const float * restrict a,
+                                  float * const * y) {
+    int64_t o = 0;
+    for (; o + 2 * PI2_VW <= n; o += 2 * PI2_VW) {
+        pi2_vf s[4][2];
+        for (int t = 0; t < 4; ++t) {
+            s[t][0] = pi2_vload(y[t] + o);
+            s[t][1] = pi2_vload(y[t] + o + PI2_VW);
+        }
+        for (int k = 0; k < n_cols; ++k) {
+            const float * c = cols + (size_t) k * (size_t) n + (size_t) o;
+            const pi2_vf c0 = pi2_vload(c), c1 = pi2_vload(c + PI2_VW);
+            for (int t = 0; t < 4; ++t) {
+                const pi2_vf at = pi2_vset1(a[t * PI2_COLUMNS_MAX + k]);
+                s[t][0] = pi2_vfma(c0, at, s[t][0]);
+                s[t][1] = pi2_vfma(c1, at, s[t][1]);
+            }
+        }
+        for (int t = 0; t < 4; ++t) {
+            pi2_vstore(y[t] + o, s[t][0]);
+            pi2_vstore(y[t] + o + PI2_VW, s[t][1]);
+        }
+    }
+    pi2_columns_add4_scalar(o, n, n_cols, cols, a, y); // the tail, in the same order per element
+}
 #endif
 
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
@@ -414,4 +457,53 @@ void pi2_column_sum_finish(struct pi2_column_sum * s) {
         pi2_column_axpy(s->type, s->n, s->y, s->a[c], s->col[c], s->tmp);
     }
     s->k = 0;
+}
+
+void pi2_column_to_float(enum ggml_type type, int64_t n, float * dst, const void * column, float * tmp) {
+    if (type == GGML_TYPE_F32) {
+        memcpy(dst, column, (size_t) n * sizeof(float));
+        return;
+    }
+    memset(dst, 0, (size_t) n * sizeof(float));
+    pi2_column_axpy(type, n, dst, 1.0f, column, tmp);
+}
+
+void pi2_columns_add4(int64_t n, int n_cols, const float * cols, const float * a, float * const * y) {
+#ifdef PI2_AXPY4_SIMD
+    pi2_columns_add4_simd(n, n_cols, cols, a, y);
+#else
+    pi2_columns_add4_scalar(0, n, n_cols, cols, a, y);
+#endif
+}
+
+void pi2_columns_add_tokens(enum ggml_type type, int64_t n, int64_t n_tokens, float * y, size_t y_stride, int n_cols,
+                            const float * a, int64_t lda, const void * const * cols, float * colf, float * tmp) {
+    float b[4 * PI2_COLUMNS_MAX];
+    int   used[PI2_COLUMNS_MAX];
+    int   n_used = 0;
+    for (int c = 0; c < n_cols && c < PI2_COLUMNS_MAX; ++c) {
+        bool any = false;
+        for (int64_t t = 0; t < n_tokens && !any && cols[c] != NULL; ++t) {
+            any = a[t * lda + c] != 0.0f;
+        }
+        if (any) { // a column no token uses is neither dequantized nor added
+            pi2_column_to_float(type, n, colf + (size_t) n_used * (size_t) n, cols[c], tmp);
+            used[n_used++] = c;
+        }
+    }
+    if (n_used == 0) {
+        return;
+    }
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += 4) {
+        float * rows[4];
+        for (int k = 0; k < 4; ++k) {
+            const int64_t t = t0 + k;
+            // past the last token: a scratch row (tmp, free once the columns are floats) with weights 0
+            rows[k] = t < n_tokens ? (float *) ((char *) y + (size_t) t * y_stride) : tmp;
+            for (int c = 0; c < n_used; ++c) {
+                b[k * PI2_COLUMNS_MAX + c] = t < n_tokens ? a[t * lda + used[c]] : 0.0f;
+            }
+        }
+        pi2_columns_add4(n, n_used, colf, b, rows);
+    }
 }

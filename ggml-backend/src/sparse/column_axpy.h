@@ -32,6 +32,23 @@ void pi2_column_axpy(enum ggml_type type, int64_t n, float * y, float a, const v
 void pi2_column_axpy4(enum ggml_type type, int64_t n, float * y, const float * a, const void * const * cols,
                       float * tmp);
 
+// Columns dequantized once and added for several tokens (a batch's down, where one column serves many tokens):
+// dst[0..n) = column as floats.
+void pi2_column_to_float(enum ggml_type type, int64_t n, float * dst, const void * column, float * tmp);
+
+#define PI2_COLUMNS_MAX 32 // columns per pi2_columns_add4 call (a cluster's)
+// For four tokens t: y[t][0..n) += sum_k a[t * PI2_COLUMNS_MAX + k] * cols[k * n ..], k < n_cols <= PI2_COLUMNS_MAX,
+// each element's sum in column order (one rounding per FMA, the same at every SIMD width).
+void pi2_columns_add4(int64_t n, int n_cols, const float * cols, const float * a, float * const * y);
+
+// A batch's down for one group of up to PI2_COLUMNS_MAX columns: for n_tokens tokens t,
+// y[t] (y_stride bytes apart) += sum_c a[t * lda + c] * column c. The columns some token uses (a non-zero weight; a NULL
+// column is skipped) are dequantized once into colf ([PI2_COLUMNS_MAX][n] floats), then added four tokens at a time
+// (pi2_columns_add4). tmp: pi2_column_scratch(n) floats. Each element's sum is taken in column order, with one rounding
+// per FMA; it differs from pi2_column_sum's by the rounding of the dequantized values.
+void pi2_columns_add_tokens(enum ggml_type type, int64_t n, int64_t n_tokens, float * y, size_t y_stride, int n_cols,
+                            const float * a, int64_t lda, const void * const * cols, float * colf, float * tmp);
+
 // A running sum of columns into y, four per kernel call: add columns one by one, then finish once.
 // The grouping depends only on the order the columns come in, so the sum is reproducible.
 struct pi2_column_sum {

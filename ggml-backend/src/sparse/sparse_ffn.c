@@ -224,6 +224,7 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         // in-place MUL): their values then go to scratch, as nothing but that product reads them
         alias_gate ? pi2_align64(ggml_nbytes(r->gate)) : 0,
         alias_up ? pi2_align64(ggml_nbytes(r->up)) : 0,
+        p.batch ? pi2_align64((size_t) nth * PI2_CLUSTER * (size_t) p.n_embd * sizeof(float)) : 0,
     };
     size_t total = 0;
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
@@ -261,6 +262,8 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         up_scratch.nb[1] = (size_t) p.n_ff * sizeof(float);
         p.up = &up_scratch;
     }
+    w += sizes[17];
+    p.colf = p.batch ? (float *) w : NULL;
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
     if (b->flash) {

@@ -119,6 +119,7 @@ struct pi2_sparse_plan {
     float *                   z;           // [n_ff] predictor scores, slot order
     float *                   y;           // [n_split][n_embd] partial down sums (batch: [nth][n_tokens][n_embd])
     float *                   acts;        // batch: [nth][n_tokens][PI2_CLUSTER] a cluster's GLU values
+    float *                   colf;        // batch: [nth][PI2_CLUSTER][n_embd] a cluster's down columns as floats
     float *                   tmp;         // [max(nth, n_split)][tmp_stride] dequantization scratch
     int64_t                   tmp_stride;
     // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons are
