@@ -41,6 +41,16 @@ def test_heldout_documents_are_not_training_documents() -> None:
     assert not set(train) & set(held)
 
 
+def test_default_profile_size_follows_the_model_s_width_and_kind() -> None:
+    """Dense models profile 2 training tokens per input dimension (2,048 to 8,192) and 1,024 held out; MoE models,
+    whose experts each see a share of the tokens, 4 per dimension (4,096 to 8,192) and 2,048 (docs/CONVERT.md)."""
+    from pi2_gguf.converter.profile import default_heldout_tokens, default_train_tokens
+
+    assert [default_train_tokens(n) for n in (576, 1536, 2048, 4096, 8192)] == [2048, 3072, 4096, 8192, 8192]
+    assert [default_train_tokens(n, moe=True) for n in (256, 1536, 2048, 2880)] == [4096, 6144, 8192, 8192]
+    assert (default_heldout_tokens(), default_heldout_tokens(moe=True)) == (1024, 2048)
+
+
 @pytest.mark.parametrize("shape", [(1,), (2,), (7,), (300, 17), (1000, 33), (400, 1000)])
 def test_quantile_threshold_is_numpy_s_linear_quantile(shape: tuple[int, ...]) -> None:
     """convert's thresholds partition the values (past 65,536 of them, those a sample brackets) instead of calling

@@ -32,7 +32,7 @@ from .eta import Progress
 from .model_ffn import ModelFfn
 from .options import (DEFAULT_OUTPUT_ROWS, DEFAULT_PERPLEXITY_BUDGET, DENSE_READS_CHOICES, EXPERT_READS_CHOICES,
                       SMALL_OUTPUT_COPY, ConvertOptions, expert_reads_for)
-from .profile import Profile, default_train_tokens, run_profile
+from .profile import Profile, default_heldout_tokens, default_train_tokens, run_profile
 from .resume import WorkDir, key_hash
 
 # a layer whose predictor selects at least this share of the neurons reads every bundle each token (the
@@ -646,10 +646,14 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     if dropped is not None:
         log(f"work directory {workdir.path}: its pieces were {dropped}; starting fresh" if dropped != "--no-resume"
             else f"--no-resume: the work directory's pieces dropped, starting fresh")
+    moe = bool(model.n_expert)
+    if prof_given is None:  # the profile's size as it will be taken (and keyed)
+        o = dataclasses.replace(o, train_tokens=o.train_tokens or default_train_tokens(model.n_embd, moe),
+                                heldout_tokens=o.heldout_tokens or default_heldout_tokens(moe))
     prof_key: dict[str, Any] = {"file": resume.file_identity(o.profile)} if o.profile is not None else {
         "model": model_id, "corpus": corpus.name, "corpus_sha256": corpus.sha256, "train_tokens": o.train_tokens,
         "heldout_tokens": o.heldout_tokens, "window": o.window}
-    n_train = prof_given.n_train if prof_given is not None else o.train_tokens or default_train_tokens(model.n_embd)
+    n_train = prof_given.n_train if prof_given is not None else o.train_tokens or default_train_tokens(model.n_embd, moe)
     progress = Progress(o.progress, n_train)
     work = _Work(workdir, model_id, prof_key, {"ranks": ranks, "recall": o.recall, "epochs": o.epochs,
                                                "predictor": o.predictor, "method": plan.method}, progress)
@@ -706,6 +710,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     score_tokens = QUALITY_CHUNKS * ctx
     # the steps known now (the further targets and levers are added when convert decides to run them)
     if prof_given is None:
+        assert o.heldout_tokens is not None  # convert() resolved the default
         progress.expect("profile", "profile", float(progress.train_tokens + o.heldout_tokens))
     progress.expect(f"layers {label(targets[0])}", "layer", n_sparse)
     if budget_on:

