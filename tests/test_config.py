@@ -44,6 +44,7 @@ MALFORMED = {
     "PI2_MODE": ["fast"],
     "PI2_MEMORY_BUDGET": ["0", "600 elephants"],
     "PI2_SIDECAR": ["/nonexistent/x.pi2.gguf"],
+    "PI2_MODEL": ["/nonexistent/x.gguf"],  # (without PI2_SIDECAR too: it names the model of a sidecar)
 }
 
 
@@ -110,7 +111,7 @@ def test_api_values_are_checked_like_the_environment() -> None:
     lib = _lib()
     err = ctypes.create_string_buffer(512)
     for name, values in MALFORMED.items():
-        if name in ("PI2_MODE", "PI2_MEMORY_BUDGET", "PI2_SIDECAR"):  # process settings: environment only
+        if name in ("PI2_MODE", "PI2_MEMORY_BUDGET", "PI2_SIDECAR", "PI2_MODEL"):  # process settings: environment only
             assert lib.pi2_config_set(0, name.encode(), b"x", err, len(err)) == -1
             assert "not a per-model PI2 setting" in err.value.decode()
             continue

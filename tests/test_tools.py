@@ -142,6 +142,34 @@ def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar:
     assert 0 < peak <= 300_000_000, peak
 
 
+UNKNOWN_MODEL = "the model file is not known to the plugin"
+
+
+def test_budget_names_the_model_file_the_tools_load(smollm2: Path, smol_sidecar: Path, relu_model: tuple[Path, Path, list],
+                                                    tmp_path: Path) -> None:
+    """The tools do not name the model file to the plugin: under a budget it takes MODEL.gguf beside a sidecar
+    MODEL.pi2.gguf, or PI2_MODEL; with neither (the sidecar elsewhere) the load warns that the embedding and output
+    matrix stay in RAM. The text is the same every way; a PI2_MODEL of another model is refused."""
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    (beside / "m.gguf").symlink_to(smollm2)
+    (beside / "m.pi2.gguf").symlink_to(smol_sidecar)
+    runs = {}
+    for name, model, env in (("elsewhere", smollm2, dict(PI2_SIDECAR=str(smol_sidecar))),
+                             ("named", smollm2, dict(PI2_SIDECAR=str(smol_sidecar), PI2_MODEL=str(smollm2))),
+                             ("beside", beside / "m.gguf", dict(PI2_SIDECAR=str(beside / "m.pi2.gguf")))):
+        res = _completion(model, _env(PI2_MEMORY_BUDGET=BUDGET, **env), "-lm", "none")
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = res
+    assert UNKNOWN_MODEL in runs["elsewhere"].stderr
+    assert UNKNOWN_MODEL not in runs["named"].stderr and UNKNOWN_MODEL not in runs["beside"].stderr
+    assert runs["elsewhere"].stdout.strip() == runs["named"].stdout.strip() == runs["beside"].stdout.strip() != ""
+    res = _completion(smollm2, _env(PI2_MEMORY_BUDGET=BUDGET, PI2_SIDECAR=str(smol_sidecar),
+                                    PI2_MODEL=str(relu_model[0])), "-lm", "none")
+    assert res.returncode != 0 and res.stdout.strip() == ""
+    assert f"PI2_MODEL={relu_model[0]} is not the model sidecar" in res.stderr, res.stderr[-3000:]
+
+
 @pytest.mark.parametrize("pi2, more, message", [
     ({"PI2_MEMORY_BUDGET": BUDGET}, [], "loaded without mmap: llama.cpp's tools take -lm none"),
     ({"PI2_MEMORY_BUDGET": "60MB"}, ["-lm", "none"], "memory budget 60 MB is too small for this model"),
@@ -150,6 +178,7 @@ def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar:
     # a malformed setting is refused even where the default placement would leave every layer to ggml-cpu
     ({"PI2_LAYERS": "auto", "PI2_DOWN_SPARSE_MAX": "lots"}, [], "PI2_DOWN_SPARSE_MAX=lots is not a fraction"),
     ({"PI2_LAYERS": "some"}, [], "PI2_LAYERS=some is not all or auto"),
+    ({"PI2_MODEL": "/nonexistent/m.gguf"}, [], "PI2_MODEL=/nonexistent/m.gguf: cannot read it"),
 ])
 def test_tools_refuse_what_cannot_work_at_load(smollm2: Path, smol_sidecar: Path, pi2: dict[str, str],
                                                more: list[str], message: str) -> None:

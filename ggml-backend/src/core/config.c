@@ -49,9 +49,10 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
 };
 
 // The process settings, read by pi2_config_from_env (the per-model ones are the table above).
-enum { PI2_VAR_MODE, PI2_VAR_MEMORY_BUDGET, PI2_VAR_SIDECAR, PI2_N_PROCESS_VARS };
+enum { PI2_VAR_MODE, PI2_VAR_MEMORY_BUDGET, PI2_VAR_SIDECAR, PI2_VAR_MODEL, PI2_N_PROCESS_VARS };
 static const char * const pi2_process_vars[PI2_N_PROCESS_VARS] = {
     [PI2_VAR_MODE] = "PI2_MODE", [PI2_VAR_MEMORY_BUDGET] = "PI2_MEMORY_BUDGET", [PI2_VAR_SIDECAR] = "PI2_SIDECAR",
+    [PI2_VAR_MODEL] = "PI2_MODEL",
 };
 
 int pi2_parse_size(const char * s, uint64_t * out) {
@@ -232,6 +233,18 @@ void pi2_config_read(struct pi2_config * out, pi2_config_lookup lookup, void * c
     if (sidecar != NULL && strlen(sidecar) >= sizeof(out->sidecar)) {
         snprintf(err, errlen, "PI2_SIDECAR=%.64s... is longer than %d bytes", sidecar, PI2_PATH_MAX - 1);
         return;
+    }
+    const char * model = pi2_env(lookup, ctx, pi2_process_vars[PI2_VAR_MODEL]);
+    if (model != NULL && strlen(model) >= sizeof(out->model)) {
+        snprintf(err, errlen, "PI2_MODEL=%.64s... is longer than %d bytes", model, PI2_PATH_MAX - 1);
+        return;
+    }
+    if (model != NULL && sidecar == NULL) {
+        snprintf(err, errlen, "PI2_MODEL=%s names the model file for a sidecar: set PI2_SIDECAR too", model);
+        return;
+    }
+    if (model != NULL) {
+        snprintf(out->model, sizeof(out->model), "%s", model);
     }
     if (sidecar == NULL) {
         const char * need = budget != NULL ? "PI2_MEMORY_BUDGET" : out->mode_set && out->mode != PI2_MODE_DENSE ? "PI2_MODE" : NULL;

@@ -3,7 +3,7 @@
 // registers; a malformed or out-of-range value is refused with a message naming the variable and the
 // value, and the same parser checks values set through the API (pi2_config_set).
 //
-// Two kinds: process settings (PI2_SIDECAR, PI2_MODE, PI2_MEMORY_BUDGET: the model frontends load without
+// Two kinds: process settings (PI2_SIDECAR, PI2_MODEL, PI2_MODE, PI2_MEMORY_BUDGET: the model frontends load without
 // pi2_gguf) and per-model settings, which a model binding may set for itself (NaN: follow the defaults).
 #pragma once
 
@@ -47,6 +47,7 @@ struct pi2_settings {
 // What the environment said when the backend registered.
 struct pi2_config {
     char                sidecar[PI2_PATH_MAX]; // PI2_SIDECAR ("" unset)
+    char                model[PI2_PATH_MAX];   // PI2_MODEL ("" unset): the model file the tools load, for a sidecar not beside it
     int                 mode;                  // PI2_MODE (enum pi2_mode); predicted when unset
     bool                mode_set;
     uint64_t            memory_budget;         // PI2_MEMORY_BUDGET (0 unset)

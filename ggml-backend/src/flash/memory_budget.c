@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/pi2_log.h"
 #include "flash/bundle_io.h"
 #include "flash/expert_file.h"
 #include "ggml-pi2.h"
@@ -265,7 +266,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         pthread_mutex_unlock(&b->cache_lock);
         return -1;
     }
-    uint64_t cache_bytes = budget - fixed;
+    uint64_t cache_bytes = budget - fixed, cache_bytes_experts = 0;
     // PI2_CACHE_MAX caps the cache below what the budget allows: a smaller device's cache on this one
     const uint64_t cap = (uint64_t) pi2_binding_setting(b, PI2_SET_CACHE_MAX);
     if (cap > 0) {
@@ -287,6 +288,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
             pthread_mutex_unlock(&b->cache_lock);
             return -1;
         }
+        cache_bytes_experts = cache_bytes - neuron;
         cache_bytes = neuron;
     }
     struct pi2_cache_plan plan;
@@ -305,6 +307,13 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         .ahead_pairs  = ahead_pairs,
     };
     b->pipe = pi2_pipeline_create(b->sc, &plan, &io, err, errlen);
+    if (b->pipe != NULL) { // where the budget went, for hosts that cannot ask (llama.cpp's tools: pi2_gguf prints its own)
+        PI2_LOG_INFO("pi2: memory budget %.0f MB: resident at sizing %.0f MB (llama.cpp's weights and KV cache, the "
+                     "predictors, the runtime), compute buffers %.0f MB, tables and margin %.0f MB; neuron cache hot %.0f "
+                     "+ cold %.0f MB, expert cache %.0f MB\n", pi2_mb(budget), pi2_mb(resident), pi2_mb(reserved),
+                     pi2_mb(overhead), pi2_mb(plan.hot_bytes), pi2_mb(plan.cold_bytes),
+                     pi2_mb(b->experts != NULL ? cache_bytes_experts : 0));
+    }
     pi2_cache_plan_free(&plan);
     b->ffn_ns = 0;
     b->budget_use = (struct pi2_budget_use) {

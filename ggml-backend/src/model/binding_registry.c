@@ -2,6 +2,7 @@
 // before llama loads a model (the sidecar checked, its mode set), every PI2 weight buffer of that load
 // takes a reference, and the id addresses the model afterwards (mode, settings, budget, errors, cache).
 // Other frontends get one binding from PI2_SIDECAR, bound by every load.
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,15 +71,43 @@ void pi2_registry_init(struct pi2_device_ctx * d) {
     }
     const char * path = c->sidecar;
     char err[sizeof(c->error) - 16];
-    // the model is not named to the plugin: its embedding stays in the model file only when the sidecar is
-    // MODEL.pi2.gguf beside MODEL.gguf (llama's upload is compared with that file, so a wrong guess fails)
-    char model[4096] = "";
+    // llama.cpp's tools do not name the model file to the plugin: PI2_MODEL does, else MODEL.gguf beside a sidecar
+    // MODEL.pi2.gguf is taken (llama's upload is compared with that file, so a wrong file fails the load). Under a
+    // budget the token embedding and the output matrix are read from it, and routed experts read whole.
+    char model[PI2_PATH_MAX] = "";
     const size_t n = strlen(path);
     const char * suffix = ".pi2.gguf";
-    if (n > strlen(suffix) && n < sizeof(model) && strcmp(path + n - strlen(suffix), suffix) == 0) {
+    if (c->model[0] != '\0') {
+        if (access(c->model, R_OK) != 0) {
+            snprintf(c->error, sizeof(c->error), "PI2_MODEL=%.400s: cannot read it (%s)", c->model, strerror(errno));
+            return;
+        }
+        snprintf(model, sizeof(model), "%s", c->model);
+    } else if (n > strlen(suffix) && n < sizeof(model) && strcmp(path + n - strlen(suffix), suffix) == 0) {
         snprintf(model, sizeof(model), "%.*s.gguf", (int) (n - strlen(suffix)), path);
     }
-    const bool beside = model[0] != '\0' && access(model, R_OK) == 0;
+    bool beside = model[0] != '\0' && access(model, R_OK) == 0;
+    if (beside) { // the file the sidecar was made for (its FFN fingerprint), or a wrong file named or guessed
+        struct pi2_model_summary m;
+        uint32_t n_layer = 0;
+        uint64_t fp = 0;
+        char why[512] = "";
+        // (an unreadable sidecar is refused by name when the binding opens it below)
+        if (pi2_sidecar_summary(path, &n_layer, &fp, why, sizeof(why)) == 0 &&
+            (pi2_model_summary(model, &m, why, sizeof(why)) != 0 || m.fingerprint != fp)) {
+            if (c->model[0] != '\0') {
+                snprintf(c->error, sizeof(c->error), "PI2_MODEL=%.150s is not the model sidecar %.150s was made for%s%.100s",
+                         model, path, why[0] != '\0' ? ": " : " (its FFN weights differ)", why);
+                return;
+            }
+            beside = false;
+        }
+    }
+    if (!beside && c->memory_budget > 0) {
+        PI2_LOG_WARN("pi2: PI2_MEMORY_BUDGET: the model file is not known to the plugin, so the token embedding and "
+                     "the output matrix stay in RAM, out of the neuron cache's share of the budget (and routed experts "
+                     "cannot be read whole): set PI2_MODEL=MODEL.gguf, or name the sidecar MODEL.pi2.gguf beside it\n");
+    }
     d->env_binding = pi2_binding_create(0, path, (enum pi2_mode) c->mode, c->memory_budget > 0, beside ? model : NULL, c,
                                         err, sizeof(err));
     if (d->env_binding == NULL) {
