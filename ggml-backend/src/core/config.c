@@ -240,7 +240,7 @@ void pi2_config_read(struct pi2_config * out, pi2_config_lookup lookup, void * c
         return;
     }
     if (model != NULL && sidecar == NULL) {
-        snprintf(err, errlen, "PI2_MODEL=%s names the model file for a sidecar: set PI2_SIDECAR too", model);
+        snprintf(err, errlen, "PI2_MODEL=%.400s names the model file for a sidecar: set PI2_SIDECAR too", model);
         return;
     }
     if (model != NULL) {
