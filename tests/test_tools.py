@@ -173,6 +173,8 @@ def test_budget_names_the_model_file_the_tools_load(smollm2: Path, smol_sidecar:
 @pytest.mark.parametrize("pi2, more, message", [
     ({"PI2_MEMORY_BUDGET": BUDGET}, [], "loaded without mmap: llama.cpp's tools take -lm none"),
     ({"PI2_MEMORY_BUDGET": "60MB"}, ["-lm", "none"], "memory budget 60 MB is too small for this model"),
+    # held already by what llama.cpp keeps (its KV cache grows with the context): the knob is named
+    ({"PI2_MEMORY_BUDGET": "60MB"}, ["-lm", "none"], "a smaller context (n_ctx, the tools' -c) shrinks llama.cpp's KV"),
     ({"PI2_MEMORY_BUDGET": "12XB"}, ["-lm", "none"], "PI2_MEMORY_BUDGET=12XB is not a size"),
     ({"PI2_MODE": "sparse"}, [], "PI2_MODE=sparse is not dense, oracle or predicted"),
     # a malformed setting is refused even where the default placement would leave every layer to ggml-cpu

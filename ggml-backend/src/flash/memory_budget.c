@@ -260,9 +260,12 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         snprintf(err, errlen, "memory budget %.0f MB is too small for this model: it needs at least %.0f MB "
                  "(resident now %.0f MB: llama.cpp's weights and KV cache, the predictors %.0f MB, the runtime; "
                  "compute buffers %.0f MB; neuron cache at least %.0f MB, one layer's bundles (and one routed expert or "
-                 "dense FFN layer read whole); tables and margin %.0f MB)",
+                 "dense FFN layer read whole); tables and margin %.0f MB)%s",
                  pi2_mb(budget), pi2_mb(fixed + min_cache), pi2_mb(resident), pi2_mb(b->fixed_bytes), pi2_mb(reserved),
-                 pi2_mb(min_cache), pi2_mb(overhead));
+                 pi2_mb(min_cache), pi2_mb(overhead),
+                 // the KV cache is llama's, sized by the context: the tools default to the model's training context
+                 // (Qwen2.5's 32,768 tokens: 940 MB) where pi2_gguf asks for what the app gives
+                 resident > budget ? "; a smaller context (n_ctx, the tools' -c) shrinks llama.cpp's KV cache" : "");
         pthread_mutex_unlock(&b->cache_lock);
         return -1;
     }
