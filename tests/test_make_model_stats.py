@@ -113,14 +113,14 @@ def test_real_model_statistics_through_llama_cpp(real_model: tuple[Path, synthet
                 assert abs(got.steady[p][f] - fit.steady[p][f]) <= 0.07, (il, p, f, got.steady[p][f], fit.steady[p][f])
 
 
-@pytest.mark.parametrize("qtype, n_embd", [(QT.F32, 128), (QT.Q8_0, 512)])
+@pytest.mark.parametrize("qtype, n_embd", [(QT.F32, 128), (QT.Q8_0, 512), (QT.Q4_K, 512)])
 def test_one_pass_calibration_holds_through_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: QT,
                                                       n_embd: int) -> None:
     """stats real is calibrated on numpy's forward pass, layer by layer, and the model written once and profiled
     once: the model as written, run through llama.cpp on the calibration text, gives every layer its density within
     5% and its lag-1 overlap within 0.03 of the targets, the tolerances at which the earlier rounds (the whole model
     rewritten and profiled through llama.cpp each round) stopped. Q8_0: the forward on the dequantized weights, and
-    the bias corrected for its quantization."""
+    the bias corrected for its quantization; Q4_K: up and down drawn straight as 4-bit codes as well."""
     from pi2_gguf.converter import profile
 
     calls = {"write": 0, "profile": 0}

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from ..errors import Pi2Error
 from . import activation_stats, bundles
+from .gaussian_weights import DIRECT_TYPES, GaussianMatrix, Weight, as_array
 from .activation_stats import ActivationStats
 
 ACTIVATIONS = ("relu", "drelu", "fatrelu", "silu")
@@ -158,6 +159,9 @@ class _Weights:
         # gate columns 1..bias_block-1 zero, so that the bias (column 0) has its quantization block to itself:
         # sharing a Q4_K block's 4-bit grid with 31 weights of its size, it was 29% off what calibration set
         self.bias_block = 1
+        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES): up and down drawn as codes when written; else
+        # drawn in the layer's stream, as every model before
+        self.codes = False
 
     def embeddings(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1])
@@ -182,7 +186,7 @@ class _Weights:
         c[:, :self.bias_block - 1] = 0.0  # residual dimensions 1..bias_block-1 (set_gate)
         return c
 
-    def _real_attention(self, il: int, w: dict[str, np.ndarray]) -> None:
+    def _real_attention(self, il: int, w: dict[str, Weight]) -> None:
         """stats "real": attention that carries context. Queries and keys read the constant dimension 0 alone, so
         a score depends on the distance between positions only (RoPE); a head's queries read only the rotary
         pairs of frequency <= 1 / L, so its softmax spreads over about the L last tokens. Values read the token
@@ -222,22 +226,23 @@ class _Weights:
             gate[:, 1:1 + m] = self.ctx_gate(il) * np.float32(a_ctx)
         gate[:, 1:self.bias_block] = 0.0
 
-    def layer(self, il: int) -> dict[str, np.ndarray]:
+    def layer(self, il: int) -> dict[str, Weight]:
         s = self.shape
         rng = np.random.default_rng([self.seed, 2, il])
         hd = s.n_embd // s.n_head
         n_kv = hd * s.n_head_kv
         sc = 1.0 / np.sqrt(s.n_embd)
-        w: dict[str, np.ndarray] = {
+        w: dict[str, Weight] = {
             "attn_norm": np.ones(s.n_embd, np.float32),
             "ffn_norm": np.ones(s.n_embd, np.float32),
             "attn_q": rng.standard_normal((s.n_embd, s.n_embd), dtype=np.float32) * sc,
             "attn_k": rng.standard_normal((n_kv, s.n_embd), dtype=np.float32) * sc,
             "attn_v": rng.standard_normal((n_kv, s.n_embd), dtype=np.float32) * sc,
-            # outputs stay small next to the residual and never write dimension 0
-            "attn_output": rng.standard_normal((s.n_embd, s.n_embd), dtype=np.float32) * (0.3 * sc),
         }
-        w["attn_output"][0, :] = 0.0
+        # outputs stay small next to the residual and never write dimension 0
+        wo = rng.standard_normal((s.n_embd, s.n_embd), dtype=np.float32) * (0.3 * sc)
+        wo[0, :] = 0.0
+        w["attn_output"] = wo
         if self.sparsity.gates == "context":
             # full rank: Gaussian rows shaped by a power-law spectrum over random orthogonal directions
             q, _ = np.linalg.qr(rng.standard_normal((s.n_embd, s.n_embd)))
@@ -254,6 +259,14 @@ class _Weights:
             gate += rng.standard_normal(gate.shape, dtype=np.float32) * (0.15 * float(gate.std()))
         self.set_gate(il, gate)
         w["ffn_gate"] = gate
+        if self.real and self.codes:
+            self._real_attention(il, w)
+            # up and down: iid draws nothing calibrates, drawn when written, straight as 4-bit codes (gaussian_weights);
+            # down never writes dimension 0 or the context dimensions
+            w["ffn_up"] = GaussianMatrix((s.n_ff, s.n_embd), sc, (self.seed, 3, il, 0))
+            sd_down = 2.0 / np.sqrt(s.n_ff * float(self.freq[il].mean()))
+            w["ffn_down"] = GaussianMatrix((s.n_embd, s.n_ff), sd_down, (self.seed, 3, il, 1), zero_rows=1 + self.n_ctx_dims)
+            return w
         w["ffn_up"] = rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc
         down = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * (2.0 / np.sqrt(s.n_ff * self.sparsity.density))
         down[0, :] = 0.0
@@ -395,9 +408,13 @@ def write_model(path: Path, w: _Weights, tok_fields: list, activation: str, qtyp
                       output=None if out is None else as_tensor(out, QT.F16 if qtype == QT.F32 else qtype))
 
 
-def as_tensor(a: np.ndarray, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
+def as_tensor(a: Weight, qtype: QT) -> tuple[np.ndarray, None, QT | None]:
     """(data, raw_shape, raw_dtype) for GGUFWriter.add_tensor: vectors F32, matrices (and stacks of them, one per
-    expert) in qtype."""
+    expert) in qtype; a GaussianMatrix drawn straight in qtype where it can be."""
+    if isinstance(a, GaussianMatrix):
+        if qtype in DIRECT_TYPES:
+            return a.quantized(qtype), None, qtype
+        a = a.values()
     if a.ndim == 1 or qtype == QT.F32:
         return np.ascontiguousarray(a, np.float32), None, None
     if qtype == QT.F16:
@@ -512,7 +529,7 @@ def _calibrate(w: _Weights, xs: list[np.ndarray], threshold: float = 0.0) -> Non
     of the profiled tokens."""
     for il, x16 in enumerate(xs):
         x = x16.astype(np.float32)
-        gate = w.layer(il)["ffn_gate"]
+        gate = as_array(w.layer(il)["ffn_gate"])
         gate[:, 0] = 0.0
         z = x @ gate.T                                   # [T, n_ff] without bias
         zs = np.sort(z, axis=0)
@@ -532,7 +549,7 @@ def _measure(w: _Weights, xs: list[np.ndarray], activation: str, threshold: floa
     out = []
     for il, x16 in enumerate(xs):
         x = x16.astype(np.float32)
-        gate = gates(il) if gates is not None else w.layer(il)["ffn_gate"]
+        gate = gates(il) if gates is not None else as_array(w.layer(il)["ffn_gate"])
         active = _active(x @ gate.T, activation, threshold)
         per_neuron = active.sum(axis=0)
         top = np.sort(per_neuron)[::-1][: max(1, int(round(w.sparsity.hot_fraction * per_neuron.size)))]
@@ -585,6 +602,7 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
     tok_src = Path(tokenizer_from) if tokenizer_from is not None else models.fetch(models.DEFAULT_MODEL, progress)
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _Weights(shape, sparsity, _n_vocab(tok_fields), seed)
+    w.codes = qtype in DIRECT_TYPES
     name = f"pi2-synthetic-{activation}-{sparsity.gates}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}-d{sparsity.density:g}"
     if w.real:
         name += "-real"
@@ -704,7 +722,7 @@ def _make_real(out: Path, w: _Weights, tok_src: Path, tok_fields: list, corpus: 
     for il in tqdm(range(s.n_layer), desc="calibrate and quantize layers", unit="layer", disable=not progress):
         w.mix[il] = (1.0, 0.0)  # the gate on the token dimensions alone until _calibrate_real sets the mix
         f = w.layer(il)
-        gate = f["ffn_gate"]
+        gate = as_array(f["ffn_gate"])
         q = {k: as_tensor(a, qtype) for k, a in f.items() if k != "ffn_gate"}
         wq, wk, wv, wo = (_values(q[k], s.n_embd) for k in ("attn_q", "attn_k", "attn_v", "attn_output"))
         for x in h:

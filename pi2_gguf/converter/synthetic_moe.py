@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from ..errors import Pi2Error
 from . import bundles
+from .gaussian_weights import DIRECT_TYPES, GaussianMatrix, Weight, as_array
 from .profile import FFN_INPUT, FFN_INPUT_OF_ARCH, routed_experts
 from . import activation_stats
 from .activation_stats import ActivationStats
@@ -143,6 +144,9 @@ class _MoeWeights:
         self.route_mix: list[tuple[float, float, float, float]] = [(1.0, 1.0, 1.0, 1.0 / np.sqrt(0.75 * shape.n_embd))
                                                                     for _ in range(shape.n_layer)]
         self.frequent_basis: np.ndarray | None = None  # [token dims, K] orthonormal
+        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES): up and down drawn as codes when written; else
+        # drawn in the layer's stream, as every model before
+        self.codes = False
 
     def embeddings(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1])
@@ -160,7 +164,7 @@ class _MoeWeights:
                                                   np.random.default_rng([self.seed, 8, il, e]), EXPERT_CONCENTRATION)
         return self.sparsity.frequencies(self.shape.n_ff, np.random.default_rng([self.seed, 3, il, e]))
 
-    def layer(self, il: int, arch: str) -> dict[str, np.ndarray]:
+    def layer(self, il: int, arch: str) -> dict[str, Weight]:
         s, m = self.shape, self.n_ctx_dims
         rng = np.random.default_rng([self.seed, 2, il])
         hd = s.n_embd // s.n_head
@@ -170,7 +174,7 @@ class _MoeWeights:
         # normed residual: dimension 0 about sqrt(3 n / 4), the others variance about 1/4
         x0 = float(np.sqrt(0.75 * s.n_embd))
         # gpt-oss's FFN norm is its post-attention norm
-        w: dict[str, np.ndarray] = {"attn_norm": np.ones(s.n_embd, np.float32),
+        w: dict[str, Weight] = {"attn_norm": np.ones(s.n_embd, np.float32),
                                     "post_attention_norm" if arch == "gpt-oss" else "ffn_norm": np.ones(s.n_embd, np.float32)}
         # queries and keys read dimension 0 only: scores depend on distance alone, highest at distance 0
         q = np.zeros((s.n_embd, s.n_embd), np.float32)
@@ -201,7 +205,10 @@ class _MoeWeights:
         pop = 1.0 / (rng.permutation(s.n_expert) + 1.0)
         r[:, 0] = (self.routing.skew * np.log(pop) / x0).astype(np.float32)
         w["ffn_gate_inp"] = r
-        gates, ups, downs = [], [], []
+        gates: list[np.ndarray] = []
+        ups: list[np.ndarray] = []
+        downs: list[np.ndarray] = []
+        sd_down = 1.0 / np.sqrt(s.n_ff * self.sparsity.density)
         t = self.threshold if self.activation == "fatrelu" else 0.0
         for e in range(s.n_expert):
             if self.sparsity.gates == "lowrank":
@@ -222,13 +229,21 @@ class _MoeWeights:
             bias = self.bias[il]
             g[:, 0] = bias[e] if bias is not None else ((t + sigma * _inv_norm_cdf(1.0 - freq)) / x0).astype(np.float32)
             gates.append(g)
-            ups.append(rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc)
-            dn = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * (1.0 / np.sqrt(s.n_ff * self.sparsity.density))
-            dn[:1 + m, :] = 0.0  # never write dimension 0 or the context dimensions
-            downs.append(dn)
+            if not (self.real and self.codes):  # the draws of every model before, byte for byte
+                ups.append(rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc)
+                dn = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * sd_down
+                dn[:1 + m, :] = 0.0  # never write dimension 0 or the context dimensions
+                downs.append(dn)
         w["ffn_gate_exps"] = np.stack(gates)
-        w["ffn_up_exps"] = np.stack(ups)
-        w["ffn_down_exps"] = np.stack(downs)
+        if self.real and self.codes:
+            # up and down: iid draws nothing calibrates, drawn when written, straight as 4-bit codes (gaussian_weights: a
+            # 17 GB model's quantization took most of its making); down never writes dimension 0 or the context dimensions
+            w["ffn_up_exps"] = GaussianMatrix((s.n_expert, s.n_ff, s.n_embd), sc, (self.seed, 3, il, 0))
+            w["ffn_down_exps"] = GaussianMatrix((s.n_expert, s.n_embd, s.n_ff), sd_down, (self.seed, 3, il, 1),
+                                                zero_rows=1 + m)
+        else:
+            w["ffn_up_exps"] = np.stack(ups)
+            w["ffn_down_exps"] = np.stack(downs)
         if self.real:  # after the experts: their weights come from the same stream as the uniform model's
             if arch != "deepseek2":
                 self._real_attention(il, w, arch)
@@ -283,7 +298,7 @@ class _MoeWeights:
         r[:, 0] = logpop * np.float32(a_pop)
         return r
 
-    def _real_attention(self, il: int, w: dict[str, np.ndarray], arch: str) -> None:
+    def _real_attention(self, il: int, w: dict[str, Weight], arch: str) -> None:
         """stats "real": the first half of the heads keep the short memory (queries and keys on dimension 0) and
         write the short-context dimensions; the other half have queries of 0, so they average every earlier token of
         the text alike: in layer 0 they write that running mean (of the token dimensions, the frequent tokens'
@@ -295,10 +310,10 @@ class _MoeWeights:
         c, ss, tok = self.ctx_slices()
         hd = s.n_embd // s.n_head
         n_short = max(1, s.n_head // 2)
-        q, o = w["attn_q"], w["attn_output"]
+        q, o = as_array(w["attn_q"]), as_array(w["attn_output"])  # drawn arrays: changed in place
         q[n_short * hd:, :] = 0.0
         if self.frequent_basis is not None:
-            v = w["attn_v"]
+            v = as_array(w["attn_v"])
             b = self.frequent_basis
             v[:, tok] -= (v[:, tok] @ b) @ b.T
         o_short = o[c, :n_short * hd].copy()
@@ -590,7 +605,7 @@ def _calibrate(w: _MoeWeights, arch: str, xs: dict, lg: dict) -> None:
     for il in lg:
         x = xs[il].astype(np.float32)
         routed = routed_experts(lg[il], s.n_expert_used)
-        gates = w.layer(il, arch)["ffn_gate_exps"]
+        gates = as_array(w.layer(il, arch)["ffn_gate_exps"])
         bias = np.empty((s.n_expert, s.n_ff), np.float32)
         for e in range(s.n_expert):
             xe = x[(routed == e).any(axis=1)]
@@ -618,7 +633,7 @@ def _report(w: _MoeWeights, arch: str, xs: dict, lg: dict, calib_lg: dict | None
         if w.activation == "silu":  # every neuron computes: no density to measure (and no layer to regenerate)
             density = float("nan")
         else:
-            gates = w.layer(il, arch)["ffn_gate_exps"]
+            gates = as_array(w.layer(il, arch)["ffn_gate_exps"])
             fired = sum(int(np.sum(gates[e] @ x[i] > w.threshold)) for i in range(x.shape[0]) for e in routed[i])
             density = fired / (routed.size * s.n_ff)
         counts = np.bincount(routed.ravel(), minlength=s.n_expert)
@@ -688,6 +703,7 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _MoeWeights(shape, sparsity, routing, activation, threshold if activation == "fatrelu" else 0.0,
                     _n_vocab(tok_fields), seed)
+    w.codes = moe_tensor_type("ffn_up_exps", arch, qtype) in DIRECT_TYPES
     name = (f"pi2-synthetic-moe-{arch}-{activation}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}"
             f"-e{shape.n_expert}k{shape.n_expert_used}-d{sparsity.density:g}")
     if sparsity.stats == "real":
