@@ -41,6 +41,25 @@ def test_plugin_dense_perplexity_equals_stock(smollm2: Path, heldout_text: str) 
     assert stock.running[-1] == pytest.approx(stock.ppl)
 
 
+def test_a_window_s_outputs_from_a_token_on_are_the_full_window_s(smollm2: Path, heldout_text: str) -> None:
+    """A perplexity scores a window's second half, so only those tokens have outputs (llama.cpp then skips the
+    first half's rows of the last layer and the output matrix): their logits are the full window's rows."""
+    from pi2_gguf.runtime.runner import LlamaRunner
+
+    with LlamaRunner(smollm2, n_ctx=128, all_logits=True) as r:
+        toks = r.tokenize(heldout_text)[:128]
+        full = r.decode(toks)
+        half = r.decode(toks, outputs_from=64)
+        assert full is not None and half is not None and half.shape == (64, full.shape[1])
+        assert np.allclose(half, full[64:], rtol=1e-4, atol=1e-3), float(np.abs(half - full[64:]).max())
+        for bad in (-1, 128):
+            with pytest.raises(ValueError, match=f"outputs from token {bad} of 128"):
+                r.decode(toks, outputs_from=bad)
+    with LlamaRunner(smollm2, n_ctx=128) as r:
+        with pytest.raises(ValueError, match="only all_logits runs"):
+            r.decode(toks, outputs_from=1)
+
+
 def test_too_short_text_is_a_clear_error(smollm2: Path) -> None:
     with pytest.raises(Pi2Error, match="at least one chunk of 512"):
         perplexity(smollm2, "Too short.", n_ctx=512, plugin=False, progress=False)

@@ -84,9 +84,9 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
         for i in tqdm(range(n_chunk), desc="perplexity", unit="chunk", disable=not progress):
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
             window = [r.bos] + chunk[1:] if r.add_bos else chunk
-            logits = r.decode(window)
+            logits = r.decode(window, outputs_from=first)  # the scored half's logits only
             assert logits is not None
-            lp = _log_softmax_at(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:n_ctx]))
+            lp = _log_softmax_at(logits[:n_ctx - 1 - first], np.asarray(chunk[first + 1:n_ctx]))
             nll -= float(lp.sum())
             nll2 += float((lp * lp).sum())
             count += len(lp)

@@ -175,12 +175,17 @@ class LlamaRunner:
         if pending and given < max_tokens:
             yield (head + pending)[:max_tokens - given]
 
-    def decode(self, tokens: list[int]) -> np.ndarray | None:
+    def decode(self, tokens: list[int], outputs_from: int = 0) -> np.ndarray | None:
         """Evaluates one window from position 0 (the KV cache is cleared first). Returns the logits of
-        every token [n, n_vocab] when all_logits, else None."""
+        every token from position outputs_from on [n - outputs_from, n_vocab] when all_logits, else None. Tokens
+        before outputs_from have no output: llama.cpp skips their rows of the last layer and of the output matrix
+        (a perplexity scores the second half of a window only)."""
         n = len(tokens)
         if not 0 < n <= self.n_ctx:
             raise ValueError(f"window of {n} tokens; the context holds {self.n_ctx}")
+        if not 0 <= outputs_from < n or (outputs_from and (self._watch or not self.all_logits)):
+            raise ValueError(f"outputs from token {outputs_from} of {n}: only all_logits runs without watched "
+                             "tensors skip outputs")
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         b = self.batch
         for i, t in enumerate(tokens):
@@ -188,7 +193,7 @@ class LlamaRunner:
             b.pos[i] = i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = 1 if self._all_outputs else int(i == n - 1)
+            b.logits[i] = int(i >= outputs_from) if self._all_outputs else int(i == n - 1)
         b.n_tokens = n
         rc = lc.llama_decode(self.ctx, b)
         if self._error is not None:
@@ -200,7 +205,7 @@ class LlamaRunner:
         if not self.all_logits:
             return None
         ptr = lc.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(n - outputs_from, self.n_vocab)).copy()
 
     def _eval_callback(self, t: int, ask: bool, user_data: int) -> bool:
         try:
