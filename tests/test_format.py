@@ -174,6 +174,21 @@ def test_fingerprint_constants(spec_text: str, header: dict[str, tuple[str, str]
     assert sample_bytes == sf.FP_SAMPLE_BYTES == int(header["PI2_FP_SAMPLE_BYTES"][0]) == 256
 
 
+def test_many_fingerprints_at_once_equal_one_at_a_time() -> None:
+    """tensor_fingerprints (the hashes of equally long inputs advanced together) gives tensor_fingerprint's value for
+    each: tensors above and below the 256-byte sample, equal and different sizes, experts' views of one stack."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    stack = rng.integers(0, 256, size=(4, 96, 144), dtype=np.uint8)
+    ts = [(12, 256, 96, stack[e]) for e in range(4)]
+    ts += [(8, 32, 3, rng.integers(0, 256, size=(3, 34), dtype=np.uint8)), (0, 5, 1, np.zeros((1, 20), np.uint8)),
+           (1, 64, 2, rng.integers(0, 256, size=(2, 128), dtype=np.uint8))]
+    one = [sf.tensor_fingerprint(*t) for t in ts]
+    assert sf.tensor_fingerprints(ts) == one and len(set(one)) == len(one)
+    assert sf.tensor_fingerprints([]) == []
+
+
 def test_activation_and_method_values(spec_text: str, header: dict[str, tuple[str, str]]) -> None:
     row = re.search(r"^\| `pi2\.activation` \| string \| (.*) \|$", spec_text, re.M).group(1)
     doc_acts = re.findall(r"`(\w+)`", row)

@@ -44,14 +44,16 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
                plugin: bool = True, threads: int | None = None, progress: bool = True,
                sidecar: str | Path | None = None, mode: str = "dense",
                settings: Mapping[str, str | int | float | bool] | None = None,
-               memory_budget: int | None = None, chunk_batches: bool = False) -> Perplexity:
+               memory_budget: int | None = None, chunk_batches: bool = False, repack: bool = True) -> Perplexity:
     """mode oracle/predicted (with the model's sidecar) scores every token through sparse decode: llama's
     micro-batches are cut to the plugin's sparse batch size, so the numbers are what generation sees.
     settings: PI2_* settings for the model (pi2_gguf.Llama's settings=). memory_budget: the FFN on flash behind
     a neuron cache, as decode under that budget computes it (and what only a budget does: PI2_OUTPUT_ROWS).
     chunk_batches: in predicted mode under a budget, each chunk as one batch whose tokens each compute only their own
     predicted neurons (PI2_BATCH_NEURONS=token): decode's neurons, with llama.cpp's batch numerics as the dense score
-    has them, ~1.3x faster; its compute buffers grow with the chunk (convert scores so, under a roomy budget)."""
+    has them, ~1.3x faster; its compute buffers grow with the chunk (convert scores so, under a roomy budget).
+    repack: llama.cpp's CPU weight repacking (its default), a copy of the weights in RAM; off, the model file stays
+    mapped (a model larger than RAM)."""
     from ..runtime.runner import LlamaRunner
 
     if n_ctx < 16:
@@ -70,7 +72,7 @@ def perplexity(model_path: str | Path, text: str, n_ctx: int = 512, max_chunks: 
         ubatch = n_ctx
         settings = {"batch_neurons": "token", **(settings or {})}
     with LlamaRunner(model_path, n_ctx=n_ctx, n_threads=threads, all_logits=True, sidecar=sidecar, mode=mode,
-                     n_ubatch=ubatch, settings=settings, memory_budget=memory_budget) as r:
+                     n_ubatch=ubatch, settings=settings, memory_budget=memory_budget, repack=repack) as r:
         tokens = ([r.bos] if r.add_bos else []) + r.tokenize(text)
         n_chunk = len(tokens) // n_ctx
         if max_chunks is not None:

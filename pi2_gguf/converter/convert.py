@@ -503,13 +503,15 @@ def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads:
     from ..bench.perplexity import perplexity
     from ..runtime.native import resident_bytes
 
-    kw: dict = {}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # llama.cpp's repacking copies the weights into RAM (its default, and what users run): a model of half the RAM or
+    # more is scored from its mapped file instead, both scores alike (a 16.8 GB MoE model on 24 GB was OOM-killed)
+    kw: dict = {"repack": model.stat().st_size < ram // 2}
     if sidecar is not None:
         # the budget counts this process too, which holds the profile and the down columns convert made (on
         # Qwen2.5-1.5B a budget of model + sidecar + 1 GB left too little by 8 MB once two types' columns were held)
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = min(resident_bytes() + model.stat().st_size + sidecar.stat().st_size + (1 << 30), int(0.8 * ram))
-        kw = dict(sidecar=sidecar, mode="predicted", memory_budget=budget)
+        kw.update(sidecar=sidecar, mode="predicted", memory_budget=budget)
     try:
         return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, chunk_batches=True,
                           **kw).ppl
@@ -760,7 +762,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     if model.n_expert:
         if prof.n_layer != len(model.layer_experts):
             raise Pi2Error(f"profile has {prof.n_layer} layers; the model has {len(model.layer_experts)} FFN layers")
-        prof = prof.experts(model.layer_experts, model.n_expert)  # one profile per sidecar layer
+        prof = prof.experts(model.layer_experts, model.n_expert, whole)  # one profile per sidecar layer
         routed_share = prof.expert_share  # how often each expert was routed: inspect's expert hotness
         reuse = prof.expert_reuse  # and how often again on the next token: its routing's locality
     if prof.n_layer != model.n_layer or prof.n_embd != model.n_embd:

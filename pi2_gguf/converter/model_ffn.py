@@ -251,7 +251,8 @@ class ModelFfn:
         return activation_values(self.activation, g, self.activation_threshold)
 
     def tensor_fingerprints(self) -> list[int]:
-        return [self.layers[il][m].fingerprint() for il in range(self.n_layer) for m in MATRICES]
+        ts = [self.layers[il][m] for il in range(self.n_layer) for m in MATRICES]
+        return fmt.tensor_fingerprints([(int(t.qtype), t.ne0, t.ne1, t.data) for t in ts])
 
     def fingerprint(self) -> int:
         return fmt.model_fingerprint(self.tensor_fingerprints())

@@ -173,11 +173,14 @@ class Profile:
                    [arrays[f"train_routes_{i}"] for i in range(n_routed)],
                    [arrays[f"heldout_routes_{i}"] for i in range(n_routed)])
 
-    def experts(self, layer_experts: list[int], n_expert: int) -> Profile:
+    def experts(self, layer_experts: list[int], n_expert: int, skip: frozenset[int] = frozenset()) -> Profile:
         """The profile of an MoE model's sidecar layers (FORMAT.md, "MoE sidecars"): per model layer of n_expert
         routed experts (layer_experts[il] n_expert, or n_expert + 1 with a shared expert) one layer per expert, which
         gets the inputs of the tokens routed to it (all the layer's tokens where fewer than MIN_ROUTED were); a
-        dense FFN layer (0) and a shared expert are one layer of every token, their routed share and reuse 1."""
+        dense FFN layer (0) and a shared expert are one layer of every token, their routed share and reuse 1.
+        skip: sidecar layers whose inputs nobody reads (routed experts read whole: nothing is planned for them) get
+        none, a view of no rows: every token is routed to k experts, so the copies would be k times the profile
+        (16 GB on a Qwen3-30B-A3B-shaped model's 10,240 tokens, OOM on 24 GB)."""
         if not self.train_routes:
             raise ProfileError("the profile has no routing (made before MoE support, or of a dense model): profile again")
         for il, (count, r) in enumerate(zip(layer_experts, self.train_routes)):
@@ -185,9 +188,12 @@ class Profile:
                 raise ProfileError(f"the profile has no routing for layer {il}, which routes to {n_expert} experts")
 
         def pick(xs: list[np.ndarray], routes: list[np.ndarray]) -> list[np.ndarray]:
-            out = []
+            out: list[np.ndarray] = []
             for x, r, count in zip(xs, routes, layer_experts):
                 for e in range(n_expert if count else 0):
+                    if len(out) in skip:
+                        out.append(x[:0])
+                        continue
                     rows = (r == e).any(axis=1)
                     out.append(x[rows] if rows.sum() >= MIN_ROUTED else x)
                 if count != n_expert:  # a dense FFN layer, or the shared expert after the routed ones
