@@ -85,36 +85,6 @@ class Quality:
         return cls(tp / n_act if n_act else 1.0, tp / n_pred if n_pred else 1.0, n_pred / predicted.size)
 
 
-SUBSPACE_MAX_ITERS = 200   # _top_eigenpairs: the iterations allowed before LAPACK's full eigh takes over
-SUBSPACE_TOL = 1e-10       # _top_eigenpairs: the top Ritz values' relative change that ends the iteration
-
-
-def _top_eigenpairs(s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest eigenvalues (descending) of the symmetric positive semi-definite s [n, n] (float64) and their
-    eigenvectors [n, k]. Where k is small next to n, block subspace iteration (a block of 2 k + 16 vectors, s applied
-    until the top k Ritz values change by less than SUBSPACE_TOL relative) and a Rayleigh-Ritz step: the full eigh of
-    an n_embd-square matrix was ~2 s of each layer's ~5 s planning on Qwen2.5-1.5B, whose predictors use at most 48 of
-    its 1,536 directions. Otherwise (or if the iteration does not settle) LAPACK's full eigh."""
-    n = s.shape[0]
-    block = min(n, 2 * k + 16)
-    if 2 * block <= n:
-        q = np.linalg.qr(s @ np.random.default_rng(0).standard_normal((n, block)))[0]
-        prev: np.ndarray | None = None
-        for _ in range(SUBSPACE_MAX_ITERS):
-            z = s @ q
-            mu = np.linalg.eigvalsh(q.T @ z)[::-1][:k]
-            q = np.linalg.qr(z)[0]
-            floor = 1e-12 * max(abs(float(mu[0])), 1e-300)  # directions of ~0 variance settle only to rounding
-            if prev is not None and np.all(np.abs(mu - prev) <= SUBSPACE_TOL * np.maximum(np.abs(mu), floor)):
-                lam, v = np.linalg.eigh(q.T @ s @ q)
-                top = np.argsort(lam)[::-1][:k]
-                return lam[top], q @ v[:, top]
-            prev = mu
-    lam, u = np.linalg.eigh(s)
-    top = np.argsort(lam)[::-1][:k]
-    return lam[top], u[:, top]
-
-
 def rrr_basis(x: np.ndarray, gate_w: np.ndarray, k: int | None = None) -> np.ndarray:
     """The principal directions of g = x gate^T over the data, strongest first [min(n_embd, n_ff, k), n_ff] (k: the
     most a caller uses; None: all).
@@ -132,13 +102,14 @@ def rrr_basis(x: np.ndarray, gate_w: np.ndarray, k: int | None = None) -> np.nda
         lam, q = np.linalg.eigh(c)
         r = q * np.sqrt(np.maximum(lam, 0.0))  # r r^T = c as well
     rf = r.astype(np.float32)
-    mmt = (rf.T @ (gw.T @ gw) @ rf).astype(np.float64)  # M M^T
-    mmt = (mmt + mmt.T) * 0.5  # symmetric to the last bit: float32 products are not
-    mu, u = _top_eigenpairs(mmt, mmt.shape[0] if k is None else min(max(1, k), mmt.shape[0]))
-    keep = mu > mu[0] * 1e-12 if mu[0] > 0 else np.arange(mu.size) < 1
-    mu, u = mu[keep], u[:, keep]
-    a = u.T.astype(np.float32) @ rf.T  # [k, n_embd]: u^T R^T
-    vt = (a @ gw.T) / np.sqrt(np.maximum(mu, 1e-300)).astype(np.float32)[:, None]
+    mmt = rf.T @ (gw.T @ gw) @ rf  # M M^T
+    mu, u = np.linalg.eigh(mmt.astype(np.float64))
+    keep = np.argsort(mu)[::-1]
+    keep = keep[mu[keep] > mu[keep[0]] * 1e-12] if mu[keep[0]] > 0 else keep[:1]
+    if k is not None:
+        keep = keep[:max(1, k)]
+    a = u[:, keep].T.astype(np.float32) @ rf.T  # [k, n_embd]: u^T R^T
+    vt = (a @ gw.T) / np.sqrt(np.maximum(mu[keep], 1e-300)).astype(np.float32)[:, None]
     return vt.astype(np.float32)
 
 
@@ -279,21 +250,15 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
         if best is None or cost < best[0]:
             best = (cost, pred, q, source)
 
-    def basis_for(r: int) -> np.ndarray:
-        """The directions a width of r uses (r / 2), computed once a layer and again only for a wider one."""
-        got = memo.get("basis")
-        if got is None or (got.shape[0] < (r + 1) // 2 and not memo.get("basis_all")):
-            got = rrr_basis(x_fit, gate_w, (r + 1) // 2)
-            memo["basis"], memo["basis_all"] = got, got.shape[0] < (r + 1) // 2  # all the data has
-        return got
-
+    if "basis" not in memo:  # the directions the widest candidate uses (a width of r takes r / 2)
+        memo["basis"] = rrr_basis(x_fit, gate_w, (max(ranks) + 1) // 2 if ranks else None)
+    basis = memo["basis"]
     # widths in increasing order, until one costs more than the narrower one before it: a width's bytes are its
     # predictor's (linear in r) plus the neurons its selection reads, which fall ever more slowly as r grows, so past
-    # the cheapest width every wider one costs more (and its directions need not be computed)
+    # the cheapest width every wider one costs more
     for r in sorted(ranks):
         if len(tried) >= 2 and tried[-1][2] > tried[-2][2]:
             break
-        basis = basis_for(r)
         r = max(2, min(r, 2 * basis.shape[0]))
         if kind == "trained":
             assert y_fit is not None  # only an "svd" caller labels the validation rows alone
