@@ -323,27 +323,19 @@ def fnv1a64(data: bytes, h: int = FNV_OFFSET) -> int:
     return h
 
 
-def tensor_fingerprint(qtype: int, ne0: int, ne1: int, data: np.ndarray) -> int:
-    """Fingerprint of one FFN weight tensor from its raw bytes (docs/FORMAT.md, "Fingerprint")."""
-    raw = data.reshape(-1).view(np.uint8)
-    nbytes = raw.size
-    h = fnv1a64(int(qtype).to_bytes(4, "little") + ne0.to_bytes(8, "little") + ne1.to_bytes(8, "little")
-                + nbytes.to_bytes(8, "little"))
-    s = min(FP_SAMPLE_BYTES, nbytes)
-    for k in range(FP_SAMPLES):
-        off = k * (nbytes - s) // (FP_SAMPLES - 1)
-        h = fnv1a64(raw[off:off + s].tobytes(), h)
-    return h
-
-
 def _fingerprint_bytes(qtype: int, ne0: int, ne1: int, data: np.ndarray) -> bytes:
-    """What tensor_fingerprint hashes: the header, then FP_SAMPLES samples of the raw bytes."""
+    """What a tensor's fingerprint hashes: the header, then FP_SAMPLES samples of the raw bytes."""
     raw = data.reshape(-1).view(np.uint8)
     nbytes = raw.size
     s = min(FP_SAMPLE_BYTES, nbytes)
     head = (int(qtype).to_bytes(4, "little") + ne0.to_bytes(8, "little") + ne1.to_bytes(8, "little")
             + nbytes.to_bytes(8, "little"))
     return head + b"".join(raw[k * (nbytes - s) // (FP_SAMPLES - 1):][:s].tobytes() for k in range(FP_SAMPLES))
+
+
+def tensor_fingerprint(qtype: int, ne0: int, ne1: int, data: np.ndarray) -> int:
+    """Fingerprint of one FFN weight tensor from its raw bytes (docs/FORMAT.md, "Fingerprint")."""
+    return fnv1a64(_fingerprint_bytes(qtype, ne0, ne1, data))
 
 
 def tensor_fingerprints(tensors: list[tuple[int, int, int, np.ndarray]]) -> list[int]:
