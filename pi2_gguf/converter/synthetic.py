@@ -159,8 +159,8 @@ class _Weights:
         # gate columns 1..bias_block-1 zero, so that the bias (column 0) has its quantization block to itself:
         # sharing a Q4_K block's 4-bit grid with 31 weights of its size, it was 29% off what calibration set
         self.bias_block = 1
-        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES): up and down drawn as codes when written; else
-        # drawn in the layer's stream, as every model before
+        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES; set by the maker): up and down drawn as codes
+        # when written; else drawn in the layer's stream, as every model before
         self.codes = False
 
     def embeddings(self) -> np.ndarray:
@@ -259,7 +259,7 @@ class _Weights:
             gate += rng.standard_normal(gate.shape, dtype=np.float32) * (0.15 * float(gate.std()))
         self.set_gate(il, gate)
         w["ffn_gate"] = gate
-        if self.real and self.codes:
+        if self.codes:
             self._real_attention(il, w)
             # up and down: iid draws nothing calibrates, drawn when written, straight as 4-bit codes (gaussian_weights);
             # down never writes dimension 0 or the context dimensions
@@ -602,7 +602,7 @@ def make(path: str | Path, shape: Shape, sparsity: Sparsity, activation: str = "
     tok_src = Path(tokenizer_from) if tokenizer_from is not None else models.fetch(models.DEFAULT_MODEL, progress)
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _Weights(shape, sparsity, _n_vocab(tok_fields), seed)
-    w.codes = qtype in DIRECT_TYPES
+    w.codes = w.real and qtype in DIRECT_TYPES
     name = f"pi2-synthetic-{activation}-{sparsity.gates}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}-d{sparsity.density:g}"
     if w.real:
         name += "-real"

@@ -144,8 +144,8 @@ class _MoeWeights:
         self.route_mix: list[tuple[float, float, float, float]] = [(1.0, 1.0, 1.0, 1.0 / np.sqrt(0.75 * shape.n_embd))
                                                                     for _ in range(shape.n_layer)]
         self.frequent_basis: np.ndarray | None = None  # [token dims, K] orthonormal
-        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES): up and down drawn as codes when written; else
-        # drawn in the layer's stream, as every model before
+        # stats "real" in a 4-bit type (gaussian_weights.DIRECT_TYPES; set by the maker): up and down drawn as codes
+        # when written; else drawn in the layer's stream, as every model before
         self.codes = False
 
     def embeddings(self) -> np.ndarray:
@@ -229,13 +229,13 @@ class _MoeWeights:
             bias = self.bias[il]
             g[:, 0] = bias[e] if bias is not None else ((t + sigma * _inv_norm_cdf(1.0 - freq)) / x0).astype(np.float32)
             gates.append(g)
-            if not (self.real and self.codes):  # the draws of every model before, byte for byte
+            if not self.codes:  # the draws of every model before, byte for byte
                 ups.append(rng.standard_normal((s.n_ff, s.n_embd), dtype=np.float32) * sc)
                 dn = rng.standard_normal((s.n_embd, s.n_ff), dtype=np.float32) * sd_down
                 dn[:1 + m, :] = 0.0  # never write dimension 0 or the context dimensions
                 downs.append(dn)
         w["ffn_gate_exps"] = np.stack(gates)
-        if self.real and self.codes:
+        if self.codes:
             # up and down: iid draws nothing calibrates, drawn when written, straight as 4-bit codes (gaussian_weights: a
             # 17 GB model's quantization took most of its making); down never writes dimension 0 or the context dimensions
             w["ffn_up_exps"] = GaussianMatrix((s.n_expert, s.n_ff, s.n_embd), sc, (self.seed, 3, il, 0))
@@ -703,7 +703,7 @@ def make_moe(path: str | Path, shape: MoeShape, sparsity: Sparsity, routing: Rou
     tok_fields = _tokenizer_fields(GGUFReader(tok_src, "r"))
     w = _MoeWeights(shape, sparsity, routing, activation, threshold if activation == "fatrelu" else 0.0,
                     _n_vocab(tok_fields), seed)
-    w.codes = moe_tensor_type("ffn_up_exps", arch, qtype) in DIRECT_TYPES
+    w.codes = w.real and moe_tensor_type("ffn_up_exps", arch, qtype) in DIRECT_TYPES
     name = (f"pi2-synthetic-moe-{arch}-{activation}-{shape.n_layer}x{shape.n_embd}x{shape.n_ff}"
             f"-e{shape.n_expert}k{shape.n_expert_used}-d{sparsity.density:g}")
     if sparsity.stats == "real":
