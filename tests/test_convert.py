@@ -526,7 +526,7 @@ def test_training_free_predictor_is_the_best_rank_k_fit_and_reaches_its_recall(s
     act = lambda v: activation_values(model.activation, v)  # noqa: E731
     score = pm.score_fn("cats", act)
     th = float(np.quantile(np.abs(act(g)), 0.5))
-    costs = pm.Costs(100.0, 200.0)
+    costs = pm.Costs(300.0)
     fitted = pm.fit_layer(score, th, gate, x, g, xh, xh @ gate.T, [64], 0.99, costs, kind="svd")
     assert fitted.heldout.recall >= 0.97 and fitted.predictor.rank == 64
 

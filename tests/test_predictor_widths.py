@@ -17,7 +17,7 @@ def test_widths_stop_once_one_costs_more_and_choose_as_the_full_search() -> None
     xh = rng.standard_normal((500, n_embd)).astype(np.float32)
     g, gh = x @ gate.T, xh @ gate.T
     score = pm.score_fn("relu", lambda z: z)
-    costs = pm.Costs(100.0, 300.0)
+    costs = pm.Costs(400.0)
     ranks = [8, 16, 32, 64, 128]
     fitted = pm.fit_layer(score, 0.5, gate, x, g, xh, gh, ranks, 0.99, costs)
     each = [pm.fit_layer(score, 0.5, gate, x, g, xh, gh, [r], 0.99, costs) for r in ranks]

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             yt &= up_values("drelu", xt @ up.T) > 0
             yh &= up_values("drelu", xh @ up.T) > 0
         overlap = hot_overlap((gt > th).mean(0), (gh > th).mean(0), args.hot_fraction)
-        costs = pm.Costs(fmt.row_size(ffn["gate"].qtype, model.n_embd), 2 * fmt.row_size(ffn["up"].qtype, model.n_embd))
+        costs = pm.Costs(3 * fmt.row_size(ffn["gate"].qtype, model.n_embd))
         for kind in kinds:
             for r in ranks:
                 t0 = time.time()

@@ -323,7 +323,7 @@ def _plan_layer(model: ModelFfn, prof: Profile, il: int, plans: list[sp.Sparsity
     n_embd = model.n_embd
     gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
     up_t = layer_type if layer_type is not None else ffn["up"].qtype
-    costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd), fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
+    costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd) + fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
     memo: dict[Any, Any] = {}  # the predictors' basis and outputs, shared by the plans
     made: list[tuple[LayerData, str]] = []
     for plan in plans:

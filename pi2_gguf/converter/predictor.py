@@ -176,17 +176,19 @@ def cutoff_for_recall(score: np.ndarray, y: np.ndarray, recall: float) -> float:
 
 @dataclass(frozen=True)
 class Costs:
-    """Bytes a sparse decode step reads per token for one layer (the estimate ranks are chosen by)."""
+    """Bytes one layer's sparse decode step touches per token (the estimate predictor widths are chosen by)."""
 
-    gate_row: float     # bytes of one neuron's gate row (read for every predicted neuron)
-    up_down_row: float  # bytes of its up row and down column (read for every truly active neuron)
+    bundle: float  # bytes of one neuron's gate row, up row and down column: its share of a bundle
 
-    def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float, active: float) -> float:
+    def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float) -> float:
         # the plugin runs the predictor in Q8_0 and reads only the W2 rows of the hidden units relu left
-        # non-zero, about half (docs/BACKEND.md)
+        # non-zero, about half (docs/BACKEND.md). Every predicted neuron counts whole: under a memory budget a
+        # bundle is read and cached as one piece, so a neuron the predictor wrongly selects takes its up row and
+        # down column from the disk and the cache as well (on real8, a dReLU model, rank 256 against 512 under
+        # 380 MB: 0.29 against 0.16 of the neurons predicted, 9.5 against 46 tok/s; docs/MEASUREMENTS.md)
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
         q8 = block_bytes / block
-        return q8 * rank * (n_embd + n_ff / 2) + n_ff * (predicted * self.gate_row + active * self.up_down_row)
+        return q8 * rank * (n_embd + n_ff / 2) + n_ff * predicted * self.bundle
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,6 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     else:
         y_fit, y_val = y_all[:-n_val], y_all[-n_val:]
     n_ff, n_embd = gate_w.shape
-    active = float(y_val.mean())
     best: tuple[float, Predictor, Quality, str] | None = None
     tried: list[tuple[int, float, float]] = []
     if kind not in KINDS:
@@ -245,7 +246,7 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
             s_val = score(pred.outputs(x_val))
         pred.cutoff = cutoff_for_recall(s_val, y_val, recall)
         q = Quality.measure(s_val > pred.cutoff, y_val)
-        cost = costs.per_token(pred.rank, n_embd, n_ff, q.density, active)
+        cost = costs.per_token(pred.rank, n_embd, n_ff, q.density)
         tried.append((pred.rank, q.density, cost))
         if best is None or cost < best[0]:
             best = (cost, pred, q, source)
