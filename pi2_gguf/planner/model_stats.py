@@ -150,9 +150,10 @@ def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
     return _predictor_weight_bytes(n_embd, n_ff, rank) + 4 * (rank + n_ff)
 
 
-def predictor_pays(n_embd: int, n_ff: int, rank: int, gate_type: int, pred_density: float) -> bool:
-    """pi2_predictor_pays: its bytes (all of w2 counted) below the gate bytes it saves."""
-    return _predictor_weight_bytes(n_embd, n_ff, rank) < (1.0 - pred_density) * n_ff * fmt.row_size(gate_type, n_embd)
+def predictor_pays(n_embd: int, n_ff: int, rank: int, bundle_bytes: int, pred_density: float) -> bool:
+    """pi2_predictor_pays under a memory budget: its bytes (all of w2 counted) below the bundle bytes it saves
+    (bundle_bytes: the layer's bundles, all of them)."""
+    return _predictor_weight_bytes(n_embd, n_ff, rank) < (1.0 - pred_density) * bundle_bytes
 
 
 def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
@@ -168,15 +169,16 @@ def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
         gate_t = int(kv[Key.BUNDLE_GATE_TYPE][il])
         rank = int(kv[Key.PREDICTOR_RANK][il])
         pd = float(kv[Key.PREDICTOR_DENSITY][il])
-        runs = predictor_pays(n_embd, n_ff, rank, gate_t, pd)
         neurons = int(kv[Key.BUNDLE_NEURONS][il])
+        bundle_size = int(kv[Key.BUNDLE_SIZE][il])
+        runs = predictor_pays(n_embd, n_ff, rank, -(-n_ff // neurons) * bundle_size, pd)
         freq = sc.layer_tensor(il, "pi2_freq").astype(np.float64).reshape(-1)
         order = sc.layer_tensor(il, "pi2_order").astype(np.int64).reshape(-1)
         ranked = freq[order]
         dense = n_ff * sum(fmt.row_size(int(kv[k][il]), n_embd)
                            for k in (Key.BUNDLE_GATE_TYPE, Key.BUNDLE_UP_TYPE, Key.BUNDLE_DOWN_TYPE))
         out.append(LayerStats(
-            n_ff=n_ff, bundle_size=int(kv[Key.BUNDLE_SIZE][il]), neurons=neurons,
+            n_ff=n_ff, bundle_size=bundle_size, neurons=neurons,
             want=want_probabilities(ranked, neurons, float(kv[Key.SPARSITY_DENSITY][il]), pd, runs),
             freq=ranked[::neurons].copy(), predictor_runs=runs,
             predictor_bytes=predictor_bytes(n_embd, n_ff, rank) if runs else 0,
