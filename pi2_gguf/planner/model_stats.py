@@ -151,8 +151,8 @@ def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
 
 
 def predictor_pays(n_embd: int, n_ff: int, rank: int, bundle_bytes: int, pred_density: float) -> bool:
-    """pi2_predictor_pays under a memory budget: its bytes (all of w2 counted) below the bundle bytes it saves
-    (bundle_bytes: the layer's bundles, all of them)."""
+    """pi2_predictor_pays: its bytes (all of w2 counted) below the bundle bytes it saves (bundle_bytes: the layer's
+    bundles, all of them)."""
     return _predictor_weight_bytes(n_embd, n_ff, rank) < (1.0 - pred_density) * bundle_bytes
 
 

@@ -34,7 +34,7 @@ double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd
     const double down  = n_ff * (double) ggml_row_size(L->down_type, n_embd);
     const double d     = L->density;
     double t = 0.0;
-    if (pi2_predictor_pays(L, n_embd, false) || predictor_always) { // placement decides in RAM
+    if (pi2_predictor_pays(L, n_embd) || predictor_always) {
         t += pi2_predictor_bytes(L, n_embd) * PI2_COST_ROWS_IN_ORDER + L->pred_density * gate * PI2_COST_SCATTERED;
     } else {
         t += gate * PI2_COST_ROWS_IN_ORDER; // every gate row, from the model's matrix in row order

@@ -106,8 +106,8 @@ int pi2_binding_prepare(struct pi2_binding * b) {
         if (b->sc->layer[il].whole) {
             continue; // no predictor
         }
-        if (pi2_predictor_prepare(&b->layer[il].pred, &b->sc->layer[il], b->sc->n_embd, b->flash, keep, &b->fixed_bytes,
-                                  b->sc->path, il, b->error, sizeof(b->error)) != 0) {
+        if (pi2_predictor_prepare(&b->layer[il].pred, &b->sc->layer[il], b->sc->n_embd, keep, &b->fixed_bytes, b->sc->path,
+                                  il, b->error, sizeof(b->error)) != 0) {
             return -1;
         }
     }

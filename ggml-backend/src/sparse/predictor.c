@@ -40,21 +40,22 @@ double pi2_predictor_bytes(const struct pi2_sidecar_layer * L, uint32_t n_embd) 
     return (double) L->rank * ggml_row_size(pi2_w1_type(L, n_embd), n_embd) + (double) L->rank * ggml_row_size(pi2_w2_type(L), L->n_ff);
 }
 
-bool pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd, bool flash) {
-    // in RAM a neuron left out saves its gate row (up and down are touched only where the gate fires); under a
-    // budget its bundle, which is read and cached whole (on the dReLU real8 at width 1024, 11 MB of predictor
-    // against 8 MB of gate rows but 25 MB of bundles: dropped, every bundle was read, 90 MB a token)
-    const double saved = flash ? (double) L->n_bundles * L->bundle_size : (double) L->n_ff * ggml_row_size(L->gate_type, n_embd);
-    return pi2_predictor_bytes(L, n_embd) < (1.0 - L->pred_density) * saved;
+bool pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd) {
+    // A neuron left out saves its bundle: under a memory budget gate row, up row and down column are read and cached
+    // as one piece (on the dReLU real8 at width 1024: 11 MB of predictor against 25 MB of bundles saved, but only
+    // 8 MB of gate rows; dropped by the gate rows, every bundle was read, 90 MB a token). In RAM a neuron left out
+    // saves only its gate row, but one rule serves both, so that a sidecar decodes the same tokens in RAM and under
+    // a budget, and it is the one convert chooses predictor widths by.
+    return pi2_predictor_bytes(L, n_embd) < (1.0 - L->pred_density) * (double) L->n_bundles * (double) L->bundle_size;
 }
 
-int pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L, uint32_t n_embd, bool flash, bool keep,
+int pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L, uint32_t n_embd, bool keep,
                           uint64_t * kept, const char * path, uint32_t il, char * err, size_t errlen) {
     P->w1_type   = pi2_w1_type(L, n_embd);
     P->w1_stride = ggml_row_size(P->w1_type, n_embd);
     P->w2_type   = pi2_w2_type(L);
     P->w2_stride = ggml_row_size(P->w2_type, L->n_ff);
-    P->pays      = pi2_predictor_pays(L, n_embd, flash);
+    P->pays      = pi2_predictor_pays(L, n_embd);
     if (!P->pays && !keep) {
         pi2_drop_f16(L); // under a budget every byte kept is a byte less of neuron cache (61 MB on Qwen2.5-1.5B)
         return 0;

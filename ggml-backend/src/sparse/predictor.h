@@ -29,18 +29,17 @@ struct pi2_predictor {
     bool           pays;
 };
 
-// Decides where the predictor pays (flash: under a memory budget) and, if it does or `keep` is set, converts the
-// sidecar layer's F16 weights into decode's layout (they are freed either way). Adds the bytes kept to *kept. 0, or
-// -1 with err.
-int  pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L, uint32_t n_embd, bool flash, bool keep,
+// Decides where the predictor pays and, if it does or `keep` is set, converts the sidecar layer's F16
+// weights into decode's layout (they are freed either way). Adds the bytes kept to *kept. 0, or -1 with err.
+int  pi2_predictor_prepare(struct pi2_predictor * P, struct pi2_sidecar_layer * L, uint32_t n_embd, bool keep,
                            uint64_t * kept, const char * path, uint32_t il, char * err, size_t errlen);
 void pi2_predictor_free(struct pi2_predictor * P);
 
 // Bytes the layer's predictor reads per token at most (W1, and all of W2), in decode's layout.
 double pi2_predictor_bytes(const struct pi2_sidecar_layer * L, uint32_t n_embd);
-// The rule: it pays where those bytes are below the bytes it saves, (1 - predicted density) times the layer's gate
-// rows in RAM, its bundles under a memory budget (flash).
-bool   pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd, bool flash);
+// The rule: it pays where those bytes are below the bundles it saves, (1 - predicted density) times the layer's
+// bundles, in RAM and under a memory budget alike.
+bool   pi2_predictor_pays(const struct pi2_sidecar_layer * L, uint32_t n_embd);
 
 // The predictor runs in predicted mode where it pays, everywhere with `always` (to measure it).
 static inline bool pi2_predictor_runs(const struct pi2_predictor * P, bool predicted_mode, bool always) {
