@@ -42,7 +42,7 @@ class LayerStats:
     neurons: int             # per bundle
     want: np.ndarray         # [n_bundles], slot (= file) order: chance a decode token requests the bundle
     freq: np.ndarray         # [n_bundles]: the cache plan's hotness, the bundle's first slot's profiled frequency
-    predictor_runs: bool     # PI2_PREDICTOR=auto: where its bytes are below the gate bytes it saves
+    predictor_runs: bool     # PI2_PREDICTOR=auto: where its bytes are below the bundle bytes it saves
     predictor_bytes: int     # kept in RAM under a budget where it runs (Q8_0 or F16, as the plugin keeps it)
     density: float
     pred_density: float
