@@ -130,7 +130,9 @@ def test_profile_file_round_trip(tmp_path: Path, routed: bool) -> None:
 
 
 def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, smol_profile: Profile) -> None:
-    """Predictors as stored (F16) run on held-out tokens: recall >= 0.97 in every layer."""
+    """Predictors as decode holds them (the sidecar's F16, then W1 in Q8_0 and W2 in pi2.predictor.w2_type over the
+    neurons in bundle-slot order) run on held-out tokens: recall >= 0.97 in every layer, and the recall and density
+    the sidecar records are theirs."""
     sc = sidecar.read(smol_sidecar)
     assert sc.kv["pi2.sparsity.method"] == "product"
     model = ModelFfn(smollm2)
@@ -140,7 +142,9 @@ def test_predictor_recall_on_heldout_tokens(smollm2: Path, smol_sidecar: Path, s
                       sc.layer_tensor(il, "pi2_pred_b1").astype(np.float32).reshape(-1),
                       sc.layer_tensor(il, "pi2_pred_w2").astype(np.float32),
                       sc.layer_tensor(il, "pi2_pred_b2").astype(np.float32).reshape(-1),
-                      sc.kv["pi2.predictor.cutoff"][il])
+                      sc.kv["pi2.predictor.cutoff"][il]).as_decoded(sc.layer_tensor(il, "pi2_order").reshape(-1),
+                                                                    sc.kv["pi2.predictor.w2_type"])
+        assert sc.kv["pi2.predictor.w2_type"] == "q4_0"  # convert's default
         assert p.rank == sc.kv["pi2.predictor.rank"][il]
         x = smol_profile.heldout[il]
         gate = model.layers[il]["gate"].dequantized()

@@ -96,7 +96,7 @@ def test_doc_tables_are_parsed(doc_keys: dict[str, str], doc_tensors: dict) -> N
 # the optional keys the plugin reads (a setting convert measured the quality with; an MoE sidecar's expert count and
 # layer map); the C reader knows no other
 PLUGIN_OPTIONAL_KEYS = {"pi2.budget.output_rows", "pi2.budget.output_copy", "pi2.moe.expert_count",
-                        "pi2.moe.layer_experts", "pi2.moe.expert_reads", "pi2.dense_reads"}
+                        "pi2.moe.layer_experts", "pi2.moe.expert_reads", "pi2.dense_reads", "pi2.predictor.w2_type"}
 
 
 def _doc_optional_keys(spec_text: str) -> dict[str, str]:

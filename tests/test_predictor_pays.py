@@ -38,12 +38,12 @@ def _decode(llm: pi2_gguf.Llama, n: int = 6) -> tuple[list[int], pi2_gguf.Counte
 
 @pytest.fixture(scope="module")
 def wide_sidecar(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test ReLU model (n_embd 256, n_ff 1024) with Q4_0 bundles and width-128 predictors: each predictor's
-    Q8_0 bytes (128 x (272 + 1088)) exceed the Q4_0 gate rows it saves but not the bundles."""
+    """The test ReLU model (n_embd 256, n_ff 1024) with Q4_0 bundles and width-128 predictors held in Q8_0: each
+    predictor's bytes (128 x (272 + 1088)) exceed the Q4_0 gate rows it saves but not the bundles."""
     model = relu_model[0]
     d = tmp_path_factory.mktemp("wide")
     return convert(model, d / "wide.pi2.gguf", bundle_type="q4_0", ranks=[128], train_tokens=2048,
-                   heldout_tokens=512, progress=False, perplexity_budget=None).path
+                   heldout_tokens=512, progress=False, perplexity_budget=None, predictor_w2_type="q8_0").path
 
 
 def test_predictor_runs_where_it_saves_bundles_though_not_gate_rows(relu_model: tuple[Path, Path, list],
@@ -62,7 +62,8 @@ def test_predictor_runs_where_it_saves_bundles_though_not_gate_rows(relu_model: 
         bundles = -(-n_ff // int(kv[Key.BUNDLE_NEURONS][il])) * int(kv[Key.BUNDLE_SIZE][il])
         # the case a count of gate rows alone would part on: too dear for the gate rows, cheap against the bundles
         assert gate_saved < weights < (1.0 - pd) * bundles, il
-        assert model_stats.predictor_pays(n_embd, n_ff, rank, bundles, pd)
+        assert kv[Key.PREDICTOR_W2_TYPE] == "q8_0"
+        assert model_stats.predictor_pays(n_embd, n_ff, rank, bundles, pd, "q8_0")
         predictor += weights + 4 * n_ff
 
     runs = []
@@ -81,3 +82,28 @@ def test_predictor_runs_where_it_saves_bundles_though_not_gate_rows(relu_model: 
     for c in (c_ram, c_flash):
         assert np.all(c.sparse_tokens > 0) and np.all(c.predicted < c.neurons)
     assert flash == ram and np.array_equal(c_flash.predicted, c_ram.predicted)
+
+
+def test_budget_holds_w2_in_the_type_the_sidecar_states(relu_model: tuple[Path, Path, list]) -> None:
+    """convert's default holds each predictor's W2 in Q4_0 (pi2.predictor.w2_type): the plugin keeps exactly the bytes
+    sidecar/format.predictor_decode_types says for the predictors that pay, and the planner's rule agrees on which."""
+    model, side = relu_model[0], relu_model[1]
+    kv = read_sidecar(side).kv
+    assert kv[Key.PREDICTOR_W2_TYPE] == fmt.DEFAULT_PREDICTOR_W2_TYPE == "q4_0"
+    n_embd = int(kv[Key.N_EMBD])
+    want = 0
+    for il in range(len(kv[Key.N_FF])):
+        n_ff, rank = int(kv[Key.N_FF][il]), int(kv[Key.PREDICTOR_RANK][il])
+        bundles = -(-n_ff // int(kv[Key.BUNDLE_NEURONS][il])) * int(kv[Key.BUNDLE_SIZE][il])
+        if model_stats.predictor_pays(n_embd, n_ff, rank, bundles, float(kv[Key.PREDICTOR_DENSITY][il]), "q4_0"):
+            w1, w2 = fmt.predictor_decode_types(n_embd, n_ff, rank, "q4_0")
+            assert w2 == QT.Q4_0
+            want += rank * (fmt.row_size(w1, n_embd) + fmt.row_size(w2, n_ff)) + 4 * n_ff
+    assert want > 0, "no layer's predictor runs: the test checks nothing"
+    llm = pi2_gguf.Llama(str(model), sidecar=side, mode="predicted", memory_budget="1GB", n_ctx=256, n_threads=2,
+                         verbose=False)
+    try:
+        info = llm.cache_info()
+    finally:
+        llm.close()
+    assert info is not None and info.fixed_bytes == want

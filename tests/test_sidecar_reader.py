@@ -395,6 +395,24 @@ def test_reads_from_the_model_file(tmp_path: Path, key: str, count: int | None, 
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize("value,gtype", [("q4_0", GGUFValueType.STRING), ("q8_0", GGUFValueType.STRING),
+                                         ("q4_k", GGUFValueType.STRING), (2, GGUFValueType.UINT32)])
+def test_predictor_w2_type(tmp_path: Path, value: str | int, gtype: GGUFValueType) -> None:
+    """pi2.predictor.w2_type (FORMAT.md, "Optional keys"): q8_0 or q4_0, or refused by name in both readers."""
+    sc = factory.build()
+    sc.set_raw(sf.Key.PREDICTOR_W2_TYPE, value, gtype)
+    path = factory.write(sc, tmp_path / "w2.pi2.gguf")
+    if value in sf.PREDICTOR_W2_TYPES:
+        validate_sidecar_c(path)
+        assert read_sidecar(path).kv[sf.Key.PREDICTOR_W2_TYPE] == value
+        return
+    expected = "key pi2.predictor.w2_type is not the string q8_0 or q4_0"
+    assert expected in _refused(path)
+    with pytest.raises(SidecarError) as e:
+        read_sidecar(path)
+    assert expected in str(e.value)
+
+
 def test_bundle_size_not_a_multiple_of_align(tmp_path: Path) -> None:
     sc = factory.build(bundle_size=[4096, 4000])
     msg = _refused(factory.write(sc, tmp_path / "b.pi2.gguf"))

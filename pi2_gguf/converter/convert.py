@@ -213,7 +213,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
                  bundle_layers: frozenset[int] | None, progress: bool, whole: frozenset[int] = frozenset(),
-                 work: _Work | None = None, step: str = "layers") -> list[_Planned]:
+                 work: _Work | None = None, step: str = "layers",
+                 w2_type: str = fmt.DEFAULT_PREDICTOR_W2_TYPE) -> list[_Planned]:
     """Thresholds, ranking, predictors and down columns of every layer for each sparsity plan (of one method), in
     one pass over the layers: a layer's gate and up values on the profile, its predictors' basis and their outputs
     are computed once for all the plans (they do not depend on the target), the thresholds, labels and cutoffs per
@@ -221,7 +222,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
     type bundles store gate/up rows in and measure down columns against (None: the model's own); down_type, where
     given, the one down columns are measured against instead. bundle_layers: the layers bundle_type applies to
     (None: all). whole: routed experts read whole from the model file, which get no thresholds, predictors or
-    bundles. work: the work directory a layer's plan and down columns are taken from where an earlier convert left
+    bundles. w2_type: the type decode holds the predictors' W2 in (their widths and cutoffs are weighed so). work:
+    the work directory a layer's plan and down columns are taken from where an earlier convert left
     them, and kept in as they are made; its progress counts the layers of `step`. A layer's plan depends on nothing
     planned before it (no state carries from layer to layer), so a layer taken from there is the one planned now."""
     assert plans and len({p.method for p in plans}) == 1
@@ -272,7 +274,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
                         done[k] = (ld, src, got[0].get("seconds"))
         if len(done) < len(plans):
             made = _plan_layer(model, prof, il, [p for k, p in enumerate(plans) if k not in done], score, act, ranks,
-                               recall, epochs, predictor, shipped.get(il), layer_type, down)
+                               recall, epochs, predictor, shipped.get(il), layer_type, down, w2_type)
             todo = [k for k in range(len(plans)) if k not in done]
             seconds = (time.monotonic() - t_layer) / len(todo)
             for k, (ld, src) in zip(todo, made):
@@ -296,7 +298,8 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
 def _plan_layer(model: ModelFfn, prof: Profile, il: int, plans: list[sp.SparsityPlan],
                 score: Callable[[np.ndarray], np.ndarray], act: Callable[[np.ndarray], np.ndarray], ranks: list[int],
                 recall: float, epochs: int, predictor: str, shipped: pred_mod.Predictor | None,
-                layer_type: QT | None, down: bundles_mod.DownColumns) -> list[tuple[LayerData, str]]:
+                layer_type: QT | None, down: bundles_mod.DownColumns,
+                w2_type: str = fmt.DEFAULT_PREDICTOR_W2_TYPE) -> list[tuple[LayerData, str]]:
     """Layer il's LayerData and predictor source under each plan: the values every plan needs computed once."""
     ffn = model.layers[il]
     gate_w = ffn["gate"].dequantized()
@@ -323,7 +326,8 @@ def _plan_layer(model: ModelFfn, prof: Profile, il: int, plans: list[sp.Sparsity
     n_embd = model.n_embd
     gate_t = layer_type if layer_type is not None else ffn["gate"].qtype
     up_t = layer_type if layer_type is not None else ffn["up"].qtype
-    costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd) + fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd))
+    costs = pred_mod.Costs(fmt.row_size(gate_t, n_embd) + fmt.row_size(up_t, n_embd) + fmt.row_size(down.qtype, n_embd),
+                           w2_type)
     memo: dict[Any, Any] = {}  # the predictors' basis and outputs, shared by the plans
     made: list[tuple[LayerData, str]] = []
     for plan in plans:
@@ -347,7 +351,8 @@ def _plan_layer(model: ModelFfn, prof: Profile, il: int, plans: list[sp.Sparsity
         order = sp.ranking(freq)
         fitted = pred_mod.fit_layer(score, th, gate_w, prof.train[il], g_train, prof.heldout[il], g_held, ranks,
                                     recall, costs, epochs=epochs, y_train=y_train, y_held=y_held, kind=predictor,
-                                    shipped=shipped, gate_bias=model.biases.get(il, (None,))[0], memo=memo)
+                                    shipped=shipped, gate_bias=model.biases.get(il, (None,))[0], memo=memo,
+                                    order=order)
         p = fitted.predictor
         made.append((LayerData(
             n_ff=model.n_ff(il), threshold=th, density=density, rank=p.rank, cutoff=p.cutoff,
@@ -420,7 +425,7 @@ def bridged_read_share(p: float, bundle_bytes: int, gap: int = READ_GAP) -> floa
 
 def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, planned: _Planned,
           bundle_align: int, bundle_neurons: int | None, expert_reads: str | None = None,
-          date: str | None = None, dense_reads: str | None = None) -> SidecarMeta:
+          date: str | None = None, dense_reads: str | None = None, predictor_w2_type: str | None = None) -> SidecarMeta:
     """The sidecar's keys for one plan, with each layer's bundle layout: several neurons to a bundle only where
     a token reads (nearly) every bundle anyway, wanted or bridged (bridged_read_share >= PACK_READ_SHARE); a
     layer whose reads leave most bundles out keeps one neuron per bundle."""
@@ -445,7 +450,7 @@ def _meta(model: ModelFfn, prof: Profile, plan: sp.SparsityPlan, recall: float, 
         corpus=prof.corpus, corpus_sha256=prof.corpus_sha256, tokens=prof.n_train, heldout_tokens=prof.n_heldout,
         date=date if date is not None else _now(), layers=layers, bundle_align=bundle_align,
         n_expert=model.n_expert, layer_experts=model.layer_experts if model.mixed else None, expert_reads=expert_reads,
-        dense_reads=dense_reads)
+        dense_reads=dense_reads, predictor_w2_type=predictor_w2_type)
 
 
 def _now() -> str:
@@ -658,7 +663,8 @@ def convert(model_path: str | Path, output: str | Path | None = None, options: C
     n_train = prof_given.n_train if prof_given is not None else o.train_tokens or default_train_tokens(model.n_embd, moe)
     progress = Progress(o.progress, n_train)
     work = _Work(workdir, model_id, prof_key, {"ranks": ranks, "recall": o.recall, "epochs": o.epochs,
-                                               "predictor": o.predictor, "method": plan.method}, progress)
+                                               "predictor": o.predictor, "method": plan.method,
+                                               "w2_type": o.predictor_w2_type}, progress)
     sparse_layers = [il for il in range(model.n_layer) if il not in whole]
 
     def layer_key(il: int, target: float | None, down: QT | None) -> dict[str, Any]:
@@ -789,7 +795,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                        + (f" (and at {', '.join(label(t) for t in beside)} in the same pass)" if beside else ""))
         made = _plan_layers(model, prof, [dataclasses.replace(plan, target=t) for t in (target, *beside)], ranks,
                             o.recall, o.epochs, o.predictor, shipped, down_cache, bundle_qt, down_qt, bundle_layers,
-                            o.progress, whole, work, step)
+                            o.progress, whole, work, step, o.predictor_w2_type)
         planned_at.update(zip((target, *beside), made))
         progress.end(step)
         return plan_k, made[0]
@@ -823,7 +829,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
 
     def meta_of(plan_k: sp.SparsityPlan, planned: _Planned) -> SidecarMeta:
         return dataclasses.replace(_meta(model, prof, plan_k, o.recall, planned, bundle_align, o.bundle_neurons,
-                                         expert_reads, date, dense_reads),
+                                         expert_reads, date, dense_reads,
+                                         o.predictor_w2_type if sparse_layers else None),
                                    output_rows=rows, output_copy=copy, routed_share=routed_share, reuse=reuse)
 
     def final_write(meta: SidecarMeta, planned: _Planned) -> None:

@@ -135,6 +135,11 @@ class ConvertOptions:
         "--predictor", choices=pred_mod.KINDS,
         help="svd (default): reduced-rank regression of the gate on the profiled inputs, no training; "
              "trained: then Adam epochs (slower; docs/CONVERT.md compares them)"))
+    predictor_w2_type: str = field(default=fmt.DEFAULT_PREDICTOR_W2_TYPE, metadata=flag(
+        "--predictor-w2-type", choices=fmt.PREDICTOR_W2_TYPES,
+        help="the type decode holds each predictor's second matrix (rank x n_ff, most of a wide predictor's bytes) "
+             "in, recorded in the sidecar; the cutoffs are calibrated on weights rounded so. q4_0 (default): half "
+             "the RAM of q8_0, which a memory budget gives to the neuron cache (docs/CONVERT.md)"))
     checkpoint: str | Path | None = field(default=None, metadata=flag(
         "--checkpoint", type=Path,
         help="the Hugging Face checkpoint the model was imported from: activation predictors it ships "

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
+
+from ..sidecar import format as fmt
 
 DEFAULT_RECALL = 0.99
 KINDS = ("svd", "trained")  # --predictor: training-free (reduced-rank regression) or trained with Adam
@@ -58,10 +61,21 @@ class Predictor:
     def predict(self, x: np.ndarray, score: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         return score(self.outputs(x)) > self.cutoff
 
-    def as_stored(self) -> Predictor:
-        """The predictor with weights rounded to F16 as the sidecar stores them."""
-        return Predictor(self.w1.astype(np.float16).astype(np.float32), self.b1.astype(np.float32),
-                         self.w2.astype(np.float16).astype(np.float32), self.b2.astype(np.float32), self.cutoff)
+    def as_decoded(self, order: np.ndarray | None = None, w2_type: str = fmt.PREDICTOR_W2_TYPES[0]) -> Predictor:
+        """The predictor as the plugin decodes with it (sparse/predictor.c): the sidecar's F16 weights, W1's rows
+        then in Q8_0 and W2's (one per hidden unit, over the neurons in bundle-slot order: order[s] is slot s's
+        neuron; None: model order) in w2_type, where the widths allow (format.predictor_decode_types). A cutoff
+        calibrated on these is the one decode meets (Q4_0's rounding moves scores by a few percent)."""
+        w1 = self.w1.astype(np.float16).astype(np.float32)
+        w2 = self.w2.astype(np.float16).astype(np.float32)  # [n_ff, rank]
+        t1, t2 = fmt.predictor_decode_types(w1.shape[1], w2.shape[0], self.rank, w2_type)
+        if t1 != GGMLQuantizationType.F16:
+            w1 = quants.dequantize(quants.quantize(w1, t1), t1)
+        if t2 != GGMLQuantizationType.F16:
+            slots = np.arange(w2.shape[0]) if order is None else np.asarray(order)
+            rows = np.ascontiguousarray(w2[slots].T)  # [rank, n_ff], neurons in slot order
+            w2[slots] = quants.dequantize(quants.quantize(rows, t2), t2).T
+        return Predictor(w1, self.b1.astype(np.float32), w2, self.b2.astype(np.float32), self.cutoff)
 
 
 def score_fn(method: str, act: Activation) -> Callable[[np.ndarray], np.ndarray]:
@@ -179,16 +193,16 @@ class Costs:
     """Bytes one layer's sparse decode step touches per token (the estimate predictor widths are chosen by)."""
 
     bundle: float  # bytes of one neuron's gate row, up row and down column: its share of a bundle
+    w2_type: str = fmt.PREDICTOR_W2_TYPES[0]  # the type decode holds W2 in (pi2.predictor.w2_type)
 
     def per_token(self, rank: int, n_embd: int, n_ff: int, predicted: float) -> float:
-        # the plugin runs the predictor in Q8_0 and reads only the W2 rows of the hidden units relu left
+        # the plugin runs W1 in Q8_0 and W2 in w2_type, and reads only the W2 rows of the hidden units relu left
         # non-zero, about half (docs/BACKEND.md). Every predicted neuron counts whole: under a memory budget a
         # bundle is read and cached as one piece, so a neuron the predictor wrongly selects takes its up row and
         # down column from the disk and the cache as well (on real8, a dReLU model, rank 256 against 512 under
         # 380 MB: 0.29 against 0.16 of the neurons predicted, 9.5 against 46 tok/s; docs/MEASUREMENTS.md)
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
-        q8 = block_bytes / block
-        return q8 * rank * (n_embd + n_ff / 2) + n_ff * predicted * self.bundle
+        w1, w2 = (GGML_QUANT_SIZES[t] for t in fmt.predictor_decode_types(32, 32, 32, self.w2_type))
+        return rank * (n_embd * w1[1] / w1[0] + n_ff / 2 * w2[1] / w2[0]) + n_ff * predicted * self.bundle
 
 
 @dataclass(frozen=True)
@@ -210,7 +224,7 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
               ranks: list[int], recall: float, costs: Costs, epochs: int = EPOCHS,
               y_train: np.ndarray | None = None, y_held: np.ndarray | None = None, kind: str = DEFAULT_KIND,
               shipped: Predictor | None = None, gate_bias: np.ndarray | None = None,
-              memo: dict[Any, Any] | None = None) -> Fitted:
+              memo: dict[Any, Any] | None = None, order: np.ndarray | None = None) -> Fitted:
     """Makes one predictor per candidate rank (kind svd: reduced-rank regression alone; trained: then
     `epochs` of Adam), narrowest first until a width costs more than the one before it, and keeps the one with the
     fewest estimated bytes read per token (tools reading the sidecar can always fall back to the exact gate). g_* are the gate
@@ -222,7 +236,9 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
     candidate measured the same way (source "checkpoint" when it is the cheapest). gate_bias: the bias g includes
     beyond x gate^T (gpt-oss's experts), or None. memo: a dict shared by calls for the same layer, profile, score and
     options that differ only in the threshold and labels (the sparsity targets of one layer): what does not depend
-    on them (the basis, kind svd's predictors and their scores) is computed by the first call and reused."""
+    on them (the basis, kind svd's predictors and their scores) is computed by the first call and reused.
+    order: the layer's bundle-slot order (its neuron ranking; None: model order). Every candidate is weighed as decode
+    holds it (Predictor.as_decoded with costs.w2_type), whose W2 rows run over the neurons in that order."""
     xt = np.asarray(x_train, dtype=np.float32)
     n_val = validation_rows(xt.shape[0])
     x_fit, x_val = xt[:-n_val], xt[-n_val:]
@@ -239,6 +255,8 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
         raise ValueError(f"predictor kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
     memo = {} if memo is None else memo
+    # the rounding of W2 follows the slot order, which the targets of one layer may rank differently
+    okey = None if order is None else hashlib.sha1(np.ascontiguousarray(order).tobytes()).hexdigest()
 
     def weigh(pred: Predictor, source: str, s_val: np.ndarray | None = None) -> None:
         nonlocal best
@@ -264,22 +282,22 @@ def fit_layer(score: Callable[[np.ndarray], np.ndarray], threshold: float, gate_
         if kind == "trained":
             assert y_fit is not None  # only an "svd" caller labels the validation rows alone
             pred = train(x_fit, g_fit, y_fit, rrr_init(x_fit, gate_w, r, basis, gate_bias), epochs=epochs)
-            weigh(pred.as_stored(), kind)
+            weigh(pred.as_decoded(order, costs.w2_type), kind)
             continue
-        if ("svd", r) not in memo:  # the same predictor whatever the labels: its validation scores kept with it
-            stored = rrr_init(x_fit, gate_w, r, basis, gate_bias).as_stored()
-            memo["svd", r] = (stored, score(stored.outputs(x_val)))
-        stored, s_val = memo["svd", r]
+        if ("svd", r, okey) not in memo:  # the same predictor whatever the labels: its validation scores kept with it
+            stored = rrr_init(x_fit, gate_w, r, basis, gate_bias).as_decoded(order, costs.w2_type)
+            memo["svd", r, okey] = (stored, score(stored.outputs(x_val)))
+        stored, s_val = memo["svd", r, okey]
         weigh(dataclasses.replace(stored), kind, s_val)
     if shipped is not None:
-        weigh(shipped.as_stored(), "checkpoint")
+        weigh(shipped.as_decoded(order, costs.w2_type), "checkpoint")
     assert best is not None
     _, pred, q_val, source = best
     shared = source == "svd" and kind == "svd"  # an svd predictor is one per width: its held-out scores kept too
-    held = memo.get(("held", pred.rank)) if shared else None
+    held = memo.get(("held", pred.rank, okey)) if shared else None
     if held is None:
         held = score(pred.outputs(x_held))
         if shared:
-            memo["held", pred.rank] = held
+            memo["held", pred.rank, okey] = held
     q_held = Quality.measure(held > pred.cutoff, score(g_held) > threshold if y_held is None else y_held)
     return Fitted(pred, q_held, q_val, tuple(tried), source)

@@ -43,7 +43,7 @@ class LayerStats:
     want: np.ndarray         # [n_bundles], slot (= file) order: chance a decode token requests the bundle
     freq: np.ndarray         # [n_bundles]: the cache plan's hotness, the bundle's first slot's profiled frequency
     predictor_runs: bool     # PI2_PREDICTOR=auto: where its bytes are below the bundle bytes it saves
-    predictor_bytes: int     # kept in RAM under a budget where it runs (Q8_0 or F16, as the plugin keeps it)
+    predictor_bytes: int     # kept in RAM under a budget where it runs (as the plugin keeps it: predictor_decode_types)
     density: float
     pred_density: float
     dense_bytes: int         # gate, up and down of every neuron in the bundles' types
@@ -137,23 +137,21 @@ def want_probabilities(freq_slots: np.ndarray, neurons: int, density: float, pre
     return 1.0 - pad.reshape(n_b, neurons).prod(axis=1)
 
 
-def _predictor_weight_bytes(n_embd: int, n_ff: int, rank: int) -> int:
-    """The predictor's two matrices as a budget keeps them (sparse/predictor.c: Q8_0 where the widths allow, else
-    F16)."""
-    w1 = fmt.row_size(Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else F16, n_embd)
-    w2 = fmt.row_size(Q8_0 if n_ff % 32 == 0 else F16, n_ff)
-    return rank * w1 + rank * w2
+def _predictor_weight_bytes(n_embd: int, n_ff: int, rank: int, w2_type: str) -> int:
+    """The predictor's two matrices as a budget keeps them (sidecar/format.predictor_decode_types)."""
+    w1, w2 = fmt.predictor_decode_types(n_embd, n_ff, rank, w2_type)
+    return rank * fmt.row_size(w1, n_embd) + rank * fmt.row_size(w2, n_ff)
 
 
-def predictor_bytes(n_embd: int, n_ff: int, rank: int) -> int:
+def predictor_bytes(n_embd: int, n_ff: int, rank: int, w2_type: str) -> int:
     """The predictor as a budget keeps it, biases too."""
-    return _predictor_weight_bytes(n_embd, n_ff, rank) + 4 * (rank + n_ff)
+    return _predictor_weight_bytes(n_embd, n_ff, rank, w2_type) + 4 * (rank + n_ff)
 
 
-def predictor_pays(n_embd: int, n_ff: int, rank: int, bundle_bytes: int, pred_density: float) -> bool:
+def predictor_pays(n_embd: int, n_ff: int, rank: int, bundle_bytes: int, pred_density: float, w2_type: str) -> bool:
     """pi2_predictor_pays: its bytes (all of w2 counted) below the bundle bytes it saves (bundle_bytes: the layer's
     bundles, all of them)."""
-    return _predictor_weight_bytes(n_embd, n_ff, rank) < (1.0 - pred_density) * bundle_bytes
+    return _predictor_weight_bytes(n_embd, n_ff, rank, w2_type) < (1.0 - pred_density) * bundle_bytes
 
 
 def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
@@ -163,6 +161,7 @@ def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
                         "(routed experts' reads depend on routing locality it does not model yet); measure an MoE "
                         "model with `pi2-gguf bench`")
     n_embd = int(kv[Key.N_EMBD])
+    w2_type = str(kv.get(Key.PREDICTOR_W2_TYPE, fmt.PREDICTOR_W2_TYPES[0]))
     out = []
     for il in range(sc.n_layer):
         n_ff = int(kv[Key.N_FF][il])
@@ -171,7 +170,7 @@ def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
         pd = float(kv[Key.PREDICTOR_DENSITY][il])
         neurons = int(kv[Key.BUNDLE_NEURONS][il])
         bundle_size = int(kv[Key.BUNDLE_SIZE][il])
-        runs = predictor_pays(n_embd, n_ff, rank, -(-n_ff // neurons) * bundle_size, pd)
+        runs = predictor_pays(n_embd, n_ff, rank, -(-n_ff // neurons) * bundle_size, pd, w2_type)
         freq = sc.layer_tensor(il, "pi2_freq").astype(np.float64).reshape(-1)
         order = sc.layer_tensor(il, "pi2_order").astype(np.int64).reshape(-1)
         ranked = freq[order]
@@ -181,7 +180,7 @@ def layer_stats(sc: Sidecar, cost: Sequence[float]) -> list[LayerStats]:
             n_ff=n_ff, bundle_size=bundle_size, neurons=neurons,
             want=want_probabilities(ranked, neurons, float(kv[Key.SPARSITY_DENSITY][il]), pd, runs),
             freq=ranked[::neurons].copy(), predictor_runs=runs,
-            predictor_bytes=predictor_bytes(n_embd, n_ff, rank) if runs else 0,
+            predictor_bytes=predictor_bytes(n_embd, n_ff, rank, w2_type) if runs else 0,
             density=float(kv[Key.SPARSITY_DENSITY][il]), pred_density=pd, dense_bytes=dense, cost=float(cost[il]),
             gate_type=type_name(gate_t)))
     return out

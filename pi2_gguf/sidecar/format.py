@@ -91,6 +91,7 @@ class Key:
     MOE_LAYER_EXPERTS = "pi2.moe.layer_experts"
     MOE_EXPERT_READS = "pi2.moe.expert_reads"
     DENSE_READS = "pi2.dense_reads"
+    PREDICTOR_W2_TYPE = "pi2.predictor.w2_type"
 
 
 KEYS: dict[str, KT] = {
@@ -147,6 +148,7 @@ OPTIONAL_KEYS: dict[str, KT] = {
     Key.MOE_LAYER_EXPERTS: KT.U32_ARR,
     Key.MOE_EXPERT_READS: KT.STR,
     Key.DENSE_READS: KT.STR,
+    Key.PREDICTOR_W2_TYPE: KT.STR,
 }
 
 # pi2.moe.expert_reads: where a memory budget reads routed experts from, the sidecar's neuron bundles or the model file
@@ -181,6 +183,21 @@ def routed_layers(layer_experts: list[int] | None, n_expert: int, n_layer: int) 
     counts = [n_expert] * (n_layer // n_expert) if layer_experts is None else list(layer_experts)
     first = moe_layer_first(layer_experts, n_expert, n_layer)
     return [v for il, c in enumerate(counts) if c for v in range(first[il], first[il] + n_expert)]
+
+
+# pi2.predictor.w2_type: the type decode holds a predictor's W2 in (absent: the first, as before the key)
+PREDICTOR_W2_TYPES = ("q8_0", "q4_0")
+DEFAULT_PREDICTOR_W2_TYPE = "q4_0"  # what convert writes
+
+
+def predictor_decode_types(n_embd: int, n_ff: int, rank: int, w2_type: str = PREDICTOR_W2_TYPES[0]) \
+        -> tuple[GGMLQuantizationType, GGMLQuantizationType]:
+    """The types the plugin holds a predictor's W1 (rank rows of n_embd) and W2 (rank rows of n_ff, in bundle-slot
+    order) in (sparse/predictor.c): Q8_0, and w2_type for W2, where the rows are whole blocks of 32, else F16."""
+    q = GGMLQuantizationType
+    w1 = q.Q8_0 if n_embd % 32 == 0 and rank % 32 == 0 else q.F16
+    w2 = (q.Q4_0 if w2_type == "q4_0" else q.Q8_0) if n_ff % 32 == 0 else q.F16
+    return w1, w2
 
 
 # the largest pi2.budget.output_rows: PI2_OUTPUT_ROWS's range (ggml-backend/src/config.c)

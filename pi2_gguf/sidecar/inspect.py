@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from ..errors import MissingExtraError
 from ..paths import write_png
 from ..runtime import native
+from . import format as fmt
 from .format import RELU_FAMILY, Key, moe_layer_first
 from .reader import Sidecar
 
@@ -81,7 +82,8 @@ def _sparsity_lines(kv: dict, target: float) -> list[str]:
             + f", held-out density {np.mean(kv[Key.SPARSITY_DENSITY]):.3f} (mean of layers)",
             f"predictors     recall target {kv[Key.PREDICTOR_RECALL_TARGET]:.3f}; held-out recall "
             f"{min(kv[Key.PREDICTOR_RECALL]):.4f} (worst layer), predicted density "
-            f"{np.mean(kv[Key.PREDICTOR_DENSITY]):.3f} (mean)"]
+            f"{np.mean(kv[Key.PREDICTOR_DENSITY]):.3f} (mean); W2 held in "
+            f"{kv.get(Key.PREDICTOR_W2_TYPE, fmt.PREDICTOR_W2_TYPES[0]).upper()} under a budget"]
 
 
 def summary(sc: Sidecar) -> str:

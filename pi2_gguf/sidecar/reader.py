@@ -144,6 +144,9 @@ def read(path: str | Path) -> Sidecar:
         if Key.MOE_EXPERT_COUNT in kv:
             raise SidecarError(f"sidecar {p}: has key {Key.DENSE_READS}, which only a dense model's sidecar has, beside "
                                f"{Key.MOE_EXPERT_COUNT}")
+    if reader.get_field(Key.PREDICTOR_W2_TYPE) is not None and kv.get(Key.PREDICTOR_W2_TYPE) not in fmt.PREDICTOR_W2_TYPES:
+        raise SidecarError(f"sidecar {p}: key {Key.PREDICTOR_W2_TYPE} is not the string "
+                           f"{' or '.join(fmt.PREDICTOR_W2_TYPES)}")  # as the plugin refuses it
     f = reader.get_field(Key.BUDGET_OUTPUT_ROWS)
     if f is not None:
         rows = kv.get(Key.BUDGET_OUTPUT_ROWS)

@@ -104,6 +104,9 @@ class SidecarMeta:
     # pi2.dense_reads: "model" where a dense model's FFN layers are read whole from the model file (every layer
     # LayerData.whole); None or "bundles": from the sidecar's bundles
     dense_reads: str | None = None
+    # pi2.predictor.w2_type: the type decode holds the predictors' W2 in, which their cutoffs were calibrated with
+    # (None: not recorded, q8_0)
+    predictor_w2_type: str | None = None
 
     @property
     def whole_layers(self) -> frozenset[int]:
@@ -200,6 +203,10 @@ def _key_values(m: SidecarMeta) -> dict[str, Any]:
         if m.dense_reads not in fmt.DENSE_READS:
             raise ValueError(f"dense reads {m.dense_reads!r} is not one of {', '.join(fmt.DENSE_READS)}")
         kv[Key.DENSE_READS] = m.dense_reads
+    if m.predictor_w2_type is not None:
+        if m.predictor_w2_type not in fmt.PREDICTOR_W2_TYPES:
+            raise ValueError(f"predictor W2 type {m.predictor_w2_type!r} is not one of {', '.join(fmt.PREDICTOR_W2_TYPES)}")
+        kv[Key.PREDICTOR_W2_TYPE] = m.predictor_w2_type
     if m.output_rows is not None:
         if not 0 <= m.output_rows <= fmt.MAX_OUTPUT_ROWS:
             raise ValueError(f"output rows {m.output_rows} is not 0 to {fmt.MAX_OUTPUT_ROWS}")

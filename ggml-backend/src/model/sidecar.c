@@ -467,6 +467,15 @@ static int pi2_read_globals(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         }
         sc->dense_whole = strcmp(v, PI2_EXPERT_READS_MODEL) == 0;
     }
+    sc->pred_w2_type = GGML_TYPE_Q8_0;
+    const int64_t w2_type = pi2_find(rd, PI2_KEY_PREDICTOR_W2_TYPE);
+    if (w2_type >= 0) {
+        const char * v = gguf_get_kv_type(rd->file.gguf, w2_type) == GGUF_TYPE_STRING ? gguf_get_val_str(rd->file.gguf, w2_type) : NULL;
+        if (v == NULL || (strcmp(v, PI2_W2_TYPE_Q8_0) != 0 && strcmp(v, PI2_W2_TYPE_Q4_0) != 0)) {
+            return pi2_fail(rd, "key %s is not the string %s or %s", PI2_KEY_PREDICTOR_W2_TYPE, PI2_W2_TYPE_Q8_0, PI2_W2_TYPE_Q4_0);
+        }
+        sc->pred_w2_type = strcmp(v, PI2_W2_TYPE_Q4_0) == 0 ? GGML_TYPE_Q4_0 : GGML_TYPE_Q8_0;
+    }
     sc->source_arch = strdup(pi2_str(rd, PI2_KEY_SOURCE_ARCHITECTURE));
     sc->source_name = strdup(pi2_str(rd, PI2_KEY_SOURCE_NAME));
     if (sc->source_arch == NULL || sc->source_name == NULL) {
@@ -546,6 +555,7 @@ static int pi2_read_layers(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         L->product_threshold = product_threshold != NULL ? product_threshold[il] : 0.0f;
         L->cutoff      = cutoff[il];
         L->pred_density = pdensity[il];
+        L->pred_w2_type = sc->pred_w2_type;
         L->bundle_size = size[il];
         L->gate_type   = (enum ggml_type) gate_type[il];
         L->up_type     = (enum ggml_type) up_type[il];

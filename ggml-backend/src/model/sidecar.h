@@ -32,6 +32,7 @@ struct pi2_sidecar_layer {
     float    cutoff;         // predicted active iff s(z_i) > cutoff: s = |act(z)| (cats) or z (relu)
     float    pred_density;   // fraction of neurons the predictor selects (held-out, pi2.predictor.density)
     float    density;        // fraction of neurons active (held-out, pi2.sparsity.density)
+    enum ggml_type pred_w2_type; // what decode holds the predictor's W2 in where n_ff allows (pi2.predictor.w2_type)
 
     // bundle slot j (neuron order[j]) is neuron j % bundle_neurons of bundle j / bundle_neurons, at
     // bundles_offset + pi2_slot_offset(L, j) in the file
@@ -83,6 +84,7 @@ struct pi2_sidecar {
     uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert) and dense FFN layers; 0: dense
     bool     experts_whole; // pi2.moe.expert_reads = model: routed experts are read whole from the model file
     bool     dense_whole;   // pi2.dense_reads = model: a dense model's FFN layers are read whole from the model file
+    enum ggml_type pred_w2_type; // pi2.predictor.w2_type: Q8_0 (also where absent) or Q4_0
     // model layer il's FFN is sidecar layers first[il] .. first[il + 1] - 1: one for a dense FFN, n_expert for
     // routed experts, n_expert + 1 for routed experts and their shared expert (pi2.moe.layer_experts; FORMAT.md,
     // "MoE sidecars"); use the functions below

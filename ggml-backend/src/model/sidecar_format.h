@@ -55,6 +55,11 @@
 #define PI2_KEY_MOE_LAYER_EXPERTS          "pi2.moe.layer_experts"          // u32[]
 #define PI2_KEY_MOE_EXPERT_READS           "pi2.moe.expert_reads"           // string
 #define PI2_KEY_DENSE_READS                "pi2.dense_reads"                // string
+// optional: the type decode holds each predictor's W2 in (PI2_W2_TYPE_* below; absent: q8_0, as before the key)
+#define PI2_KEY_PREDICTOR_W2_TYPE          "pi2.predictor.w2_type"          // string
+// values of pi2.predictor.w2_type
+#define PI2_W2_TYPE_Q8_0 "q8_0"
+#define PI2_W2_TYPE_Q4_0 "q4_0"
 // values of pi2.moe.expert_reads and pi2.dense_reads
 #define PI2_EXPERT_READS_BUNDLES "bundles"
 #define PI2_EXPERT_READS_MODEL   "model"

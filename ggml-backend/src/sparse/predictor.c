@@ -31,8 +31,10 @@ static enum ggml_type pi2_w1_type(const struct pi2_sidecar_layer * L, uint32_t n
     return (n_embd % 32 == 0 && L->rank % 32 == 0) ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
 }
 
+// Q4_0 (pi2.predictor.w2_type) halves what a memory budget holds for W2, most of a wide predictor's bytes; convert
+// calibrated the cutoff on the weights rounded so (converter/predictor.py, Predictor.as_decoded)
 static enum ggml_type pi2_w2_type(const struct pi2_sidecar_layer * L) {
-    return L->n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+    return L->n_ff % 32 != 0 ? GGML_TYPE_F16 : L->pred_w2_type == GGML_TYPE_Q4_0 ? GGML_TYPE_Q4_0 : GGML_TYPE_Q8_0;
 }
 
 double pi2_predictor_bytes(const struct pi2_sidecar_layer * L, uint32_t n_embd) {
