@@ -201,7 +201,7 @@ class Costs:
         # bundle is read and cached as one piece, so a neuron the predictor wrongly selects takes its up row and
         # down column from the disk and the cache as well (on real8, a dReLU model, rank 256 against 512 under
         # 380 MB: 0.29 against 0.16 of the neurons predicted, 9.5 against 46 tok/s; docs/MEASUREMENTS.md)
-        w1, w2 = (GGML_QUANT_SIZES[t] for t in fmt.predictor_decode_types(32, 32, 32, self.w2_type))
+        w1, w2 = (GGML_QUANT_SIZES[t] for t in fmt.predictor_decode_types(n_embd, n_ff, rank, self.w2_type))
         return rank * (n_embd * w1[1] / w1[0] + n_ff / 2 * w2[1] / w2[0]) + n_ff * predicted * self.bundle
 
 
