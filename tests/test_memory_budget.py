@@ -23,6 +23,7 @@ import pi2_gguf
 from pi2_gguf.bench import cgroup
 from pi2_gguf.converter.convert import convert
 from pi2_gguf.errors import MemoryBudgetError, SidecarError
+from pi2_gguf.planner import model_stats
 from pi2_gguf.runtime import plugin
 from pi2_gguf.runtime.counters import CacheInfo
 from pi2_gguf.runtime.generate import last_logits
@@ -711,7 +712,7 @@ def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar:
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     budget, peak, cache = json.loads(r.stdout.strip().splitlines()[-1])
-    margin = 32 << 20  # PI2_BUDGET_MARGIN
+    margin = model_stats.BUDGET_MARGIN  # PI2_BUDGET_MARGIN
     assert budget - 1.5 * margin <= peak <= budget - margin / 2, (budget, peak, cache)
     assert cache > 0
 
@@ -795,7 +796,8 @@ def test_budget_use_states_every_item_and_adds_up(smollm2: Path, smol_sidecar: P
     items = dict(use["items"])
     assert use["budget"] == budget and unused < 1_000_000, (use, unused)
     assert abs(sum(items.values()) + use["cache"] - budget) <= 1_000_000, (items, use)
-    assert items["margin"] == 32 << 20 and items["predictors"] == predictors and items["KV cache"] == kv > 0
+    assert items["margin"] == model_stats.BUDGET_MARGIN
+    assert items["predictors"] == predictors and items["KV cache"] == kv > 0
     assert "PI2" in bufts and "CPU" in bufts  # PI2's flash buffers hold no weights: not counted as weights in RAM
     # SmolLM2's non-FFN weights in RAM: attention and norms, ~20 MB in Q4_1; the token embedding stays in the file
     assert 5_000_000 < items["llama.cpp's weights in RAM"] < 60_000_000, items
