@@ -23,8 +23,6 @@ BUDGET_MARGIN = 16 << 20    # flash/memory_budget.h, PI2_BUDGET_MARGIN
 PREFETCH_BYTES = 8 << 20    # PI2_PREFETCH_BYTES' default
 CACHE_TABLE_BYTES = 64      # per bundle: bundle map, entry, frequencies (pi2_cache_overhead_bytes, about)
 N_UBATCH = 32               # memory_budget.N_BATCH: llama's compute buffers are sized by it under a budget
-Q8_0 = int(GGMLQuantizationType.Q8_0)
-F16 = int(GGMLQuantizationType.F16)
 
 
 class PlanError(Pi2Error):
