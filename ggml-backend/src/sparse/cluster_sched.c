@@ -128,9 +128,12 @@ static void pi2_sched_token(struct pi2_sparse_plan * p, int ith, int nth, int64_
         #pragma omp barrier
         if (ith == 0) {
             p->submit(p, t);
+            p->request_failed = atomic_load(&p->failed);
         }
         #pragma omp barrier
-        if (atomic_load(&p->failed)) { // set before the barrier above, so seen alike
+        // not failed itself: a thread past this check may set it in its clusters (a read failed) while another has
+        // yet to look, and returned alone, it would leave the other waiting at the barrier below for good
+        if (p->request_failed) {
             return;
         }
     }

@@ -105,6 +105,9 @@ struct pi2_sparse_plan {
     uint8_t *                    token_want;
     struct pi2_cache_token_stats io;
     atomic_int                   failed;
+    // failed as the thread that requested a token's bundles read it, before the barrier after the request: what
+    // every thread acts on there (failed itself may be set meanwhile by a thread already in its clusters)
+    bool                         request_failed;
     char                         error[512];
 
     // kernels: ggml-cpu's dot products and activation converters per type
