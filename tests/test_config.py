@@ -41,6 +41,7 @@ MALFORMED = {
     "PI2_EXPERT_GUESS": ["on", "ROUTER", "1x"],
     "PI2_EXPERT_READS": ["on", "MODEL", "file"],
     "PI2_BATCH_NEURONS": ["each", "TOKEN", "1"],
+    "PI2_DENSE_READS": ["model", "BUNDLES", "0"],
     "PI2_MODE": ["fast"],
     "PI2_MEMORY_BUDGET": ["0", "600 elephants"],
     "PI2_SIDECAR": ["/nonexistent/x.pi2.gguf"],

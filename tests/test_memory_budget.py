@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +39,9 @@ from kernel_probe import io_uring_available  # noqa: E402
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
+# the sidecar's bundles even where the budget holds every FFN layer whole (PI2_DENSE_READS=auto reads those from the
+# model file): for tests of the neuron cache under a roomy budget
+BUNDLES = {"dense_reads": "bundles"}
 
 
 def test_parse_size() -> None:
@@ -694,15 +698,17 @@ def test_budget_is_spent_on_the_cache_not_left_idle(smollm2: Path, smol_sidecar:
     """In a fresh process given 150 MB more than it holds: after a 40-token prompt and 16 tokens, its peak
     resident memory sits between budget - 1.5 margins (the neuron cache got what llama and the process do
     not touch: compute buffers are reserved as far as llama uses them, e.g. not the n_batch - 1 rows of
-    logits llama-cpp-python never asks for) and budget - half the margin (the plan holds)."""
+    logits llama-cpp-python never asks for) and budget - half the margin (the plan holds). The bundles: this
+    budget would hold every layer whole (PI2_DENSE_READS=auto)."""
     code = (
         "import json, re, sys, pi2_gguf\n"
         "from pi2_gguf.runtime.generate import last_logits\n"
+        f"BUNDLES = {BUNDLES!r}\n"
         "def status(k):\n"
         "    return int(re.search(k + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "budget = status('VmRSS') + 150_000_000\n"
         "llm = pi2_gguf.Llama(sys.argv[1], sidecar=sys.argv[2], memory_budget=budget, n_ctx=256, n_threads=2,\n"
-        "                     verbose=False)\n"
+        "                     verbose=False, settings=BUNDLES)\n"
         f"llm.eval(llm.tokenize((({PROMPT!r} + ' ') * 8).encode(), add_bos=True)[:40])\n"
         "for _ in range(16):\n"
         "    llm.eval([int(last_logits(llm).argmax())])\n"
@@ -770,15 +776,17 @@ def test_bench_rounds_in_turn_under_the_limit(relu_model: tuple[Path, Path, list
 def test_budget_use_states_every_item_and_adds_up(smollm2: Path, smol_sidecar: Path) -> None:
     """Where a budget went, item by item (runtime, llama.cpp's weights in RAM and KV cache from llama.cpp's own
     report, predictors, compute buffers, tables, margin): under a tight budget the caches got the rest (to the
-    plan's rounding, 1 MB); under a loose one every bundle is cached and the line says how much went unused."""
+    plan's rounding, 1 MB); under a loose one every bundle is cached and the line says how much went unused. The
+    bundles: both budgets would hold every layer whole (PI2_DENSE_READS=auto)."""
     code = (
         "import json, re, sys, pi2_gguf\n"
         "from pi2_gguf.runtime.llama_memory import llama_memory\n"
+        f"BUNDLES = {BUNDLES!r}\n"
         "def rss():\n"
         "    return int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "budget = rss() + int(sys.argv[3])\n"
         "llm = pi2_gguf.Llama(sys.argv[1], sidecar=sys.argv[2], memory_budget=budget, n_ctx=256, n_threads=2,\n"
-        "                     verbose=False)\n"
+        "                     verbose=False, settings=BUNDLES)\n"
         "use, ci = llm.budget_use(), llm.cache_info()\n"
         "mem = llama_memory(llm._ctx.ctx)\n"
         "print(json.dumps([budget, use.to_json(), use.unused, use.line(), ci.fixed_bytes, mem.context,\n"
@@ -852,6 +860,35 @@ def test_dense_layers_read_whole_from_the_model_file(smollm2: Path, smol_whole: 
         # every layer streamed is read once a token (a layer's span is at most an entry)
         assert evals * streamed * min(spans) <= read <= evals * streamed * entry, (entries, read, flash.io)
         assert flash.io["cold_hits"] == evals * pinned, (entries, flash.io)
+
+
+def test_dense_layers_that_all_fit_are_read_whole(smollm2: Path, smol_sidecar: Path) -> None:
+    """PI2_DENSE_READS=auto (the default): SmolLM2's bundles sidecar, none of whose layers sparse decode is expected to
+    run faster than ggml-cpu (in RAM all 30 run there), under a budget whose cache holds every FFN layer whole: the
+    layers come whole from the model file (each an entry of the layer cache, found every token; no bundle cached or
+    read) and compute as in RAM, so decode gives stock's tokens. A cache one layer short of that, or
+    PI2_DENSE_READS=bundles, keeps the bundles."""
+    from pi2_gguf.runtime.isolated import greedy_in_subprocess
+
+    spans = _ffn_spans(smollm2)
+    entry = max(spans)
+    evals = N_STEPS - 1  # the prompt's batch computes the first token
+    stock = greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=False, repack=False)[0]
+
+    def flash(settings: dict[str, str | int]) -> Any:
+        return greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=True, sidecar=smol_sidecar, mode="predicted",
+                                    memory_budget=2 << 30, settings=settings)[0]
+
+    for settings in ({}, {"cache_max": len(spans) * entry}):
+        whole = flash(settings)
+        assert whole.tokens == stock.tokens, settings
+        assert whole.io["expert_bytes"] == len(spans) * entry and whole.io["hot_bytes"] == whole.io["cold_bytes"] == 0
+        assert whole.io["cold_hits"] == evals * len(spans) and whole.io["hot_hits"] == whole.io["misses"] == 0
+        assert whole.io["bundle_bytes"] == 0, whole.io  # every layer read by the prompt, none again
+    for settings in ({"cache_max": len(spans) * entry - 1}, BUNDLES):
+        bundles = flash(settings)
+        assert bundles.io["expert_bytes"] == 0 and bundles.io["hot_bytes"] + bundles.io["cold_bytes"] > 0, settings
+        assert bundles.io["hot_hits"] + bundles.io["cold_hits"] + bundles.io["misses"] > evals * len(spans), settings
 
 
 def test_run_verbose_states_the_layer_cache(smollm2: Path, smol_whole: Path) -> None:

@@ -516,7 +516,9 @@ def _perplexity(model: Path, text: str, ctx: int, sidecar: Path | None, threads:
         # the budget counts this process too, which holds the profile and the down columns convert made (on
         # Qwen2.5-1.5B a budget of model + sidecar + 1 GB left too little by 8 MB once two types' columns were held)
         budget = min(resident_bytes() + model.stat().st_size + sidecar.stat().st_size + (1 << 30), int(0.8 * ram))
-        kw.update(sidecar=sidecar, mode="predicted", memory_budget=budget)
+        # the bundles, always: a budget that holds every layer whole would read a SiLU model's layers from the model
+        # file instead (PI2_DENSE_READS=auto) and score the dense model
+        kw.update(sidecar=sidecar, mode="predicted", memory_budget=budget, settings={"dense_reads": "bundles"})
     try:
         return perplexity(model, text, ctx, QUALITY_CHUNKS, threads=threads, progress=progress, chunk_batches=True,
                           **kw).ppl

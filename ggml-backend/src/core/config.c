@@ -46,6 +46,7 @@ static const struct pi2_setting_def pi2_defs[PI2_N_SETTINGS] = {
     [PI2_SET_EXPERT_GUESS]      = { "PI2_EXPERT_GUESS", PI2_KIND_SWITCH, 0, 1, 1, "router", "off" },
     [PI2_SET_EXPERT_READS]      = { "PI2_EXPERT_READS", PI2_KIND_SWITCH, 0, 1, 0, "model", "bundles" },
     [PI2_SET_BATCH_NEURONS]     = { "PI2_BATCH_NEURONS", PI2_KIND_SWITCH, 0, 1, 0, "token", "union" },
+    [PI2_SET_DENSE_READS]       = { "PI2_DENSE_READS", PI2_KIND_SWITCH, 0, 1, 0, "bundles", "auto" },
 };
 
 // The process settings, read by pi2_config_from_env (the per-model ones are the table above).

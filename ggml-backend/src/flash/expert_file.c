@@ -189,7 +189,7 @@ static uint64_t pi2_layer_entry_bytes(const struct pi2_expert_layer * L) {
 
 // the layers of the model file at path (f open with meta); -1 with err
 static int pi2_scan(struct pi2_gguf_file * g, const char * path, bool dense, struct pi2_expert_layer ** out, int * n_layer,
-                    uint64_t * entry, char * err, size_t errlen) {
+                    uint64_t * entry, uint32_t * n_found, char * err, size_t errlen) {
     int n = 0;
     for (;; ++n) { // blk.N tensors run from 0 without gaps
         char name[GGML_MAX_NAME];
@@ -227,21 +227,41 @@ static int pi2_scan(struct pi2_gguf_file * g, const char * path, bool dense, str
     *out = L;
     *n_layer = n;
     *entry = worst;
+    if (n_found != NULL) {
+        *n_found = (uint32_t) found;
+    }
     return 0;
 }
 
-uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen) {
+uint64_t pi2_expert_file_layers(const char * model_path, bool dense, uint32_t * n_layers, char * err, size_t errlen) {
     struct pi2_gguf_file g;
     struct pi2_expert_layer * L = NULL;
     int n = 0;
     uint64_t entry = 0;
+    *n_layers = 0;
     if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
-        pi2_scan(&g, model_path, dense, &L, &n, &entry, err, errlen) != 0) {
+        pi2_scan(&g, model_path, dense, &L, &n, &entry, n_layers, err, errlen) != 0) {
         entry = 0;
+        *n_layers = 0;
     }
     free(L);
     pi2_gguf_file_close(&g);
     return entry;
+}
+
+uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen) {
+    uint32_t n_layers = 0;
+    return pi2_expert_file_layers(model_path, dense, &n_layers, err, errlen);
+}
+
+bool pi2_expert_file_types(const struct pi2_expert_file * f, int layer, enum ggml_type out[3]) {
+    if (layer < 0 || layer >= f->n_layer || !f->layer[layer].present) {
+        return false;
+    }
+    for (int m = 0; m < 3; ++m) {
+        out[m] = f->layer[layer].type[m];
+    }
+    return true;
 }
 
 void pi2_expert_file_free(struct pi2_expert_file * f) {
@@ -293,7 +313,7 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dens
     f->fd = f->fd_plain = -1;
     struct pi2_gguf_file g;
     const int rc = pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) == 0
-                 ? pi2_scan(&g, model_path, dense, &f->layer, &f->n_layer, &f->entry_bytes, err, errlen) : -1;
+                 ? pi2_scan(&g, model_path, dense, &f->layer, &f->n_layer, &f->entry_bytes, NULL, err, errlen) : -1;
     f->file_size = g.file_size;
     pi2_gguf_file_close(&g);
     if (rc != 0) {

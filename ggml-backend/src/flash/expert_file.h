@@ -33,6 +33,10 @@ void pi2_expert_file_free(struct pi2_expert_file * f);
 // Bytes one entry takes (the largest expert of any layer, with its alignment slack); 0 with err where the model
 // has no routed experts or its file cannot be read.
 uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen);
+// The same, and how many layers have such FFNs (routed experts, or with `dense` a dense FFN), in *n_layers
+uint64_t pi2_expert_file_layers(const char * model_path, bool dense, uint32_t * n_layers, char * err, size_t errlen);
+// The types of model layer `layer`'s gate, up and down as the file holds them; false where the layer has none
+bool pi2_expert_file_types(const struct pi2_expert_file * f, int layer, enum ggml_type out[3]);
 
 // The cache's entries (each one expert) and their bytes
 uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f);

@@ -15,6 +15,7 @@
 #include "flash/expert_file.h"
 #include "ggml-pi2.h"
 #include "flash/pipeline.h"
+#include "graph/placement.h"
 #include "sparse/predictor.h"
 
 uint64_t pi2_cache_min_bytes(const struct pi2_sidecar * sc) {
@@ -207,6 +208,51 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
     return 0;
 }
 
+// PI2_DENSE_READS=auto: whether a dense model's FFN layers are worth reading whole from the model file rather than from
+// the sidecar's bundles. Where no layer's sparse decode is expected to beat ggml-cpu's dense kernels (in RAM the
+// placement rule leaves them all to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h), a
+// cached token computes from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down
+// weight over the bundles' columns (MEASUREMENTS.md, 2026-11-29). Whether every layer fits is the caller's question:
+// where they do not, the bundles stay (layers read whole would stream, and bundles read fewer bytes a token).
+static bool pi2_dense_reads_model_pay(struct pi2_binding * b) {
+    const struct pi2_sidecar * sc = b->sc;
+    if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
+        atomic_load(&b->mode) == PI2_MODE_ORACLE) {
+        return false; // oracle mode measures every layer's sparsity from its bundles
+    }
+    const double down_sparse_max = pi2_binding_setting(b, PI2_SET_DOWN_SPARSE_MAX);
+    const bool   always          = pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0;
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        if (pi2_sparse_cost_ratio(&sc->layer[il], sc->n_embd, sc->sparsity_method, down_sparse_max, always) < 1.0) {
+            return false;
+        }
+    }
+    return sc->n_layer > 0;
+}
+
+// The dense model's layers whole from the model file in a cache of `bytes` that holds every one of them at once, or
+// NULL (they do not all fit, the file's FFNs are not the sidecar's layers, or a layer's gate or up rows are not in the
+// bundles' types: convert --bundle-type's layers compute from the bundles in RAM too, so a budget keeps them)
+static struct pi2_expert_file * pi2_dense_layers_open(struct pi2_binding * b, uint64_t bytes) {
+    char why[512];
+    uint32_t n_dense = 0;
+    const uint64_t entry = pi2_expert_file_layers(b->model_path, true, &n_dense, why, sizeof(why));
+    if (entry == 0 || n_dense != b->sc->n_layer || bytes / entry < n_dense) {
+        return NULL;
+    }
+    struct pi2_expert_file * f = pi2_expert_file_open(b->model_path, true, (uint64_t) n_dense * entry,
+                                                      (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES), why, sizeof(why));
+    for (uint32_t il = 0; f != NULL && il < b->sc->n_layer; ++il) {
+        enum ggml_type t[3];
+        const struct pi2_sidecar_layer * L = &b->sc->layer[il];
+        if (!pi2_expert_file_types(f, (int) il, t) || t[0] != L->gate_type || t[1] != L->up_type) {
+            pi2_expert_file_free(f);
+            f = NULL;
+        }
+    }
+    return f;
+}
+
 bool pi2_binding_has_cache(struct pi2_binding * b) {
     pthread_mutex_lock(&b->cache_lock);
     const bool has = b->pipe != NULL;
@@ -226,6 +272,7 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     }
     pi2_expert_file_free(b->experts);
     b->experts = NULL;
+    b->dense_model_reads = false;
     // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own; so do
     // a dense model's FFN layers where the sidecar says so (pi2.dense_reads = model), each layer one expert
     const bool dense = b->sc->dense_whole;
@@ -294,8 +341,18 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         cache_bytes_experts = cache_bytes - neuron;
         cache_bytes = neuron;
     }
-    struct pi2_cache_plan plan;
-    if (!pi2_cache_plan(b->sc, cache_bytes, pi2_prefetch_bytes(b), pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan)) {
+    // a dense model whose layers all fit whole: read from the model file, computed as in RAM; no bundles are read
+    if (!whole && pi2_dense_reads_model_pay(b)) {
+        b->experts = pi2_dense_layers_open(b, cache_bytes);
+        b->dense_model_reads = b->experts != NULL;
+        cache_bytes_experts = b->dense_model_reads ? pi2_expert_file_bytes(b->experts) : 0;
+    }
+    struct pi2_cache_plan plan = { .no_bundles = b->dense_model_reads };
+    if (b->dense_model_reads) {
+        plan.hot_k = calloc(b->sc->n_layer, sizeof(*plan.hot_k));
+    }
+    if (b->dense_model_reads ? plan.hot_k == NULL
+                             : !pi2_cache_plan(b->sc, cache_bytes, pi2_prefetch_bytes(b), pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan)) {
         snprintf(err, errlen, "sidecar %s: cannot plan a neuron cache of %.0f MB", b->sc->path, pi2_mb(cache_bytes));
         pthread_mutex_unlock(&b->cache_lock);
         return -1;

@@ -182,6 +182,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         hot += (size_t) k * L->bundle_size;
         need = L->n_bundles - k > need ? L->n_bundles - k : need;
     }
+    need = plan->no_bundles ? 0 : need;
     if (need + plan->n_prefetch > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);
