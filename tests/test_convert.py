@@ -566,9 +566,10 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
     # raised them to Q8_0's error
     assert not any("rows' type" in n for n in res.notes), res.notes
     text = "\n\n".join(corpus.load(None).split()[1])
-    # what a memory budget decodes: the sidecar's FFN on flash (a budget the whole FFN fits in)
+    # what a memory budget decodes from the sidecar's bundles (a budget the whole FFN fits in would read SmolLM2's layers
+    # whole from the model file: PI2_DENSE_READS=bundles, as convert scores)
     again = perplexity(smollm2, text, QUALITY_CTX, QUALITY_CHUNKS, progress=False, sidecar=res.path, mode="predicted",
-                       memory_budget=2_000_000_000, chunk_batches=True)
+                       memory_budget=2_000_000_000, chunk_batches=True, settings={"dense_reads": "bundles"})
     assert again.ppl == pytest.approx(ppl, rel=1e-5)
 
 

@@ -36,6 +36,7 @@ from pi2_gguf.sidecar.reader import read as read_sidecar
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
 from gguf_copy import copy_gguf  # noqa: E402
 from kernel_probe import io_uring_available  # noqa: E402
+from settings import SMOL_TARGET  # noqa: E402
 
 PROMPT = "The history of the Roman Empire"
 N_STEPS = 16
@@ -862,21 +863,32 @@ def test_dense_layers_read_whole_from_the_model_file(smollm2: Path, smol_whole: 
         assert flash.io["cold_hits"] == evals * pinned, (entries, flash.io)
 
 
-def test_dense_layers_that_all_fit_are_read_whole(smollm2: Path, smol_sidecar: Path) -> None:
+@pytest.fixture(scope="module")
+def smol_q40_first10(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 converted with its first 10 layers' bundle rows in Q4_0 (--bundle-type q4_0 --bundle-type-layers 0-9):
+    layers that compute from their bundles in RAM too, which a budget does not read whole."""
+    return convert(smollm2, tmp_path_factory.mktemp("q40first") / "smol.pi2.gguf", sparsity=SMOL_TARGET, ranks=[64],
+                   perplexity_budget=None, bundle_type="q4_0", bundle_type_layers="0-9", train_tokens=512,
+                   heldout_tokens=256, progress=False).path
+
+
+def test_dense_layers_that_fit_are_read_whole(smollm2: Path, smol_sidecar: Path, smol_q40_first10: Path) -> None:
     """PI2_DENSE_READS=auto (the default): SmolLM2's bundles sidecar, none of whose layers sparse decode is expected to
-    run faster than ggml-cpu (in RAM all 30 run there), under a budget whose cache holds every FFN layer whole: the
+    run faster than ggml-cpu (in RAM all 30 run there). Under a budget whose cache holds every FFN layer whole the
     layers come whole from the model file (each an entry of the layer cache, found every token; no bundle cached or
-    read) and compute as in RAM, so decode gives stock's tokens. A cache one layer short of that, or
-    PI2_DENSE_READS=bundles, keeps the bundles."""
+    read) and compute as in RAM, so decode gives stock's tokens. A cache where the bundles alone do not all fit, or
+    PI2_DENSE_READS=bundles, reads none whole. Layers whose bundles hold other row types than the model's (convert
+    --bundle-type) keep their bundles, all hot, beside the others read whole: a token reads nothing."""
     from pi2_gguf.runtime.isolated import greedy_in_subprocess
 
     spans = _ffn_spans(smollm2)
     entry = max(spans)
     evals = N_STEPS - 1  # the prompt's batch computes the first token
     stock = greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=False, repack=False)[0]
+    bundles_bytes = sum(read_sidecar(smol_sidecar).bundles(il).nbytes for il in range(len(spans)))
 
-    def flash(settings: dict[str, str | int]) -> Any:
-        return greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=True, sidecar=smol_sidecar, mode="predicted",
+    def flash(settings: dict[str, str | int], sidecar: Path = smol_sidecar) -> Any:
+        return greedy_in_subprocess(smollm2, [PROMPT], N_STEPS, pi2=True, sidecar=sidecar, mode="predicted",
                                     memory_budget=2 << 30, settings=settings)[0]
 
     for settings in ({}, {"cache_max": len(spans) * entry}):
@@ -885,10 +897,15 @@ def test_dense_layers_that_all_fit_are_read_whole(smollm2: Path, smol_sidecar: P
         assert whole.io["expert_bytes"] == len(spans) * entry and whole.io["hot_bytes"] == whole.io["cold_bytes"] == 0
         assert whole.io["cold_hits"] == evals * len(spans) and whole.io["hot_hits"] == whole.io["misses"] == 0
         assert whole.io["bundle_bytes"] == 0, whole.io  # every layer read by the prompt, none again
-    for settings in ({"cache_max": len(spans) * entry - 1}, BUNDLES):
+    for settings in ({"cache_max": bundles_bytes // 2}, BUNDLES):
         bundles = flash(settings)
         assert bundles.io["expert_bytes"] == 0 and bundles.io["hot_bytes"] + bundles.io["cold_bytes"] > 0, settings
         assert bundles.io["hot_hits"] + bundles.io["cold_hits"] + bundles.io["misses"] > evals * len(spans), settings
+    mixed = flash({}, smol_q40_first10)
+    q40 = read_sidecar(smol_q40_first10)
+    assert mixed.io["expert_bytes"] == 20 * max(spans[10:]), mixed.io  # layers 10-29, an entry each
+    assert mixed.io["hot_bytes"] == sum(q40.bundles(il).nbytes for il in range(10)), mixed.io  # layers 0-9, all hot
+    assert mixed.io["cold_hits"] == evals * 20 and mixed.io["misses"] == mixed.io["bundle_bytes"] == 0, mixed.io
 
 
 def test_run_verbose_states_the_layer_cache(smollm2: Path, smol_whole: Path) -> None:

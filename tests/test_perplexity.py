@@ -133,13 +133,16 @@ def test_budget_scores_a_chunk_as_one_batch_of_each_token_s_neurons(smollm2: Pat
 
     kw = dict(n_ctx=128, max_chunks=2, progress=False, sidecar=smol_sidecar, mode="predicted",
               memory_budget=2_000_000_000)
-    always = {"predictor": "always"}  # SmolLM2's predictors do not pay: run them so that selections differ per token
+    # SmolLM2's predictors do not pay: run them so that selections differ per token; the bundles (this budget would read
+    # the layers whole from the model file)
+    always = {"predictor": "always", "dense_reads": "bundles"}
+    auto = {"predictor": "auto", "dense_reads": "bundles"}
     runs = {}
     one = dict(chunk_batches=True)
     for name, extra in (("decode", dict(settings=always)), ("batch", dict(settings=always, **one)),
                         ("union", dict(settings={**always, "batch_neurons": "union"}, **one)),
-                        ("all batch", dict(settings={"predictor": "auto"}, **one)),
-                        ("all union", dict(settings={"predictor": "auto", "batch_neurons": "union"}, **one))):
+                        ("all batch", dict(settings=auto, **one)),
+                        ("all union", dict(settings={**auto, "batch_neurons": "union"}, **one))):
         pi2_gguf.reset_counters()
         ppl = perplexity(smollm2, heldout_text, **kw, **extra)  # type: ignore[arg-type]
         c = pi2_gguf.read_counters()

@@ -119,14 +119,15 @@ def test_completion_under_a_budget_equals_pi2_llama(smollm2: Path, smol_sidecar:
     # pi2_gguf.Llama under the same budget, in a process of its own (this one holds more than the budget)
     ref = ("import json, sys, pi2_gguf\n"
            "llm = pi2_gguf.Llama(sys.argv[1], sidecar=sys.argv[2], memory_budget=sys.argv[3], n_ctx=512, n_threads=2,"
-           " n_threads_batch=2, flash_attn=True, verbose=False)\n"
+           " n_threads_batch=2, flash_attn=True, verbose=False, settings={'dense_reads': 'bundles'})\n"
            f"r = llm.create_completion({PROMPT!r}, temperature=0, max_tokens={N}, repeat_penalty=1.0)\n"
            "print(json.dumps(r['choices'][0]['text']))\n")
     res = subprocess.run([sys.executable, "-c", ref, str(smollm2), str(smol_sidecar), BUDGET], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     want = json.loads(res.stdout.strip().splitlines()[-1])
-    env = _env(PI2_SIDECAR=str(smol_sidecar), PI2_MEMORY_BUDGET=BUDGET)
+    # the bundles both ways: 300 MB holds SmolLM2's layers whole, which pi2_gguf.Llama (it knows the model file) reads so
+    env = _env(PI2_SIDECAR=str(smol_sidecar), PI2_MEMORY_BUDGET=BUDGET, PI2_DENSE_READS="bundles")
     cmd = [_tool("llama-completion"), "-m", str(smollm2), "-p", PROMPT, "-n", str(N), "--temp", "0", "-no-cnv",
            "--no-display-prompt", "-t", "2", "-c", "512", "-lm", "none"]
     with (tmp_path / "out.txt").open("w") as out_f, (tmp_path / "err.txt").open("w") as err_f:
@@ -149,7 +150,8 @@ def test_budget_names_the_model_file_the_tools_load(smollm2: Path, smol_sidecar:
                                                     tmp_path: Path) -> None:
     """The tools do not name the model file to the plugin: under a budget it takes MODEL.gguf beside a sidecar
     MODEL.pi2.gguf, or PI2_MODEL; with neither (the sidecar elsewhere) the load warns that the embedding and output
-    matrix stay in RAM. The text is the same every way; a PI2_MODEL of another model is refused."""
+    matrix stay in RAM. The text is the same every way (from the bundles: where the plugin knows the model file, 300 MB
+    would read SmolLM2's layers whole from it instead); a PI2_MODEL of another model is refused."""
     beside = tmp_path / "beside"
     beside.mkdir()
     (beside / "m.gguf").symlink_to(smollm2)
@@ -158,7 +160,7 @@ def test_budget_names_the_model_file_the_tools_load(smollm2: Path, smol_sidecar:
     for name, model, env in (("elsewhere", smollm2, dict(PI2_SIDECAR=str(smol_sidecar))),
                              ("named", smollm2, dict(PI2_SIDECAR=str(smol_sidecar), PI2_MODEL=str(smollm2))),
                              ("beside", beside / "m.gguf", dict(PI2_SIDECAR=str(beside / "m.pi2.gguf")))):
-        res = _completion(model, _env(PI2_MEMORY_BUDGET=BUDGET, **env), "-lm", "none")
+        res = _completion(model, _env(PI2_MEMORY_BUDGET=BUDGET, PI2_DENSE_READS="bundles", **env), "-lm", "none")
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = res
     assert UNKNOWN_MODEL in runs["elsewhere"].stderr

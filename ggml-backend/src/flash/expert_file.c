@@ -189,7 +189,7 @@ static uint64_t pi2_layer_entry_bytes(const struct pi2_expert_layer * L) {
 
 // the layers of the model file at path (f open with meta); -1 with err
 static int pi2_scan(struct pi2_gguf_file * g, const char * path, bool dense, struct pi2_expert_layer ** out, int * n_layer,
-                    uint64_t * entry, uint32_t * n_found, char * err, size_t errlen) {
+                    uint64_t * entry, char * err, size_t errlen) {
     int n = 0;
     for (;; ++n) { // blk.N tensors run from 0 without gaps
         char name[GGML_MAX_NAME];
@@ -227,41 +227,45 @@ static int pi2_scan(struct pi2_gguf_file * g, const char * path, bool dense, str
     *out = L;
     *n_layer = n;
     *entry = worst;
-    if (n_found != NULL) {
-        *n_found = (uint32_t) found;
-    }
     return 0;
 }
 
-uint64_t pi2_expert_file_layers(const char * model_path, bool dense, uint32_t * n_layers, char * err, size_t errlen) {
+int pi2_expert_file_layers(const char * model_path, bool dense, struct pi2_expert_file_layer * out, int cap, char * err,
+                           size_t errlen) {
     struct pi2_gguf_file g;
     struct pi2_expert_layer * L = NULL;
     int n = 0;
     uint64_t entry = 0;
-    *n_layers = 0;
     if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
-        pi2_scan(&g, model_path, dense, &L, &n, &entry, n_layers, err, errlen) != 0) {
+        pi2_scan(&g, model_path, dense, &L, &n, &entry, err, errlen) != 0) {
+        n = -1;
+    }
+    for (int il = 0; il < n && il < cap; ++il) {
+        out[il] = (struct pi2_expert_file_layer) { .present = L[il].present };
+        if (L[il].present) {
+            out[il].bytes = pi2_layer_entry_bytes(&L[il]);
+            for (int m = 0; m < 3; ++m) {
+                out[il].type[m] = L[il].type[m];
+            }
+        }
+    }
+    free(L);
+    pi2_gguf_file_close(&g);
+    return n;
+}
+
+uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen) {
+    struct pi2_gguf_file g;
+    struct pi2_expert_layer * L = NULL;
+    int n = 0;
+    uint64_t entry = 0;
+    if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
+        pi2_scan(&g, model_path, dense, &L, &n, &entry, err, errlen) != 0) {
         entry = 0;
-        *n_layers = 0;
     }
     free(L);
     pi2_gguf_file_close(&g);
     return entry;
-}
-
-uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen) {
-    uint32_t n_layers = 0;
-    return pi2_expert_file_layers(model_path, dense, &n_layers, err, errlen);
-}
-
-bool pi2_expert_file_types(const struct pi2_expert_file * f, int layer, enum ggml_type out[3]) {
-    if (layer < 0 || layer >= f->n_layer || !f->layer[layer].present) {
-        return false;
-    }
-    for (int m = 0; m < 3; ++m) {
-        out[m] = f->layer[layer].type[m];
-    }
-    return true;
 }
 
 void pi2_expert_file_free(struct pi2_expert_file * f) {
@@ -303,8 +307,21 @@ void pi2_expert_file_free(struct pi2_expert_file * f) {
     free(f);
 }
 
+static struct pi2_expert_file * pi2_open(const char * model_path, bool dense, const uint8_t * only, int n_only, uint64_t bytes,
+                                         uint64_t chunk_max, char * err, size_t errlen);
+
 struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dense, uint64_t bytes, uint64_t chunk_max,
                                                char * err, size_t errlen) {
+    return pi2_open(model_path, dense, NULL, 0, bytes, chunk_max, err, errlen);
+}
+
+struct pi2_expert_file * pi2_expert_file_open_layers(const char * model_path, const uint8_t * only, int n_only, uint64_t bytes,
+                                                      uint64_t chunk_max, char * err, size_t errlen) {
+    return pi2_open(model_path, true, only, n_only, bytes, chunk_max, err, errlen);
+}
+
+static struct pi2_expert_file * pi2_open(const char * model_path, bool dense, const uint8_t * only, int n_only, uint64_t bytes,
+                                         uint64_t chunk_max, char * err, size_t errlen) {
     struct pi2_expert_file * f = calloc(1, sizeof(*f));
     if (f == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -313,12 +330,25 @@ struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dens
     f->fd = f->fd_plain = -1;
     struct pi2_gguf_file g;
     const int rc = pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) == 0
-                 ? pi2_scan(&g, model_path, dense, &f->layer, &f->n_layer, &f->entry_bytes, NULL, err, errlen) : -1;
+                 ? pi2_scan(&g, model_path, dense, &f->layer, &f->n_layer, &f->entry_bytes, err, errlen) : -1;
     f->file_size = g.file_size;
     pi2_gguf_file_close(&g);
     if (rc != 0) {
         pi2_expert_file_free(f);
         return NULL;
+    }
+    if (only != NULL) { // the layers kept: the others absent, and an entry the largest of those kept
+        f->entry_bytes = 0;
+        for (int il = 0; il < f->n_layer; ++il) {
+            f->layer[il].present = f->layer[il].present && il < n_only && only[il] != 0;
+            const uint64_t b = f->layer[il].present ? pi2_layer_entry_bytes(&f->layer[il]) : 0;
+            f->entry_bytes = b > f->entry_bytes ? b : f->entry_bytes;
+        }
+        if (f->entry_bytes == 0) {
+            pi2_gguf_fail(err, errlen, "model file", model_path, "has none of the dense FFN layers asked for");
+            pi2_expert_file_free(f);
+            return NULL;
+        }
     }
     if (bytes < f->entry_bytes) {
         pi2_gguf_fail(err, errlen, "model file", model_path, "an expert cache of %" PRIu64 " bytes cannot hold one expert (%" PRIu64

@@ -28,15 +28,25 @@ struct pi2_expert_matrices {
 // in requests of at most chunk_max bytes (PI2_IO_MAX_BYTES). NULL with err on failure (naming the file and the tensor).
 struct pi2_expert_file * pi2_expert_file_open(const char * model_path, bool dense, uint64_t bytes, uint64_t chunk_max,
                                                char * err, size_t errlen);
+// The same for the dense layers il with only[il] != 0 (il < n_only) alone: the others are not the file's to read, and an
+// entry holds the largest of those kept
+struct pi2_expert_file * pi2_expert_file_open_layers(const char * model_path, const uint8_t * only, int n_only, uint64_t bytes,
+                                                      uint64_t chunk_max, char * err, size_t errlen);
 void pi2_expert_file_free(struct pi2_expert_file * f);
 
 // Bytes one entry takes (the largest expert of any layer, with its alignment slack); 0 with err where the model
 // has no routed experts or its file cannot be read.
 uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen);
-// The same, and how many layers have such FFNs (routed experts, or with `dense` a dense FFN), in *n_layers
-uint64_t pi2_expert_file_layers(const char * model_path, bool dense, uint32_t * n_layers, char * err, size_t errlen);
-// The types of model layer `layer`'s gate, up and down as the file holds them; false where the layer has none
-bool pi2_expert_file_types(const struct pi2_expert_file * f, int layer, enum ggml_type out[3]);
+// What the model file holds for one layer (a dense FFN, or its routed experts)
+struct pi2_expert_file_layer {
+    bool           present; // the layer has such FFNs
+    uint64_t       bytes;   // an entry holding the layer's largest expert (a dense layer: the layer) with its alignment slack
+    enum ggml_type type[3]; // gate, up, down
+};
+// The layers of the model file (out[0 .. cap)), as pi2_expert_file_open would find them: how many the model has, or -1
+// with err
+int pi2_expert_file_layers(const char * model_path, bool dense, struct pi2_expert_file_layer * out, int cap, char * err,
+                           size_t errlen);
 
 // The cache's entries (each one expert) and their bytes
 uint32_t pi2_expert_file_entries(const struct pi2_expert_file * f);

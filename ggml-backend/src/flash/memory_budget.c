@@ -66,12 +66,17 @@ static int pi2_freq_desc(const void * a, const void * b) {
     return (x->bundle > y->bundle) - (x->bundle < y->bundle);
 }
 
-// every bundle of the model as a pi2_freq_item, hottest first; NULL when out of memory. A bundle is as hot
-// as its first slot (slots are in frequency order).
-static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, size_t * n_items) {
+// whether layer il reads bundles (skip: pi2_cache_plan's)
+static bool pi2_reads_bundles(const uint8_t * skip, uint32_t il) {
+    return skip == NULL || skip[il] == 0;
+}
+
+// every bundle of the layers that read them as a pi2_freq_item, hottest first; NULL when out of memory. A bundle is
+// as hot as its first slot (slots are in frequency order).
+static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, const uint8_t * skip, size_t * n_items) {
     size_t n = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        n += sc->layer[il].n_bundles;
+        n += pi2_reads_bundles(skip, il) ? sc->layer[il].n_bundles : 0;
     }
     struct pi2_freq_item * items = malloc((n > 0 ? n : 1) * sizeof(*items));
     if (items == NULL) {
@@ -80,7 +85,7 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
     size_t k = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
         const struct pi2_sidecar_layer * L = &sc->layer[il];
-        for (uint32_t j = 0; j < L->n_bundles; ++j) {
+        for (uint32_t j = 0; pi2_reads_bundles(skip, il) && j < L->n_bundles; ++j) {
             items[k++] = (struct pi2_freq_item) { L->freq[L->order[(size_t) j * L->bundle_neurons]], il, j };
         }
     }
@@ -90,37 +95,48 @@ static struct pi2_freq_item * pi2_sorted_items(const struct pi2_sidecar * sc, si
 }
 
 // cold entries the layer with the most non-hot bundles needs (oracle and dense modes read all of them)
-static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint32_t * hot_k) {
+static uint32_t pi2_cold_need(const struct pi2_sidecar * sc, const uint8_t * skip, const uint32_t * hot_k) {
     uint32_t need = 0;
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        const uint32_t rest = sc->layer[il].n_bundles - hot_k[il];
+        const uint32_t rest = pi2_reads_bundles(skip, il) ? sc->layer[il].n_bundles - hot_k[il] : 0;
         need = rest > need ? rest : need;
     }
     return need;
 }
 
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, double cold_share,
-                    struct pi2_cache_plan * out) {
+bool pi2_cache_plan(const struct pi2_sidecar * sc, const uint8_t * skip, uint64_t bytes, uint64_t prefetch_bytes,
+                    double cold_share, struct pi2_cache_plan * out) {
     memset(out, 0, sizeof(*out));
-    if (bytes < pi2_cache_min_bytes(sc)) {
+    uint32_t max_n_bundles = 0, most = 0; // the most bundles of any layer, and of any that reads them
+    const uint32_t entry = pi2_cache_entry_size(sc, &max_n_bundles);
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        most = pi2_reads_bundles(skip, il) && sc->layer[il].n_bundles > most ? sc->layer[il].n_bundles : most;
+    }
+    if (bytes < (uint64_t) most * entry) {
         return false;
     }
-    uint32_t max_n_bundles = 0;
-    const uint32_t entry = pi2_cache_entry_size(sc, &max_n_bundles);
-    if (entry == 0) { // no layer has bundles (every FFN a routed expert read whole from the model file): no neuron cache
+    if (skip != NULL) {
+        out->skip = malloc(sc->n_layer);
+        if (out->skip == NULL) {
+            return false;
+        }
+        memcpy(out->skip, skip, sc->n_layer);
+    }
+    if (entry == 0 || most == 0) { // no layer reads bundles (every FFN read whole from the model file): no neuron cache
         out->hot_k = calloc(sc->n_layer, sizeof(*out->hot_k));
         return out->hot_k != NULL;
     }
     // prefetch entries from at most a quarter of what the cache has beyond one whole layer, so a small
     // cache still pins its hottest neurons
-    const uint64_t spare = (bytes / entry - max_n_bundles) / 4;
+    const uint64_t spare = (bytes / entry - most) / 4;
     const uint64_t n_pf  = prefetch_bytes / entry < spare ? prefetch_bytes / entry : spare;
     size_t n_items = 0;
-    struct pi2_freq_item * items = pi2_sorted_items(sc, &n_items);
+    struct pi2_freq_item * items = pi2_sorted_items(sc, skip, &n_items);
     uint32_t * hot_k = calloc(sc->n_layer, sizeof(*hot_k));
     if (items == NULL || hot_k == NULL) {
         free(items);
         free(hot_k);
+        pi2_cache_plan_free(out);
         return false;
     }
     // the longest prefix of the hottest bundles (up to 1 - the cold share of the cache) that leaves the
@@ -136,7 +152,7 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t pref
             break;
         }
         hot_k[items[k].layer]++;
-        if ((bytes - used) / entry >= pi2_cold_need(sc, hot_k) + n_pf) {
+        if ((bytes - used) / entry >= pi2_cold_need(sc, skip, hot_k) + n_pf) {
             best      = k + 1;
             best_used = used;
         }
@@ -168,7 +184,9 @@ bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t pref
 
 void pi2_cache_plan_free(struct pi2_cache_plan * plan) {
     free(plan->hot_k);
+    free(plan->skip);
     plan->hot_k = NULL;
+    plan->skip  = NULL;
 }
 
 uint64_t pi2_resident_bytes(void) {
@@ -201,56 +219,72 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
         return pi2_binding_setting(b, PI2_SET_EXPERT_AHEAD) > 0 ? bytes : 0;
     }
     for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
-        if (!pi2_predictor_runs(&b->layer[il].pred, true, false)) {
+        if (!b->layer[il].read_whole && !pi2_predictor_runs(&b->layer[il].pred, true, false)) {
             return bytes;
         }
     }
     return 0;
 }
 
-// PI2_DENSE_READS=auto: whether a dense model's FFN layers are worth reading whole from the model file rather than from
-// the sidecar's bundles. Where no layer's sparse decode is expected to beat ggml-cpu's dense kernels (in RAM the
-// placement rule leaves them all to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h), a
-// cached token computes from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down
-// weight over the bundles' columns (MEASUREMENTS.md, 2026-11-29). Whether every layer fits is the caller's question:
-// where they do not, the bundles stay (layers read whole would stream, and bundles read fewer bytes a token).
-static bool pi2_dense_reads_model_pay(struct pi2_binding * b) {
-    const struct pi2_sidecar * sc = b->sc;
-    if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
-        atomic_load(&b->mode) == PI2_MODE_ORACLE) {
-        return false; // oracle mode measures every layer's sparsity from its bundles
-    }
-    const double down_sparse_max = pi2_binding_setting(b, PI2_SET_DOWN_SPARSE_MAX);
-    const bool   always          = pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0;
-    for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        if (pi2_sparse_cost_ratio(&sc->layer[il], sc->n_embd, sc->sparsity_method, down_sparse_max, always) < 1.0) {
-            return false;
-        }
-    }
-    return sc->n_layer > 0;
+// PI2_DENSE_READS=auto: whether a dense model's layer may be read whole from the model file rather than from the
+// sidecar's bundles: where its sparse decode is not expected to beat ggml-cpu's dense kernels (in RAM the placement
+// rule leaves it to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h), a cached token then
+// computes it from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down weight over
+// the bundles' columns (MEASUREMENTS.md, 2026-11-29). Not where its bundles hold other gate or up types than the model
+// (convert --bundle-type: in RAM too it computes from the bundles), nor in oracle mode (it measures the bundles).
+static bool pi2_dense_layer_may_read_whole(const struct pi2_binding * b, uint32_t il, const struct pi2_expert_file_layer * f) {
+    const struct pi2_sidecar_layer * L = &b->sc->layer[il];
+    return f->present && !L->whole && f->type[0] == L->gate_type && f->type[1] == L->up_type &&
+           pi2_sparse_cost_ratio(L, b->sc->n_embd, b->sc->sparsity_method, pi2_binding_setting(b, PI2_SET_DOWN_SPARSE_MAX),
+                                 pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0) >= 1.0;
 }
 
-// The dense model's layers whole from the model file in a cache of `bytes` that holds every one of them at once, or
-// NULL (they do not all fit, the file's FFNs are not the sidecar's layers, or a layer's gate or up rows are not in the
-// bundles' types: convert --bundle-type's layers compute from the bundles in RAM too, so a budget keeps them)
-static struct pi2_expert_file * pi2_dense_layers_open(struct pi2_binding * b, uint64_t bytes) {
-    char why[512];
-    uint32_t n_dense = 0;
-    const uint64_t entry = pi2_expert_file_layers(b->model_path, true, &n_dense, why, sizeof(why));
-    if (entry == 0 || n_dense != b->sc->n_layer || bytes / entry < n_dense) {
-        return NULL;
+// The dense layers this budget reads whole (PI2_DENSE_READS=auto), in pick[n_layer], and the bytes of their cache;
+// 0 where none. As many of the layers that may be (the smallest first, each an entry of the largest's size) as fit in
+// `bytes` with every other layer's bundles in the hot segment: a token then reads nothing, and the layers read whole
+// compute as in RAM. Where none fits so, none is read whole: a token reads some bundles anyway, and they read fewer
+// bytes than whole layers would (down columns re-quantized; MEASUREMENTS.md, 2026-11-28).
+static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uint8_t * pick) {
+    const struct pi2_sidecar * sc = b->sc;
+    memset(pick, 0, sc->n_layer);
+    if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
+        atomic_load(&b->mode) == PI2_MODE_ORACLE) {
+        return 0;
     }
-    struct pi2_expert_file * f = pi2_expert_file_open(b->model_path, true, (uint64_t) n_dense * entry,
-                                                      (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES), why, sizeof(why));
-    for (uint32_t il = 0; f != NULL && il < b->sc->n_layer; ++il) {
-        enum ggml_type t[3];
-        const struct pi2_sidecar_layer * L = &b->sc->layer[il];
-        if (!pi2_expert_file_types(f, (int) il, t) || t[0] != L->gate_type || t[1] != L->up_type) {
-            pi2_expert_file_free(f);
-            f = NULL;
+    struct pi2_expert_file_layer * f = calloc(sc->n_layer, sizeof(*f));
+    uint32_t * order = malloc(sizeof(uint32_t) * sc->n_layer);
+    char why[512];
+    uint32_t n = 0;
+    uint64_t bundles = 0; // every layer's bundles
+    if (f != NULL && order != NULL && pi2_expert_file_layers(b->model_path, true, f, (int) sc->n_layer, why, sizeof(why)) == (int) sc->n_layer) {
+        for (uint32_t il = 0; il < sc->n_layer; ++il) {
+            bundles += (uint64_t) sc->layer[il].n_bundles * sc->layer[il].bundle_size;
+            if (pi2_dense_layer_may_read_whole(b, il, &f[il])) {
+                uint32_t k = n++; // insertion by entry size, smallest first
+                for (; k > 0 && f[order[k - 1]].bytes > f[il].bytes; --k) {
+                    order[k] = order[k - 1];
+                }
+                order[k] = il;
+            }
         }
     }
-    return f;
+    uint32_t best = 0;
+    uint64_t rest = bundles, best_bytes = 0;
+    for (uint32_t k = 0; k < n; ++k) {
+        const struct pi2_sidecar_layer * L = &sc->layer[order[k]];
+        rest -= (uint64_t) L->n_bundles * L->bundle_size;
+        const uint64_t whole = (uint64_t) (k + 1) * f[order[k]].bytes;
+        if (whole + rest <= bytes) {
+            best = k + 1;
+            best_bytes = whole;
+        }
+    }
+    for (uint32_t k = 0; k < best; ++k) {
+        pick[order[k]] = 1;
+    }
+    free(f);
+    free(order);
+    return best_bytes;
 }
 
 bool pi2_binding_has_cache(struct pi2_binding * b) {
@@ -272,7 +306,9 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
     }
     pi2_expert_file_free(b->experts);
     b->experts = NULL;
-    b->dense_model_reads = false;
+    for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+        b->layer[il].read_whole = false;
+    }
     // PI2_EXPERT_READS=model: routed experts come whole from the model file into an expert cache of their own; so do
     // a dense model's FFN layers where the sidecar says so (pi2.dense_reads = model), each layer one expert
     const bool dense = b->sc->dense_whole;
@@ -341,18 +377,29 @@ int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t res
         cache_bytes_experts = cache_bytes - neuron;
         cache_bytes = neuron;
     }
-    // a dense model whose layers all fit whole: read from the model file, computed as in RAM; no bundles are read
-    if (!whole && pi2_dense_reads_model_pay(b)) {
-        b->experts = pi2_dense_layers_open(b, cache_bytes);
-        b->dense_model_reads = b->experts != NULL;
-        cache_bytes_experts = b->dense_model_reads ? pi2_expert_file_bytes(b->experts) : 0;
+    // a dense model's layers read whole where they fit with every other layer's bundles (PI2_DENSE_READS=auto)
+    uint8_t * pick = whole ? NULL : calloc(b->sc->n_layer, 1);
+    const uint64_t whole_bytes = pick != NULL ? pi2_dense_whole_pick(b, cache_bytes, pick) : 0;
+    if (whole_bytes > 0) {
+        b->experts = pi2_expert_file_open_layers(b->model_path, pick, (int) b->sc->n_layer, whole_bytes,
+                                                 (uint64_t) pi2_binding_setting(b, PI2_SET_IO_MAX_BYTES), err, errlen);
+        if (b->experts == NULL) {
+            free(pick);
+            pthread_mutex_unlock(&b->cache_lock);
+            return -1;
+        }
+        for (uint32_t il = 0; il < b->sc->n_layer; ++il) {
+            b->layer[il].read_whole = pick[il] != 0;
+        }
+        cache_bytes_experts = pi2_expert_file_bytes(b->experts);
+        cache_bytes -= cache_bytes_experts;
     }
-    struct pi2_cache_plan plan = { .no_bundles = b->dense_model_reads };
-    if (b->dense_model_reads) {
-        plan.hot_k = calloc(b->sc->n_layer, sizeof(*plan.hot_k));
-    }
-    if (b->dense_model_reads ? plan.hot_k == NULL
-                             : !pi2_cache_plan(b->sc, cache_bytes, pi2_prefetch_bytes(b), pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan)) {
+    struct pi2_cache_plan plan;
+    // beside layers read whole every other layer's bundles are hot: nothing to prefetch, no room kept for it
+    const bool planned = pi2_cache_plan(b->sc, whole_bytes > 0 ? pick : NULL, cache_bytes, whole_bytes > 0 ? 0 : pi2_prefetch_bytes(b),
+                                        pi2_binding_setting(b, PI2_SET_COLD_SHARE), &plan);
+    free(pick);
+    if (!planned) {
         snprintf(err, errlen, "sidecar %s: cannot plan a neuron cache of %.0f MB", b->sc->path, pi2_mb(cache_bytes));
         pthread_mutex_unlock(&b->cache_lock);
         return -1;

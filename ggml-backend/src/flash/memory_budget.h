@@ -28,9 +28,11 @@ uint64_t pi2_cache_overhead_bytes(const struct pi2_sidecar * sc, uint32_t ahead_
 uint64_t pi2_cache_ahead_bundles(const struct pi2_sidecar * sc, uint32_t ahead_pairs);
 // How `bytes` splits into hot and cold segments, with cold room for up to prefetch_bytes of prefetched
 // bundles beyond one layer's need (less if the cache cannot spare it), and at most 1 - cold_share of the
-// bytes hot; false if bytes < pi2_cache_min_bytes or memory runs out. Free with pi2_cache_plan_free.
-bool pi2_cache_plan(const struct pi2_sidecar * sc, uint64_t bytes, uint64_t prefetch_bytes, double cold_share,
-                    struct pi2_cache_plan * out);
+// bytes hot; false if bytes hold fewer than one layer's bundles or memory runs out. skip ([n_layer], NULL: none): 1 for
+// the layers that read no bundles (read whole from the model file), which get no hot bundles and need no cold room.
+// Free with pi2_cache_plan_free.
+bool pi2_cache_plan(const struct pi2_sidecar * sc, const uint8_t * skip, uint64_t bytes, uint64_t prefetch_bytes,
+                    double cold_share, struct pi2_cache_plan * out);
 void pi2_cache_plan_free(struct pi2_cache_plan * plan);
 
 // Sizes and makes b's neuron cache (replacing one it had) from `budget` minus what the process holds now,

@@ -135,6 +135,7 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
     }
     c->plan       = *plan;
     c->plan.hot_k = NULL;
+    c->plan.skip  = NULL;
     c->n_layer    = sc->n_layer;
     uint32_t max_n_bundles = 0;
     c->entry_size  = pi2_cache_entry_size(sc, &max_n_bundles);
@@ -180,9 +181,9 @@ struct pi2_neuron_cache * pi2_cache_create(const struct pi2_sidecar * sc, const 
         C->hot_slots = (uint64_t) k * L->bundle_neurons < L->n_ff ? k * L->bundle_neurons : L->n_ff;
         C->hot       = hot;
         hot += (size_t) k * L->bundle_size;
-        need = L->n_bundles - k > need ? L->n_bundles - k : need;
+        const uint32_t rest = plan->skip != NULL && plan->skip[il] ? 0 : L->n_bundles - k; // a layer read whole: none
+        need = rest > need ? rest : need;
     }
-    need = plan->no_bundles ? 0 : need;
     if (need + plan->n_prefetch > c->n_cold) { // the plan's split leaves room; a plan made for another sidecar would not
         snprintf(err, errlen, "sidecar %s: neuron cache plan leaves %u cold entries for a layer needing %u", sc->path, c->n_cold, need);
         pi2_cache_free(c);

@@ -29,7 +29,8 @@ struct pi2_cache_plan {
     uint64_t   hot_neurons;  // in them
     float      freq_cutoff;  // neurons at least this frequently active are hot
     uint32_t * hot_k;        // [n_layer] hot bundles of each layer (its first ones); malloc'd, owned by the plan
-    bool       no_bundles;   // no layer reads bundles (each is read whole from the model file): no cold room needed
+    uint8_t *  skip;         // [n_layer] 1: the layer reads no bundles (read whole from the model file); NULL: none.
+                             // malloc'd, owned by the plan
 };
 
 // A cold entry's size (the largest bundle) and the most bundles of any layer

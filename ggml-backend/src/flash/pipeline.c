@@ -503,7 +503,8 @@ enum ggml_status pi2_pipeline_run(struct pi2_binding * b, struct pi2_sparse_plan
     // layer is another expert, which the router may not choose: no prefetch there
     const int next = (p->layer + 1) % (int) b->sc->n_layer;
     const bool always = pi2_setting(&b->settings, b->defaults, PI2_SET_PREDICTOR) != 0.0;
-    if (b->sc->n_expert == 0 && !pi2_predictor_runs(&b->layer[next].pred, atomic_load(&b->mode) == PI2_MODE_PREDICTED, always)) {
+    if (b->sc->n_expert == 0 && !b->layer[next].read_whole &&
+        !pi2_predictor_runs(&b->layer[next].pred, atomic_load(&b->mode) == PI2_MODE_PREDICTED, always)) {
         p->prefetch_layer = next;
     }
     const uint64_t t0 = pi2_now_ns();

@@ -29,6 +29,8 @@ struct pi2_binding_layer {
     atomic_int           uploaded[PI2_N_MATRIX]; // flash: 1 when llama's upload of the weight matched, -1 if not
     atomic_bool          dense_logged; // the layer's graph was found unfit for sparse decode (logged once)
     atomic_bool          left;     // at load its weights were left to ggml-cpu (placement.h)
+    bool                 read_whole; // flash: this budget reads the layer whole from the model file, not its bundles
+                                     // (PI2_DENSE_READS=auto, memory_budget.c); set while the cache is made
 };
 
 struct pi2_binding {
@@ -54,8 +56,6 @@ struct pi2_binding {
     pthread_mutex_t           cache_lock;  // one FFN at a time per model: the cache is shared by its contexts
     struct pi2_pipeline *     pipe;        // the neuron cache and the reads behind it (pipeline.h)
     struct pi2_expert_file *  experts;     // PI2_EXPERT_READS=model: routed experts read whole from the model file
-    bool                      dense_model_reads; // this budget reads every dense FFN layer whole from the model file
-                                                 // (PI2_DENSE_READS=auto, memory_budget.c), not from the bundles
     uint64_t                  fixed_bytes; // predictor weights kept in RAM
     struct pi2_embedding *    embd;        // the token embedding, left in the model file (NULL: in RAM)
     struct pi2_output *       output;      // the output matrix, if PI2_OUTPUT_ROWS leaves it in the model file

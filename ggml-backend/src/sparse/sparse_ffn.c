@@ -54,8 +54,8 @@ int pi2_sparse_ffn_compute(struct pi2_backend_ctx * ctx, struct pi2_binding * b,
         *st = GGML_STATUS_FAILED;
         return r->n_nodes;
     }
-    // read whole from the model file (the sidecar says so, or this budget holds every layer so): no bundles, no predictor
-    if ((b->sc->layer[r->layer].whole || b->dense_model_reads) && b->flash) {
+    // read whole from the model file (the sidecar says so, or this budget reads it so): no bundles, no predictor
+    if ((b->sc->layer[r->layer].whole || b->layer[r->layer].read_whole) && b->flash) {
         *st = pi2_dense_whole_run(ctx, b, r, model_layer);
         return r->n_nodes;
     }
