@@ -35,7 +35,7 @@ enum pi2_setting {
     PI2_SET_EXPERT_GUESS,      // flash, MoE: 1: the next layer's experts guessed and read ahead (router), 0: not (off)
     PI2_SET_EXPERT_READS,      // flash, MoE: 1: routed experts read whole from the model file (model), 0: the sidecar's bundles
     PI2_SET_BATCH_NEURONS,     // flash, a batch: 1: each token computes its own predicted neurons (token), 0: the batch's union (union)
-    PI2_SET_DENSE_READS,       // flash, dense: 1: always the sidecar's bundles (bundles), 0: layers read whole from the model file where all fit (auto)
+    PI2_SET_DENSE_READS,       // flash, dense: 1: the sidecar's bundles only (bundles), 0: layers read whole from the model file where they fit beside the others' bundles (auto)
     PI2_N_SETTINGS,
 };
 

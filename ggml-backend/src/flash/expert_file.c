@@ -230,15 +230,24 @@ static int pi2_scan(struct pi2_gguf_file * g, const char * path, bool dense, str
     return 0;
 }
 
+// pi2_scan of the model file at path, opened and closed here (*L: NULL on failure); -1 with err
+static int pi2_scan_path(const char * path, bool dense, struct pi2_expert_layer ** L, int * n, uint64_t * entry, char * err,
+                         size_t errlen) {
+    struct pi2_gguf_file g;
+    *L = NULL;
+    const int rc = pi2_gguf_file_open(&g, "model file", path, true, err, errlen) == 0
+                 ? pi2_scan(&g, path, dense, L, n, entry, err, errlen) : -1;
+    pi2_gguf_file_close(&g);
+    return rc;
+}
+
 int pi2_expert_file_layers(const char * model_path, bool dense, struct pi2_expert_file_layer * out, int cap, char * err,
                            size_t errlen) {
-    struct pi2_gguf_file g;
     struct pi2_expert_layer * L = NULL;
     int n = 0;
     uint64_t entry = 0;
-    if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
-        pi2_scan(&g, model_path, dense, &L, &n, &entry, err, errlen) != 0) {
-        n = -1;
+    if (pi2_scan_path(model_path, dense, &L, &n, &entry, err, errlen) != 0) {
+        return -1;
     }
     for (int il = 0; il < n && il < cap; ++il) {
         out[il] = (struct pi2_expert_file_layer) { .present = L[il].present };
@@ -250,22 +259,16 @@ int pi2_expert_file_layers(const char * model_path, bool dense, struct pi2_exper
         }
     }
     free(L);
-    pi2_gguf_file_close(&g);
     return n;
 }
 
 uint64_t pi2_expert_file_entry_bytes(const char * model_path, bool dense, char * err, size_t errlen) {
-    struct pi2_gguf_file g;
     struct pi2_expert_layer * L = NULL;
     int n = 0;
     uint64_t entry = 0;
-    if (pi2_gguf_file_open(&g, "model file", model_path, true, err, errlen) != 0 ||
-        pi2_scan(&g, model_path, dense, &L, &n, &entry, err, errlen) != 0) {
-        entry = 0;
-    }
+    const int rc = pi2_scan_path(model_path, dense, &L, &n, &entry, err, errlen);
     free(L);
-    pi2_gguf_file_close(&g);
-    return entry;
+    return rc == 0 ? entry : 0;
 }
 
 void pi2_expert_file_free(struct pi2_expert_file * f) {

@@ -230,11 +230,12 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
 // sidecar's bundles: where its sparse decode is not expected to beat ggml-cpu's dense kernels (in RAM the placement
 // rule leaves it to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h), a cached token then
 // computes it from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down weight over
-// the bundles' columns (MEASUREMENTS.md, 2026-11-29). Not where its bundles hold other gate or up types than the model
-// (convert --bundle-type: in RAM too it computes from the bundles), nor in oracle mode (it measures the bundles).
+// the bundles' columns (MEASUREMENTS.md, 2026-11-29). f: what the model file holds for it (NULL: not looked at yet);
+// not where its bundles hold other gate or up types than the model (convert --bundle-type: in RAM too it computes from
+// the bundles).
 static bool pi2_dense_layer_may_read_whole(const struct pi2_binding * b, uint32_t il, const struct pi2_expert_file_layer * f) {
     const struct pi2_sidecar_layer * L = &b->sc->layer[il];
-    return f->present && !L->whole && f->type[0] == L->gate_type && f->type[1] == L->up_type &&
+    return !L->whole && (f == NULL || (f->present && f->type[0] == L->gate_type && f->type[1] == L->up_type)) &&
            pi2_sparse_cost_ratio(L, b->sc->n_embd, b->sc->sparsity_method, pi2_binding_setting(b, PI2_SET_DOWN_SPARSE_MAX),
                                  pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0) >= 1.0;
 }
@@ -249,6 +250,13 @@ static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uin
     memset(pick, 0, sc->n_layer);
     if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
         atomic_load(&b->mode) == PI2_MODE_ORACLE) {
+        return 0; // oracle mode measures the bundles
+    }
+    bool any = false; // the model file is read only where some layer may be read whole (ReLU-family models: none)
+    for (uint32_t il = 0; il < sc->n_layer && !any; ++il) {
+        any = pi2_dense_layer_may_read_whole(b, il, NULL);
+    }
+    if (!any) {
         return 0;
     }
     struct pi2_expert_file_layer * f = calloc(sc->n_layer, sizeof(*f));
