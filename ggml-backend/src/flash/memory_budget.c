@@ -226,48 +226,38 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
     return 0;
 }
 
-// PI2_DENSE_READS=auto: whether a dense model's layer may be read whole from the model file rather than from the
-// sidecar's bundles: where its sparse decode is not expected to beat ggml-cpu's dense kernels (in RAM the placement
-// rule leaves it to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h), a cached token then
-// computes it from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down weight over
-// the bundles' columns (MEASUREMENTS.md, 2026-11-29). f: what the model file holds for it (NULL: not looked at yet);
-// not where its bundles hold other gate or up types than the model (convert --bundle-type: in RAM too it computes from
-// the bundles).
-static bool pi2_dense_layer_may_read_whole(const struct pi2_binding * b, uint32_t il, const struct pi2_expert_file_layer * f) {
-    const struct pi2_sidecar_layer * L = &b->sc->layer[il];
-    return !L->whole && (f == NULL || (f->present && f->type[0] == L->gate_type && f->type[1] == L->up_type)) &&
-           pi2_sparse_cost_ratio(L, b->sc->n_embd, b->sc->sparsity_method, pi2_binding_setting(b, PI2_SET_DOWN_SPARSE_MAX),
-                                 pi2_binding_setting(b, PI2_SET_PREDICTOR) != 0.0) >= 1.0;
-}
-
 // The dense layers this budget reads whole (PI2_DENSE_READS=auto), in pick[n_layer], and the bytes of their cache;
-// 0 where none. As many of the layers that may be (the smallest first, each an entry of the largest's size) as fit in
-// `bytes` with every other layer's bundles in the hot segment: a token then reads nothing, and the layers read whole
-// compute as in RAM. Where none fits so, none is read whole: a token reads some bundles anyway, and they read fewer
-// bytes than whole layers would (down columns re-quantized; MEASUREMENTS.md, 2026-11-28).
+// 0 where none. A layer may be read so where its sparse decode is not expected to beat ggml-cpu's dense kernels (in RAM
+// the placement rule leaves it to ggml-cpu: SiLU models at the product criterion's ~0.9 density, placement.h): a cached
+// token then computes it from the model's own rows with the dense kernels, as in RAM, instead of a float axpy per down
+// weight over the bundles' columns (MEASUREMENTS.md, 2026-11-29); not where its bundles hold other gate or up types
+// than the model (convert --bundle-type: in RAM too it computes from the bundles), nor in oracle mode (it measures the
+// bundles). As many of those (the smallest first, each an entry of the largest's size) as fit in `bytes` with every
+// other layer's bundles in the hot segment: a token then reads nothing. Where none fits so, none is read whole: a
+// token reads some bundles anyway, and they read fewer bytes than whole layers would (down columns re-quantized;
+// MEASUREMENTS.md, 2026-11-28).
 static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uint8_t * pick) {
     const struct pi2_sidecar * sc = b->sc;
     memset(pick, 0, sc->n_layer);
     if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
         atomic_load(&b->mode) == PI2_MODE_ORACLE) {
-        return 0; // oracle mode measures the bundles
-    }
-    bool any = false; // the model file is read only where some layer may be read whole (ReLU-family models: none)
-    for (uint32_t il = 0; il < sc->n_layer && !any; ++il) {
-        any = pi2_dense_layer_may_read_whole(b, il, NULL);
-    }
-    if (!any) {
         return 0;
     }
-    struct pi2_expert_file_layer * f = calloc(sc->n_layer, sizeof(*f));
-    uint32_t * order = malloc(sizeof(uint32_t) * sc->n_layer);
+    bool any = false; // the model file is read only where some layer may be read whole (ReLU-family models: none)
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        pick[il] = !sc->layer[il].whole && pi2_placement_layer_cost(b, b->defaults, il) >= 1.0;
+        any = any || pick[il];
+    }
+    struct pi2_expert_file_layer * f = any ? calloc(sc->n_layer, sizeof(*f)) : NULL;
+    uint32_t * order = any ? malloc(sizeof(uint32_t) * sc->n_layer) : NULL;
     char why[512];
     uint32_t n = 0;
     uint64_t bundles = 0; // every layer's bundles
     if (f != NULL && order != NULL && pi2_expert_file_layers(b->model_path, true, f, (int) sc->n_layer, why, sizeof(why)) == (int) sc->n_layer) {
         for (uint32_t il = 0; il < sc->n_layer; ++il) {
-            bundles += (uint64_t) sc->layer[il].n_bundles * sc->layer[il].bundle_size;
-            if (pi2_dense_layer_may_read_whole(b, il, &f[il])) {
+            const struct pi2_sidecar_layer * L = &sc->layer[il];
+            bundles += (uint64_t) L->n_bundles * L->bundle_size;
+            if (pick[il] && f[il].present && f[il].type[0] == L->gate_type && f[il].type[1] == L->up_type) {
                 uint32_t k = n++; // insertion by entry size, smallest first
                 for (; k > 0 && f[order[k - 1]].bytes > f[il].bytes; --k) {
                     order[k] = order[k - 1];
@@ -276,6 +266,7 @@ static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uin
             }
         }
     }
+    memset(pick, 0, sc->n_layer);
     uint32_t best = 0;
     uint64_t rest = bundles, best_bytes = 0;
     for (uint32_t k = 0; k < n; ++k) {

@@ -67,7 +67,7 @@ static int pi2_placement_forced(const struct pi2_settings * own, const struct pi
     return -1;
 }
 
-static double pi2_layer_cost(const struct pi2_binding * b, const struct pi2_settings * defaults, uint32_t layer) {
+double pi2_placement_layer_cost(const struct pi2_binding * b, const struct pi2_settings * defaults, uint32_t layer) {
     return pi2_sparse_cost_ratio(&b->sc->layer[layer], b->sc->n_embd, b->sc->sparsity_method,
                                  pi2_setting(&b->settings, defaults, PI2_SET_DOWN_SPARSE_MAX),
                                  pi2_setting(&b->settings, defaults, PI2_SET_PREDICTOR) != 0.0);
@@ -82,7 +82,7 @@ bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act
     if (layer < 0 || (uint32_t) layer >= b->sc->n_layer) {
         return true; // not the sidecar's layer: held, so the weight check refuses the sidecar by name
     }
-    return pi2_layer_cost(b, defaults, (uint32_t) layer) < 1.0;
+    return pi2_placement_layer_cost(b, defaults, (uint32_t) layer) < 1.0;
 }
 
 bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
@@ -104,7 +104,7 @@ bool pi2_placement_holds_experts(const struct pi2_binding * b, struct pi2_stated
     // the expected cost of a routed expert: the mean over the layer's experts (FORMAT.md, "MoE sidecars")
     double sum = 0.0;
     for (uint32_t e = 0; e < n; ++e) {
-        sum += pi2_layer_cost(b, defaults, (uint32_t) pi2_sidecar_expert_layer(b->sc, layer, e));
+        sum += pi2_placement_layer_cost(b, defaults, (uint32_t) pi2_sidecar_expert_layer(b->sc, layer, e));
     }
     return sum / n < 1.0;
 }

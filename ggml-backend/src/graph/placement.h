@@ -26,6 +26,10 @@ struct pi2_binding;
 double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd, enum pi2_sparsity_method method,
                              double down_sparse_max, bool predictor_always);
 
+// pi2_sparse_cost_ratio of sidecar layer `layer` with b's settings (defaults: the device's): the estimate
+// pi2_placement_holds compares with 1 in predicted mode
+double pi2_placement_layer_cost(const struct pi2_binding * b, const struct pi2_settings * defaults, uint32_t layer);
+
 // true: PI2 holds blk.<layer>.ffn_* of the model being loaded; false: ggml-cpu does. b: that load's binding
 // (NULL: no sidecar), act: the activation the model states, defaults: the device's settings.
 bool pi2_placement_holds(const struct pi2_binding * b, struct pi2_stated_act act, const struct pi2_settings * defaults,
