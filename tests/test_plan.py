@@ -139,6 +139,63 @@ def test_prediction_monotone_in_the_budget(tmp_path: Path, neurons: int) -> None
     assert preds[-1].token_s == pytest.approx(want + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
 
 
+def test_layers_read_whole_are_planned_without_their_bundles(tmp_path: Path) -> None:
+    """Where the plugin reads a layer whole from the model file (PI2_DENSE_READS=auto), the prediction neither caches
+    nor reads its bundles, computes its model weights at the plugin's dense rate, and plans the neuron cache over the
+    other layers (pi2_cache_plan's skip: no prefetch room); the table runs up to the budget where every such layer is
+    read whole, and past the all-hot budget such a budget decodes faster."""
+    stats = _stats(tmp_path)
+    dev = _device()
+    for L in stats.layers:
+        L.model_weights = (("Q4_0", L.dense_bytes // 4),) * 3
+    entry = max(L.dense_bytes for L in stats.layers)  # one entry size for every layer read whole (the largest)
+    whole_all = entry * 2  # layers 0 and 2 may be read whole (say their cost is >= 1); layer 1 keeps its bundles
+    rest = stats.layers[1].n_bundles * stats.layers[1].bundle_size
+    top = stats.fixed_bytes + whole_all + rest
+
+    def rule(cache: int) -> tuple[tuple[bool, ...], int]:  # the plugin's rule for these sizes, smallest layer first
+        if cache >= whole_all + rest:
+            return (True, False, True), whole_all
+        return (False, False, False), 0
+    for cache in {*(b - stats.fixed_bytes for b in pr.budget_steps(stats, 12)), 1 << 62, top - stats.fixed_bytes,
+                  max(stats.min_budget - stats.fixed_bytes, stats.min_cache), stats.all_hot_budget() - stats.fixed_bytes}:
+        stats._whole[cache] = rule(cache)
+    assert stats.top_budget() == max(top, stats.all_hot_budget())
+    budgets = pr.budget_steps(stats, 12)
+    for b in budgets:
+        stats._whole.setdefault(b - stats.fixed_bytes, rule(b - stats.fixed_bytes))
+    assert budgets[-1] >= top
+    p = pr.predict(stats, dev, top)
+    assert p.whole_layers == 2 and p.whole_bytes == whole_all
+    assert p.read_bytes == stats.read_extra and p.hit_rate == 1.0 and p.io_s == 0.0
+    plan = pr.cache_plan(stats, top - stats.fixed_bytes - whole_all, skip=(True, False, True))
+    assert plan.hot_k == [0, stats.layers[1].n_bundles, 0] and plan.n_prefetch == 0
+    # layer 1 from its cache entries as before, layers 0 and 2 their three model matrices at 18 GB/s (no repack gain)
+    rate = 18e9 * pr.REPACK_GAIN
+    L1 = stats.layers[1]
+    want = ((L1.dense_bytes * 0.6 * pr.FLASH_COMPUTE_FACTOR + L1.predictor_bytes + 10 * MB) / rate
+            + sum(3 * (L.dense_bytes // 4) for L in (stats.layers[0], stats.layers[2])) / 18e9)
+    assert p.token_s == pytest.approx(want + pr.TOKEN_OVERHEAD_S + 3 * pr.LAYER_OVERHEAD_S)
+    # every layer read whole: no neuron cache at all
+    assert pr.cache_plan(stats, 0, skip=(True, True, True)) == pr.CachePlan([0, 0, 0], 0, 0, 0)
+
+
+def test_the_plugin_rule_reads_layers_whole_only_beside_every_other_bundle(smollm2: Path, smol_sidecar: Path) -> None:
+    """native.dense_whole_layers is the plugin's rule (test_memory_budget runs it in decode): a cache below the bundles
+    reads no layer whole, one that holds every layer's matrices reads every layer the placement leaves to ggml-cpu so,
+    each in an entry of one size; a sidecar that is not there is refused by name."""
+    from pi2_gguf.runtime import native
+
+    none, zero = native.dense_whole_layers(smollm2, smol_sidecar, 1 << 20)
+    assert not any(none) and zero == 0
+    pick, whole = native.dense_whole_layers(smollm2, smol_sidecar, 1 << 40)
+    cost = native.sparse_cost_c(smol_sidecar)
+    assert pick == [c >= 1.0 for c in cost] and any(pick)
+    assert whole > 0 and whole % sum(pick) == 0  # one entry size (the largest picked layer's) for each
+    with pytest.raises(Pi2Error, match="nothing.pi2.gguf"):
+        native.dense_whole_layers(smollm2, smol_sidecar.parent / "nothing.pi2.gguf", 1 << 30)
+
+
 def test_reads_overlap_only_what_was_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer's reads overlap its compute only as far as they were read ahead: a layer with predictors reads after
     them (compute + reads), one without reads its misses ahead where the prefetch room holds them."""

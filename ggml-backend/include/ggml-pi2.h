@@ -201,6 +201,11 @@ GGML_BACKEND_API int pi2_sidecar_validate(const char * path, char * err, size_t 
 // default settings (PI2_LAYERS=auto holds a layer where it is below 1): the first `cap` in out; returns
 // n_layer, or -1 with err set.
 GGML_BACKEND_API int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err, size_t errlen);
+// The dense layers a memory budget whose caches get cache_bytes reads whole from the model file with default settings
+// (PI2_DENSE_READS=auto, predicted mode: the rule flash/memory_budget.c applies when it sizes the cache): pick[il] = 1
+// for those (up to cap layers), *whole_bytes the cache they take. Returns the sidecar's layer count, -1 with err.
+GGML_BACKEND_API int pi2_dense_whole_layers(const char * model_path, const char * sidecar_path, uint64_t cache_bytes,
+                                            uint8_t * pick, int cap, uint64_t * whole_bytes, char * err, size_t errlen);
 // n_layer and pi2.source.fingerprint of a valid sidecar
 GGML_BACKEND_API int pi2_sidecar_summary(const char * path, uint32_t * n_layer, uint64_t * fingerprint, char * err, size_t errlen);
 // 0 if the weight blk.<layer>.ffn_{gate,up,down}.weight (matrix = enum pi2_matrix; type = enum ggml_type)

@@ -47,6 +47,8 @@ class LayerStats:
     dense_bytes: int         # gate, up and down of every neuron in the bundles' types
     cost: float              # the plugin's sparse / dense time estimate for the layer (pi2_sidecar_sparse_cost)
     gate_type: str
+    # the model file's gate, up and down (type name, bytes): what the layer computes where a budget reads it whole
+    model_weights: tuple[tuple[str, int], ...] = ()
 
     @property
     def n_bundles(self) -> int:
@@ -65,6 +67,19 @@ class ModelStats:
     ram_bytes: int                   # a run without a budget: the process with every weight in RAM
     relu_family: bool
     types: dict[str, int] = field(default_factory=dict)  # type name -> ggml type, the types compute is timed on
+    # cache bytes -> (per layer: read whole from the model file, the cache those layers take): the plugin's rule, asked
+    _whole: dict[int, tuple[tuple[bool, ...], int]] = field(default_factory=dict, repr=False)
+
+    def whole_reads(self, cache_bytes: int) -> tuple[tuple[bool, ...], int]:
+        """The layers a budget whose caches get cache_bytes reads whole from the model file instead of their bundles
+        (PI2_DENSE_READS=auto; the plugin's own rule, native.dense_whole_layers), and the cache bytes they take."""
+        got = self._whole.get(cache_bytes)
+        if got is None:
+            from ..runtime import native
+
+            pick, whole = native.dense_whole_layers(self.model, self.sidecar, cache_bytes)
+            got = self._whole[cache_bytes] = (tuple(pick[:len(self.layers)]), whole)
+        return got
 
     @property
     def fixed_bytes(self) -> int:
@@ -103,6 +118,15 @@ class ModelStats:
         need = self.bundle_bytes + n_pf * self.entry
         # the prefetch room is at most a quarter of what the cache has beyond one layer
         return self.fixed_bytes + need
+
+    def top_budget(self) -> int:
+        """The least budget past which more memory changes nothing: every bundle hot or, where the plugin reads layers
+        whole from the model file once they fit beside the other layers' bundles, every layer it may read so."""
+        pick, whole = self.whole_reads(1 << 62)
+        if whole == 0:
+            return self.all_hot_budget()
+        rest = sum(L.n_bundles * L.bundle_size for L, p in zip(self.layers, pick) if not p)
+        return max(self.all_hot_budget(), self.fixed_bytes + whole + rest)
 
 
 def want_probabilities(freq_slots: np.ndarray, neurons: int, density: float, pred_density: float,
@@ -268,7 +292,12 @@ def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | No
              "margin": int(floor.margin),
              "predictors": sum(L.predictor_bytes for L in layers), "KV cache": kv_cache,
              "compute buffers": compute, "cache tables": CACHE_TABLE_BYTES * sum(L.n_bundles for L in layers)}
-    types = {n: int(GGMLQuantizationType[n]) for n in {*ram, *budget, *(L.gate_type for L in layers), "Q8_0"}
+    for il, L in enumerate(layers):
+        mats = [tensors.get(f"blk.{il}.ffn_{m}.weight") for m in ("gate", "up", "down")]
+        L.model_weights = tuple((type_name(t.qtype), int(t.n_bytes)) for t in mats if t is not None)
+    types = {n: int(GGMLQuantizationType[n])
+             for n in {*ram, *budget, *(L.gate_type for L in layers), *(t for L in layers for t, _ in L.model_weights),
+                       "Q8_0"}
              if n not in ("F32", "I32")}
     ram_bytes = int(floor.resident) + file_size + kv_cache + compute
     return ModelStats(model, sidecar, layers, budget, ram, fixed, read_extra, ram_bytes, relu, types)

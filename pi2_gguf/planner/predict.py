@@ -26,7 +26,8 @@ two overheads stay 0."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,23 +68,32 @@ class Prediction:
     compute_s: float
     io_s: float
     token_s: float
+    whole_layers: int = 0   # layers read whole from the model file (PI2_DENSE_READS=auto), in their cache entries
+    whole_bytes: int = 0    # the cache those take
 
     @property
     def tps(self) -> float:
         return 1.0 / self.token_s if self.token_s > 0 else 0.0
 
 
-def cache_plan(stats: ModelStats, cache_bytes: int, cold_share: float = 0.0) -> CachePlan:
+def cache_plan(stats: ModelStats, cache_bytes: int, cold_share: float = 0.0,
+               skip: Sequence[bool] | None = None) -> CachePlan:
     """pi2_cache_plan (flash/memory_budget.c): the longest prefix of the model's bundles, hottest first (ties by
     layer and slot), within (1 - cold_share) of the cache, that leaves cold entries for any layer's non-hot bundles
-    and the prefetch room."""
-    entry, max_nb = stats.entry, stats.max_n_bundles
+    and the prefetch room. skip: layers read whole from the model file, whose bundles the cache does not hold (and
+    then no prefetch room: every other layer's bundles are hot)."""
+    entry = stats.entry
     n_layer = len(stats.layers)
+    reads = [not (skip is not None and skip[il]) for il in range(n_layer)]
+    max_nb = max((L.n_bundles for L, r in zip(stats.layers, reads) if r), default=0)
+    if max_nb == 0:  # every layer read whole: no neuron cache
+        return CachePlan([0] * n_layer, 0, 0, 0)
     spare = max((cache_bytes // entry - max_nb) // 4, 0)
-    n_pf = min(stats.prefetch_entries_wanted, spare)
-    freq = np.concatenate([L.freq for L in stats.layers])
-    layer = np.concatenate([np.full(L.n_bundles, il) for il, L in enumerate(stats.layers)])
-    slot = np.concatenate([np.arange(L.n_bundles) for L in stats.layers])
+    n_pf = 0 if skip is not None else min(stats.prefetch_entries_wanted, spare)
+    kept = [L if r else dataclasses.replace(L, want=L.want[:0], freq=L.freq[:0]) for L, r in zip(stats.layers, reads)]
+    freq = np.concatenate([L.freq for L in kept])
+    layer = np.concatenate([np.full(L.n_bundles, il) for il, L in enumerate(kept)])
+    slot = np.concatenate([np.arange(L.n_bundles) for L in kept])
     order = np.lexsort((slot, layer, -freq))
     sizes = np.array([L.bundle_size for L in stats.layers], dtype=np.int64)[layer[order]]
     used = np.cumsum(sizes)                      # used[k - 1]: bytes of the first k items
@@ -93,7 +103,7 @@ def cache_plan(stats: ModelStats, cache_bytes: int, cold_share: float = 0.0) -> 
     pos_by_layer = [np.nonzero(layer[order] == il)[0] + 1 for il in range(n_layer)]  # 1-based positions, slot order
     v = np.arange(max_nb + 1)
     K = np.zeros(max_nb + 1, dtype=np.int64)
-    for il, L in enumerate(stats.layers):
+    for il, L in enumerate(kept):
         need = L.n_bundles - v                   # items of the layer that must be hot for rest <= v
         ok = need > 0
         K[ok] = np.maximum(K[ok], pos_by_layer[il][need[ok] - 1])
@@ -173,12 +183,18 @@ def non_ffn_seconds(stats: ModelStats, device: DeviceProfile, threads: int, budg
 def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int = 2, seed: int = 0) -> Prediction:
     """The predicted decode of one token under `budget` bytes (at least stats.min_budget)."""
     cache_bytes = max(budget - stats.fixed_bytes, stats.min_cache)
-    plan = cache_plan(stats, cache_bytes)
+    # layers read whole from the model file where they fit beside every other layer's bundles (PI2_DENSE_READS=auto):
+    # cached in entries of their own after the first token, computed by the plugin's dense kernels
+    whole, whole_bytes = stats.whole_reads(cache_bytes)
+    if whole_bytes == 0:
+        whole = (False,) * len(stats.layers)
+    plan = cache_plan(stats, cache_bytes - whole_bytes, skip=whole if whole_bytes else None)
     a, b = device.request_cost()
     layers = stats.layers
     hot = plan.hot_k
     # the cold segment over every layer's non-hot bundles
-    rest = np.concatenate([L.want[h:] for L, h in zip(layers, hot, strict=True)]) if layers else np.zeros(0)
+    rest = (np.concatenate([L.want[h:] for L, h, w in zip(layers, hot, whole, strict=True) if not w])
+            if not all(whole) else np.zeros(0))
     horizon = cold_horizon(rest, max(plan.n_cold - plan.n_prefetch, 0))
     # the share of cold entries the CLOCK hand finds referenced: cold hits among cold requests
     cold_p = rest * (1.0 - (1.0 - rest) ** horizon)
@@ -187,9 +203,16 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
     needed = found = 0.0
     read_b = reqs = 0.0
     compute = io = total_layers = 0.0
-    for L, h in zip(layers, hot, strict=True):
+    for L, h, w in zip(layers, hot, whole, strict=True):
         u = rng.random((SAMPLED_TOKENS, L.n_bundles))  # drawn for every slot: the same draws at every budget
         p = L.want
+        if w:  # in its cache entry: nothing read, every weight computed at the plugin's dense rate
+            needed += float(p.sum())
+            found += float(p.sum())
+            c = sum(nbytes / _rate(device, stats, t, threads) for t, nbytes in L.model_weights)
+            compute += c
+            total_layers += c + LAYER_OVERHEAD_S
+            continue
         cold_hit = 1.0 - (1.0 - p[h:]) ** horizon
         miss_p = np.zeros_like(p)
         miss_p[h:] = p[h:] * (1.0 - cold_hit)
@@ -214,7 +237,8 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
     other = non_ffn_seconds(stats, device, threads, budget=True)
     token = other + total_layers + TOKEN_OVERHEAD_S
     return Prediction(budget, cache_bytes, plan.hot_bytes, plan.n_cold * stats.entry,
-                      found / needed if needed else 1.0, read_b + stats.read_extra, reqs, compute + other, io, token)
+                      found / needed if needed else 1.0, read_b + stats.read_extra, reqs, compute + other, io, token,
+                      sum(whole) if whole_bytes else 0, whole_bytes)
 
 
 def predict_ram(stats: ModelStats, device: DeviceProfile, threads: int = 2) -> float:
@@ -228,9 +252,9 @@ def predict_ram(stats: ModelStats, device: DeviceProfile, threads: int = 2) -> f
 
 
 def budget_steps(stats: ModelStats, n: int = 8) -> list[int]:
-    """Budgets from the minimum to all in RAM (every bundle hot), n of them, rounded up to whole MB (to 4 KiB where
-    the span is under 20 MB)."""
-    lo, hi = stats.min_budget, stats.all_hot_budget()
+    """Budgets from the minimum to the top (every bundle hot, or every layer the plugin may read whole read so), n of
+    them, rounded up to whole MB (to 4 KiB where the span is under 20 MB)."""
+    lo, hi = stats.min_budget, stats.top_budget()
     unit = 1_000_000 if hi - lo >= 20_000_000 else 4096
     return sorted({-(-int(lo + (hi - lo) * i / (n - 1)) // unit) * unit for i in range(n)})
 

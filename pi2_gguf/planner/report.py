@@ -58,7 +58,7 @@ def recommend(stats: ModelStats, device: DeviceProfile, memory: int, threads: in
             f"{stats.min_budget / 1e6:.0f} MB ({floor_reason(stats)})")
     leave = min(int(memory * LEAVE_SHARE), LEAVE_MAX)
     usable = max(memory - leave, stats.min_budget)
-    top = stats.all_hot_budget()
+    top = stats.top_budget()
     if usable >= stats.ram_bytes:
         ram_tps = 1.0 / predict_ram(stats, device, threads)
         hot = predictor(min(usable, top))
@@ -70,7 +70,9 @@ def recommend(stats: ModelStats, device: DeviceProfile, memory: int, threads: in
     budget = -(-min(usable, top) // 1_000_000) * 1_000_000
     p = predictor(budget)
     if usable >= top:
-        why = (f"every bundle is hot from {top / 1e6:.0f} MB on: more memory reads nothing less, so the rest of the "
+        what = ("every layer the plugin may read whole from the model file is read so" if p.whole_layers
+                else "every bundle is hot")
+        why = (f"{what} from {top / 1e6:.0f} MB on: more memory reads nothing less, so the rest of the "
                f"{memory / 1e6:.0f} MB stays free")
     elif usable == stats.min_budget and memory - leave < stats.min_budget:
         why = (f"the minimum: {memory / 1e6:.0f} MB leaves nothing to the system beyond it (a tenth, up to "
@@ -94,13 +96,14 @@ def command(model: Path, sidecar: Path, budget: int | None, threads: int) -> str
 
 def table(stats: ModelStats, device: DeviceProfile, budgets: list[int], threads: int) -> tuple[str, list[Prediction]]:
     preds = [predict(stats, device, b, threads) for b in budgets]
-    lines = ["| budget | neuron cache hot + cold MB | cache hits | read/token MB | requests/token | decode tok/s "
-             "(predicted) |", "|---|---|---|---|---|---|"]
+    lines = ["| budget | neuron cache hot + cold MB | layers read whole (MB) | cache hits | read/token MB | "
+             "requests/token | decode tok/s (predicted) |", "|---|---|---|---|---|---|---|"]
     for p in preds:
-        lines.append(f"| {p.budget / 1e6:.0f} MB | {p.hot_bytes / 1e6:.0f} + {p.cold_bytes / 1e6:.0f} | "
+        whole = f"{p.whole_layers} ({p.whole_bytes / 1e6:.0f})" if p.whole_layers else "-"
+        lines.append(f"| {p.budget / 1e6:.0f} MB | {p.hot_bytes / 1e6:.0f} + {p.cold_bytes / 1e6:.0f} | {whole} | "
                      f"{p.hit_rate:.1%} | {p.read_bytes / 1e6:.2f} | {p.requests:.0f} | {p.tps:.1f} |")
     ram = predict_ram(stats, device, threads)
-    lines.append(f"| no budget ({stats.ram_bytes / 1e6:.0f} MB, all in RAM) | - | - | 0 | 0 | {1 / ram:.1f} |")
+    lines.append(f"| no budget ({stats.ram_bytes / 1e6:.0f} MB, all in RAM) | - | - | - | 0 | 0 | {1 / ram:.1f} |")
     return "\n".join(lines), preds
 
 
@@ -132,7 +135,8 @@ def plan_text(stats: ModelStats, device: DeviceProfile, memory: int | None, thre
         device_line(device, stats, threads),
         f"minimum       {stats.min_budget / 1e6:.0f} MB: {floor_reason(stats)}",
         "",
-        f"predicted decode, {threads} threads (from the minimum budget to every bundle hot, then without a budget):",
+        f"predicted decode, {threads} threads (from the minimum budget to every bundle hot or every layer the plugin "
+        "may read whole from the model file read so, then without a budget):",
         tab,
     ]
     if memory is not None:
@@ -144,7 +148,7 @@ def plan_text(stats: ModelStats, device: DeviceProfile, memory: int | None, thre
                   f"run:  {command(stats.model, stats.sidecar, rec.budget, threads)}"]
     else:
         p = preds[-1]
-        lines += ["", f"run:  {command(stats.model, stats.sidecar, p.budget, threads)}   (every bundle hot; "
+        lines += ["", f"run:  {command(stats.model, stats.sidecar, p.budget, threads)}   (the top of the table; "
                   "--memory SIZE recommends a budget for the memory you have)"]
     if device.measured:
         lines.append(f"(measured now and cached: {', '.join(device.measured)})")

@@ -157,6 +157,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_sidecar_validate": (c_int, [c_char_p, *_ERR]),
     "pi2_sidecar_summary": (c_int, [c_char_p, POINTER(c_uint32), POINTER(c_uint64), *_ERR]),
     "pi2_sidecar_sparse_cost": (c_int, [c_char_p, POINTER(ctypes.c_double), c_int, *_ERR]),
+    "pi2_dense_whole_layers": (c_int, [c_char_p, c_char_p, c_uint64, POINTER(ctypes.c_uint8), c_int, POINTER(c_uint64),
+                                       *_ERR]),
     "pi2_sidecar_check_weight": (c_int, [c_char_p, c_int, c_int, c_int, c_int64, c_int64, c_void_p, c_size_t, *_ERR]),
     "pi2_model_summary": (c_int, [c_char_p, POINTER(Pi2ModelSummary), *_ERR]),
     "pi2_fingerprint_tensor": (c_uint64, [c_int, c_int64, c_int64, c_void_p, c_size_t]),

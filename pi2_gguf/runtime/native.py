@@ -86,6 +86,21 @@ def sparse_cost_c(path: Pathish) -> list[float]:
     return list(out[:n])
 
 
+def dense_whole_layers(model: Pathish, sidecar: Pathish, cache_bytes: int) -> tuple[list[bool], int]:
+    """(per layer: read whole from the model file, the cache bytes those layers take) under a memory budget whose
+    caches get cache_bytes, with default settings: the plugin's own rule (PI2_DENSE_READS=auto)."""
+    err = capi.err_buffer()
+    lib = capi.lib()
+    n_max = 4096
+    pick = (ctypes.c_uint8 * n_max)()
+    whole = ctypes.c_uint64()
+    n = lib.pi2_dense_whole_layers(os.fsencode(model), os.fsencode(sidecar), int(cache_bytes), pick, n_max,
+                                   ctypes.byref(whole), err, capi.ERR_LEN)
+    if n < 0:
+        raise SidecarError(capi.err_text(err))
+    return [bool(v) for v in pick[:min(n, n_max)]], int(whole.value)
+
+
 def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return np.frombuffer(data, dtype=np.uint8)

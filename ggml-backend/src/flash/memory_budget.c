@@ -236,16 +236,17 @@ static uint64_t pi2_prefetch_bytes(const struct pi2_binding * b) {
 // other layer's bundles in the hot segment: a token then reads nothing. Where none fits so, none is read whole: a
 // token reads some bundles anyway, and they read fewer bytes than whole layers would (down columns re-quantized;
 // MEASUREMENTS.md, 2026-11-28).
-static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uint8_t * pick) {
-    const struct pi2_sidecar * sc = b->sc;
+// The rule itself, over the sidecar, the model file and each layer's placement cost (cost[il] >= 1: not expected to
+// beat ggml-cpu's dense kernels): the binding's pick below and the planner's (pi2_dense_whole_layers) both call it.
+static uint64_t pi2_dense_whole_rule(const struct pi2_sidecar * sc, const char * model_path, const double * cost,
+                                     uint64_t bytes, uint8_t * pick) {
     memset(pick, 0, sc->n_layer);
-    if (sc->n_expert > 0 || sc->dense_whole || b->model_path == NULL || pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 ||
-        atomic_load(&b->mode) == PI2_MODE_ORACLE) {
+    if (sc->n_expert > 0 || sc->dense_whole || model_path == NULL) {
         return 0;
     }
     bool any = false; // the model file is read only where some layer may be read whole (ReLU-family models: none)
     for (uint32_t il = 0; il < sc->n_layer; ++il) {
-        pick[il] = !sc->layer[il].whole && pi2_placement_layer_cost(b, b->defaults, il) >= 1.0;
+        pick[il] = !sc->layer[il].whole && cost[il] >= 1.0;
         any = any || pick[il];
     }
     struct pi2_expert_file_layer * f = any ? calloc(sc->n_layer, sizeof(*f)) : NULL;
@@ -253,7 +254,7 @@ static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uin
     char why[512];
     uint32_t n = 0;
     uint64_t bundles = 0; // every layer's bundles
-    if (f != NULL && order != NULL && pi2_expert_file_layers(b->model_path, true, f, (int) sc->n_layer, why, sizeof(why)) == (int) sc->n_layer) {
+    if (f != NULL && order != NULL && pi2_expert_file_layers(model_path, true, f, (int) sc->n_layer, why, sizeof(why)) == (int) sc->n_layer) {
         for (uint32_t il = 0; il < sc->n_layer; ++il) {
             const struct pi2_sidecar_layer * L = &sc->layer[il];
             bundles += (uint64_t) L->n_bundles * L->bundle_size;
@@ -284,6 +285,52 @@ static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uin
     free(f);
     free(order);
     return best_bytes;
+}
+
+static uint64_t pi2_dense_whole_pick(struct pi2_binding * b, uint64_t bytes, uint8_t * pick) {
+    const struct pi2_sidecar * sc = b->sc;
+    memset(pick, 0, sc->n_layer);
+    if (pi2_binding_setting(b, PI2_SET_DENSE_READS) != 0.0 || atomic_load(&b->mode) == PI2_MODE_ORACLE) {
+        return 0;
+    }
+    double * cost = malloc(sizeof(double) * (sc->n_layer > 0 ? sc->n_layer : 1));
+    if (cost == NULL) {
+        return 0; // nothing read whole: the bundles, as before this rule
+    }
+    for (uint32_t il = 0; il < sc->n_layer; ++il) {
+        cost[il] = pi2_placement_layer_cost(b, b->defaults, il);
+    }
+    const uint64_t got = pi2_dense_whole_rule(sc, b->model_path, cost, bytes, pick);
+    free(cost);
+    return got;
+}
+
+int pi2_dense_whole_layers(const char * model_path, const char * sidecar_path, uint64_t cache_bytes, uint8_t * pick, int cap,
+                           uint64_t * whole_bytes, char * err, size_t errlen) {
+    *whole_bytes = 0;
+    struct pi2_sidecar * sc = NULL;
+    if (pi2_sidecar_open(sidecar_path, &sc, err, errlen) != 0) {
+        return -1;
+    }
+    const int n = (int) sc->n_layer;
+    double * cost = malloc(sizeof(double) * (size_t) (n > 0 ? n : 1));
+    uint8_t * got = malloc((size_t) (n > 0 ? n : 1));
+    if (cost == NULL || got == NULL) {
+        snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
+        free(cost);
+        free(got);
+        pi2_sidecar_free(sc);
+        return -1;
+    }
+    pi2_sidecar_default_costs(sc, cost, n);
+    *whole_bytes = pi2_dense_whole_rule(sc, model_path, cost, cache_bytes, got);
+    for (int il = 0; il < n && il < cap; ++il) {
+        pick[il] = got[il];
+    }
+    free(cost);
+    free(got);
+    pi2_sidecar_free(sc);
+    return n;
 }
 
 bool pi2_binding_has_cache(struct pi2_binding * b) {

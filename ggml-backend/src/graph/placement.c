@@ -115,11 +115,7 @@ static const char * pi2_no_env(void * ctx, const char * name) {
     return NULL;
 }
 
-int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err, size_t errlen) {
-    struct pi2_sidecar * sc = NULL;
-    if (pi2_sidecar_open(path, &sc, err, errlen) != 0) {
-        return -1;
-    }
+void pi2_sidecar_default_costs(const struct pi2_sidecar * sc, double * out, int cap) {
     struct pi2_config c; // the table's defaults: what a model loaded without settings plans with
     pi2_config_read(&c, pi2_no_env, NULL);
     const double down_sparse_max = pi2_setting(NULL, &c.defaults, PI2_SET_DOWN_SPARSE_MAX);
@@ -127,6 +123,14 @@ int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err
     for (uint32_t il = 0; il < sc->n_layer && (int) il < cap; ++il) {
         out[il] = pi2_sparse_cost_ratio(&sc->layer[il], sc->n_embd, sc->sparsity_method, down_sparse_max, always);
     }
+}
+
+int pi2_sidecar_sparse_cost(const char * path, double * out, int cap, char * err, size_t errlen) {
+    struct pi2_sidecar * sc = NULL;
+    if (pi2_sidecar_open(path, &sc, err, errlen) != 0) {
+        return -1;
+    }
+    pi2_sidecar_default_costs(sc, out, cap);
     const int n = (int) sc->n_layer;
     pi2_sidecar_free(sc);
     return n;

@@ -29,6 +29,8 @@ double pi2_sparse_cost_ratio(const struct pi2_sidecar_layer * L, uint32_t n_embd
 // pi2_sparse_cost_ratio of sidecar layer `layer` with b's settings (defaults: the device's): the estimate
 // pi2_placement_holds compares with 1 in predicted mode
 double pi2_placement_layer_cost(const struct pi2_binding * b, const struct pi2_settings * defaults, uint32_t layer);
+// pi2_sparse_cost_ratio of the sidecar's first `cap` layers with the settings table's defaults (no binding)
+void pi2_sidecar_default_costs(const struct pi2_sidecar * sc, double * out, int cap);
 
 // true: PI2 holds blk.<layer>.ffn_* of the model being loaded; false: ggml-cpu does. b: that load's binding
 // (NULL: no sidecar), act: the activation the model states, defaults: the device's settings.
