@@ -17,6 +17,9 @@ Model of a token (2 threads unless told):
     times the plugin's own sparse/dense cost estimate; the reads the engine issued ahead (the next layer's first misses, as many as the
     prefetch room holds; none in a layer with predictors, whose reads wait for them) overlap the compute: the layer
     takes the longer of those two plus OVERLAP_REST of the shorter, and the rest of its reads after;
+  - layers the plugin reads whole from the model file (PI2_DENSE_READS=auto: where they fit beside every other layer's
+    bundles, its own rule asked through native.dense_whole_layers) read nothing after the first token and compute
+    their model weights at the measured dot-product rate; the neuron cache is planned over the other layers;
   - outside the FFN: the other weights at the measured rate, plus a fixed cost per token and per layer.
 Calibration (docs/MEASUREMENTS.md 2026-11-28, "Decode speed against the memory limit, and pi2-gguf plan against
 bench"): FLASH_COMPUTE_FACTOR and OVERLAP_REST were fitted on eight bench points of Qwen2.5-Coder-1.5B and
