@@ -188,9 +188,7 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
     cache_bytes = max(budget - stats.fixed_bytes, stats.min_cache)
     # layers read whole from the model file where they fit beside every other layer's bundles (PI2_DENSE_READS=auto):
     # cached in entries of their own after the first token, computed by the plugin's dense kernels
-    whole, whole_bytes = stats.whole_reads(cache_bytes)
-    if whole_bytes == 0:
-        whole = (False,) * len(stats.layers)
+    whole, whole_bytes = stats.whole_reads(cache_bytes)  # none picked: every layer False, 0 bytes
     plan = cache_plan(stats, cache_bytes - whole_bytes, skip=whole if whole_bytes else None)
     a, b = device.request_cost()
     layers = stats.layers
@@ -241,7 +239,7 @@ def predict(stats: ModelStats, device: DeviceProfile, budget: int, threads: int 
     token = other + total_layers + TOKEN_OVERHEAD_S
     return Prediction(budget, cache_bytes, plan.hot_bytes, plan.n_cold * stats.entry,
                       found / needed if needed else 1.0, read_b + stats.read_extra, reqs, compute + other, io, token,
-                      sum(whole) if whole_bytes else 0, whole_bytes)
+                      sum(whole), whole_bytes)
 
 
 def predict_ram(stats: ModelStats, device: DeviceProfile, threads: int = 2) -> float:
