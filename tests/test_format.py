@@ -146,6 +146,22 @@ def test_header_tensors_match_doc(header: dict[str, tuple[str, str]], doc_tensor
     assert tensors == doc_tensors
 
 
+def test_optional_tensor_matches_doc(spec_text: str, header: dict[str, tuple[str, str]]) -> None:
+    """FORMAT.md's optional tensor (output.pi2_copy) is sidecar.format.OPTIONAL_TENSORS and the C header's
+    PI2_OPTIONAL_TENSOR_ define: name, the types it may have, shape."""
+    rows = _table_rows(_section(spec_text, "Optional tensor"))
+    doc = {_unquote(r[0]): (tuple(t.strip() for t in re.split(r",| or ", r[1]) if t.strip()),
+                            tuple(d.strip() for d in r[2].strip("()").split(","))) for r in rows}
+    assert doc == sf.OPTIONAL_TENSORS == {sf.OUTPUT_COPY_TENSOR: (("Q3_K", "Q2_K", "Q4_0"), ("n_embd", "n_vocab"))}
+    in_header = {}
+    for name, (value, comment) in header.items():
+        if name.startswith("PI2_OPTIONAL_TENSOR_"):
+            m = re.fullmatch(r"([\w|]+) \((.*)\)", comment)
+            assert m, f"{name}: comment '{comment}' is not 'TYPE|TYPE (shape)'"
+            in_header[value.strip('"')] = (tuple(m.group(1).split("|")), tuple(d.strip() for d in m.group(2).split(",")))
+    assert in_header == doc
+
+
 def test_version_and_alignment(spec_text: str, header: dict[str, tuple[str, str]]) -> None:
     doc_version = int(re.search(r"^# The pi2 sidecar GGUF, format version (\d+)$", spec_text, re.M).group(1))
     doc_align = int(re.search(r"`general\.alignment` is (\d+)", spec_text).group(1))

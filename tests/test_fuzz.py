@@ -46,7 +46,7 @@ def test_fuzz_sh_lists_the_targets() -> None:
 
 def test_dictionary_holds_every_sidecar_key_and_tensor() -> None:
     fmt = (ROOT / "ggml-backend" / "src" / "model" / "sidecar_format.h").read_text()
-    names = re.findall(r'#define PI2_(?:KEY|TENSOR)_\w+\s+"([^"]+)"', fmt)
+    names = re.findall(r'#define PI2_(?:KEY|TENSOR|OPTIONAL_TENSOR)_\w+\s+"([^"]+)"', fmt)
     assert len(names) > 40
     entries = set(re.findall(r'^\w+="([^"]*)"$', (ROOT / "ggml-backend" / "fuzz" / "gguf.dict").read_text(), re.M))
     missing = [n for n in names if n not in entries and f"blk.0.{n}" not in entries]

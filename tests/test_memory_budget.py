@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 import pi2_gguf
 from pi2_gguf.bench import cgroup
@@ -595,6 +595,91 @@ def test_malformed_recorded_output_rows_are_refused(relu_rows16: Path, tmp_path:
         read_sidecar(bad)
     with pytest.raises(SidecarError, match="pi2.budget.output_copy.*q4_0"):
         native.validate_sidecar_c(bad)
+
+
+@pytest.fixture(scope="module")
+def untied_rows16(relu_model: tuple[Path, Path, list], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the synthetic ReLU model with an output matrix of its own, its sidecar recording 16 output rows and a Q2_K
+    copy): convert stores that copy in the sidecar (output.pi2_copy)."""
+    d = tmp_path_factory.mktemp("copy")
+    untied = _untied_copy(relu_model[0], d / "untied.gguf")
+    sidecar = convert(untied, d / "untied.pi2.gguf", train_tokens=2048, heldout_tokens=512, progress=False,
+                      perplexity_budget=None, output_rows=OUTPUT_ROWS, output_copy="q2_k").path
+    return untied, sidecar
+
+
+def _copy_rows(sidecar: Path) -> tuple[int, np.ndarray]:
+    """(file offset, [n_vocab, row bytes] uint8) of a sidecar's output.pi2_copy."""
+    t = next(t for t in GGUFReader(sidecar).tensors if t.name == fmt.OUTPUT_COPY_TENSOR)
+    return int(t.data_offset), np.array(t.data)
+
+
+def test_output_copy_in_the_sidecar_is_read_not_made(untied_rows16: tuple[Path, Path], tmp_path: Path) -> None:
+    """convert stores the output matrix's Q2_K copy (output.pi2_copy), the bytes the plugin's load would make; a
+    budget's load reads it: the logits equal those of the same sidecar without it (which makes the copy at load), a
+    row changed in the sidecar shows in its logit (it was read, not made), and a changed row among those the load
+    checks makes it quantize the matrix itself (the same logits as without the copy), as does PI2_OUTPUT_COPY asking
+    for another type than the stored one."""
+    from pi2_gguf.runtime import native
+
+    model, sidecar = untied_rows16
+    out = next(t for t in GGUFReader(model).tensors if t.name == "output.weight")
+    n_vocab, n_embd = int(out.shape[1]), int(out.shape[0])
+    at, rows = _copy_rows(sidecar)
+    assert rows.shape == (n_vocab, fmt.row_size(GGMLQuantizationType.Q2_K, n_embd))
+    made = native.output_copy(model, True)
+    assert made is not None and made[0] == GGMLQuantizationType.Q2_K and np.array_equal(made[1], rows)
+    q3 = native.output_copy(model, False)
+    assert q3 is not None and q3[0] == GGMLQuantizationType.Q3_K
+    without = copy_gguf(sidecar, tmp_path / "without.pi2.gguf", drop_tensors=[fmt.OUTPUT_COPY_TENSOR])
+    assert fmt.OUTPUT_COPY_TENSOR not in read_sidecar(without).tensors
+    # row 1 is not one the load checks (every n_vocab / 64th and the last); row 0 is
+    assert n_vocab // 64 > 1
+    data = bytearray(sidecar.read_bytes())
+    changed = tmp_path / "changed.pi2.gguf"
+    row = rows.shape[1]
+    data[at + row:at + 2 * row] = bytes(row)  # row 1's scales and quants all zero: its logit 0 from the copy
+    changed.write_bytes(bytes(data))
+    checked = tmp_path / "checked.pi2.gguf"
+    data = bytearray(sidecar.read_bytes())
+    data[at:at + row] = bytes(row)
+    checked.write_bytes(bytes(data))
+    logits = {}
+    for name, sc in (("with", sidecar), ("without", without), ("changed", changed), ("checked", checked)):
+        flash = _load_small_cache(model, sc, settings=FLASH_SAME_ENGINE)
+        logits[name] = _steps(flash, 4)
+        flash.close()
+    for name, sc in (("with q3_k", sidecar), ("without q3_k", without)):  # PI2_OUTPUT_COPY asks another type
+        flash = _load_small_cache(model, sc, settings={**FLASH_SAME_ENGINE, "output_copy": "q3_k"})
+        logits[name] = _steps(flash, 4)
+        flash.close()
+    assert np.array_equal(logits["with"], logits["without"])
+    assert np.array_equal(logits["checked"], logits["without"])
+    assert np.array_equal(logits["with q3_k"], logits["without q3_k"])
+    assert not np.array_equal(logits["with q3_k"], logits["with"])
+    differs = logits["changed"] != logits["with"]
+    assert differs[:, 1].all() and np.all(logits["changed"][:, 1] == 0.0) and not differs[:, 2:].any()
+
+
+def test_output_copy_of_another_matrix_is_refused(untied_rows16: tuple[Path, Path], tmp_path: Path) -> None:
+    """An output.pi2_copy whose rows are not the model's output matrix's is refused at load, naming both; one of
+    another type or width by both sidecar readers."""
+    from pi2_gguf.runtime import native
+
+    model, sidecar = untied_rows16
+    copy = fmt.OUTPUT_COPY_TENSOR
+    short = copy_gguf(sidecar, tmp_path / "short.pi2.gguf", drop_tensors=[copy],
+                      extra=lambda name, data: [(name, data[:-1])] if name == copy else [])
+    with pytest.raises(SidecarError, match=f"{copy} has \\d+ rows; the model's output.weight has \\d+"):
+        _load_small_cache(model, short)
+    for what, more in (("F16", lambda d: np.zeros((d.shape[0], 256), np.float16)),
+                       ("Q2_K \\[512", lambda d: np.concatenate([d, d], axis=1))):
+        bad = copy_gguf(sidecar, tmp_path / "bad.pi2.gguf", drop_tensors=[copy],
+                        extra=lambda name, data: [(name, more(data))] if name == copy else [])
+        with pytest.raises(SidecarError, match=f"tensor {copy} is {what}"):
+            read_sidecar(bad)
+        with pytest.raises(SidecarError, match=f"(?i)tensor {copy} (is F16|has shape \\(512)"):
+            native.validate_sidecar_c(bad)
 
 
 def test_embedding_file_changed_while_running_ends_generation(relu_model: tuple[Path, Path, list],

@@ -232,6 +232,14 @@ struct pi2_model_summary {
 };
 GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summary * out, char * err, size_t errlen);
 
+// The in-RAM copy of model_path's output matrix a memory budget computes every logit from (PI2_OUTPUT_ROWS > 0;
+// small: PI2_OUTPUT_COPY=q2_k), as the load would make it, for convert to store in the sidecar (FORMAT.md,
+// output.pi2_copy). Sets *type (enum ggml_type), *n_rows and *row_size; with dst not NULL also writes the copy there
+// (n_rows rows of row_size bytes; dst_size must hold them). 1, 0 where a load makes no copy (a tied embedding, or no
+// smaller type), -1 with err set.
+GGML_BACKEND_API int pi2_output_copy_make(const char * model_path, int small, int32_t * type, int64_t * n_rows,
+                                          size_t * row_size, void * dst, size_t dst_size, char * err, size_t errlen);
+
 // Fingerprint of one FFN weight tensor (FORMAT.md "Fingerprint"), and of a model from its 3 * n_layer
 // tensor fingerprints (gate, up, down of layer 0, then layer 1, ...)
 GGML_BACKEND_API uint64_t pi2_fingerprint_tensor(int type, int64_t ne0, int64_t ne1, const void * data, size_t nbytes);

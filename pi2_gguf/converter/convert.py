@@ -23,7 +23,7 @@ from ..gguf_file import check_context
 from ..paths import check_output
 from ..sidecar import format as fmt
 from ..sidecar.block_size import default_bundle_align
-from ..sidecar.writer import LayerData, Quality, SidecarMeta, write
+from ..sidecar.writer import LayerData, OutputCopy, Quality, SidecarMeta, write
 from . import bundles as bundles_mod
 from . import predictor as pred_mod
 from . import resume
@@ -475,8 +475,28 @@ def _down_columns(planned: _Planned, il: int) -> bundles_mod.DownColumns:
     return down
 
 
+class _OutputCopies:
+    """The output matrix's in-RAM copy a sidecar with output rows carries (output.pi2_copy), so that a budget's load
+    reads it instead of quantizing the matrix (Qwen2.5-1.5B: 6.5 of a load's 8 s here): made once per type by the
+    plugin's own routine (native.output_copy), for every sidecar convert writes, candidates included."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self._made: dict[bool, OutputCopy | None] = {}
+
+    def of(self, meta: SidecarMeta) -> OutputCopy | None:
+        if not meta.output_rows:
+            return None
+        small = meta.output_copy == "q2_k"  # PI2_OUTPUT_COPY's value; absent: q3_k
+        if small not in self._made:
+            from ..runtime import native
+            made = native.output_copy(self.model, small)
+            self._made[small] = OutputCopy(*made) if made is not None else None
+        return self._made[small]
+
+
 def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, progress: bool,
-           overall: Progress | None = None, step: str = "write") -> None:
+           overall: Progress | None = None, step: str = "write", copies: _OutputCopies | None = None) -> None:
     def layer_bundles(il: int) -> np.ndarray:
         ffn = model.layers[il]
         lay = fmt.bundle_layout(*planned.types[il], model.n_embd, meta.bundle_align, meta.layers[il].bundle_neurons,
@@ -494,7 +514,7 @@ def _write(out: Path, model: ModelFfn, meta: SidecarMeta, planned: _Planned, pro
                 bar.set_postfix_str(overall.postfix(), refresh=False)
             bar.update(1)
 
-        write(out, meta, layer_bundles, progress=done)
+        write(out, meta, layer_bundles, progress=done, output_copy=copies.of(meta) if copies is not None else None)
     if overall is not None:
         overall.end(step)
 
@@ -782,6 +802,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
     copy = o.output_copy if rows is not None else None
     down_cache: dict[int, bundles_mod.DownColumns] = {}
+    copies = _OutputCopies(model.path)
     choice: list[str] = []
 
     planned_at: dict[float | None, _Planned] = {}
@@ -837,7 +858,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
 
     def final_write(meta: SidecarMeta, planned: _Planned) -> None:
         progress.begin("write", f"writing {out}")
-        _write(out, model, meta, planned, o.progress, progress, "write")
+        _write(out, model, meta, planned, o.progress, progress, "write", copies)
 
     if o.perplexity_budget is None:
         meta = meta_of(plan_k, planned)
@@ -880,7 +901,7 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                 progress.seed("ppl_sparse", got[0].get("seconds"), score_tokens)
                 return meta, float(got[0]["ppl"])
             progress.begin(f"write {what}", f"writing the candidate with {what}")
-            _write(out, model, meta, planned, o.progress, progress, f"write {what}")
+            _write(out, model, meta, planned, o.progress, progress, f"write {what}", copies)
             progress.begin(f"perplexity {what}", f"scoring the candidate with {what} on held-out text")
             t_ppl = time.monotonic()
             ppl = _perplexity(model.path, heldout, ctx, out, o.threads, o.progress)

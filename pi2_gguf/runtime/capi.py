@@ -161,6 +161,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
                                        *_ERR]),
     "pi2_sidecar_check_weight": (c_int, [c_char_p, c_int, c_int, c_int, c_int64, c_int64, c_void_p, c_size_t, *_ERR]),
     "pi2_model_summary": (c_int, [c_char_p, POINTER(Pi2ModelSummary), *_ERR]),
+    "pi2_output_copy_make": (c_int, [c_char_p, c_int, POINTER(ctypes.c_int32), POINTER(c_int64), POINTER(c_size_t),
+                                     c_void_p, c_size_t, *_ERR]),
     "pi2_fingerprint_tensor": (c_uint64, [c_int, c_int64, c_int64, c_void_p, c_size_t]),
     "pi2_fingerprint_model": (c_uint64, [POINTER(c_uint64), c_size_t]),
 }

@@ -101,6 +101,25 @@ def dense_whole_layers(model: Pathish, sidecar: Pathish, cache_bytes: int) -> tu
     return [bool(v) for v in pick[:min(n, n_max)]], int(whole.value)
 
 
+def output_copy(model: Pathish, small: bool) -> tuple[int, np.ndarray] | None:
+    """(ggml type, [n_vocab, row bytes] uint8): the output matrix's in-RAM copy a memory budget with output rows keeps
+    (small: PI2_OUTPUT_COPY=q2_k), made by the plugin's own routine, so a load that reads it from the sidecar has the
+    bytes it would have made; None where a load makes none (a tied embedding, or no smaller type)."""
+    err = capi.err_buffer()
+    lib = capi.lib()
+    qtype, n_rows, row_size = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_size_t()
+    args = (os.fsencode(model), int(small), ctypes.byref(qtype), ctypes.byref(n_rows), ctypes.byref(row_size))
+    rc = lib.pi2_output_copy_make(*args, None, 0, err, capi.ERR_LEN)
+    if rc > 0:
+        rows = np.empty((n_rows.value, row_size.value), np.uint8)
+        rc = lib.pi2_output_copy_make(*args, rows.ctypes.data, rows.nbytes, err, capi.ERR_LEN)
+        if rc > 0:
+            return int(qtype.value), rows
+    if rc < 0:
+        raise ModelFileError(capi.err_text(err))
+    return None
+
+
 def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return np.frombuffer(data, dtype=np.uint8)

@@ -216,6 +216,13 @@ TENSORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pi2_bundles": ("I8", ("bundle size", "n_bundles")),
 }
 
+# the optional tensor (FORMAT.md, "Optional tensor"): name -> (the ggml types it may have, shape in ggml order): the
+# output matrix's in-RAM copy under pi2.budget.output_rows, as the plugin's load would quantize it
+OUTPUT_COPY_TENSOR = "output.pi2_copy"
+OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    OUTPUT_COPY_TENSOR: (("Q3_K", "Q2_K", "Q4_0"), ("n_embd", "n_vocab")),
+}
+
 ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu", "drelu", "fatrelu", "swiglu_oai")
 RELU_FAMILY = ("relu", "drelu", "fatrelu")
 SPARSITY_METHODS = ("cats", "product", "relu")

@@ -70,10 +70,12 @@ def _disk_line(sc: Sidecar) -> str:
         by_suffix[suffix] = by_suffix.get(suffix, 0) + int(t.n_bytes)
     bundles = by_suffix.get("pi2_bundles", 0)
     predictors = sum(v for k, v in by_suffix.items() if k.startswith("pi2_pred_"))
+    copy = int(sc.tensors[fmt.OUTPUT_COPY_TENSOR].n_bytes) if fmt.OUTPUT_COPY_TENSOR in sc.tensors else 0
     return (f"disk           model {model / 1e6:.1f} MB + sidecar {size / 1e6:.1f} MB = {(model + size) / 1e6:.1f} MB "
             f"(the sidecar {100 * size / max(model, 1):.0f}% of the model: neuron bundles {bundles / 1e6:.1f} MB, "
-            f"predictors {predictors / 1e6:.1f} MB, rankings, frequencies and 4 KiB alignment "
-            f"{(size - bundles - predictors) / 1e6:.1f} MB)")
+            f"predictors {predictors / 1e6:.1f} MB, "
+            + (f"the output matrix's copy {copy / 1e6:.1f} MB, " if copy else "")
+            + f"rankings, frequencies and 4 KiB alignment {(size - bundles - predictors - copy) / 1e6:.1f} MB)")
 
 
 def _sparsity_lines(kv: dict, target: float) -> list[str]:
@@ -107,7 +109,9 @@ def summary(sc: Sidecar) -> str:
         *(["choice         " + kv[Key.QUALITY_CHOICE]] if Key.QUALITY_CHOICE in kv else []),
         *([f"memory budget  output matrix left in the model file, {kv[Key.BUDGET_OUTPUT_ROWS]} exact rows a token, "
            f"the rest from a {kv.get(Key.BUDGET_OUTPUT_COPY, 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
-           f"PI2_OUTPUT_COPY; the environment or a model setting overrides them)"]
+           f"PI2_OUTPUT_COPY; the environment or a model setting overrides them)"
+           + ("; the copy is stored here (a load reads it)" if fmt.OUTPUT_COPY_TENSOR in sc.tensors else
+              "; a load makes the copy (convert again to store it here)")]
           if kv.get(Key.BUDGET_OUTPUT_ROWS) else []),
         "",
         "layer  n_ff  thresh" + (" x up thr" if product else "")

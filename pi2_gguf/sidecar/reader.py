@@ -176,6 +176,14 @@ def read(path: str | Path) -> Sidecar:
         fmt.check_bundle_align(align)
     except ValueError as e:
         raise SidecarError(f"sidecar {p}: {e}") from e
+    copy = tensors.get(fmt.OUTPUT_COPY_TENSOR)
+    if copy is not None:  # as the plugin refuses it
+        copy_types, _ = fmt.OPTIONAL_TENSORS[fmt.OUTPUT_COPY_TENSOR]
+        copy_shape = [int(x) for x in copy.shape]
+        if (copy.tensor_type.name not in copy_types or len(copy_shape) != 2 or copy_shape[0] != int(kv[Key.N_EMBD])
+                or copy_shape[1] < 1):
+            raise SidecarError(f"sidecar {p}: tensor {fmt.OUTPUT_COPY_TENSOR} is {copy.tensor_type.name} {copy_shape}, "
+                               f"expected {', '.join(copy_types)} [n_embd = {kv[Key.N_EMBD]}, n_vocab]")
     sc = Sidecar(p, kv, tensors, reader)
     n_embd = int(kv[Key.N_EMBD])
     whole = sc.whole_layers

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from ..errors import OutputWriteError
 from . import format as fmt
@@ -115,6 +115,14 @@ class SidecarMeta:
         if self.expert_reads != "model":
             return frozenset()
         return frozenset(fmt.routed_layers(self.layer_experts, self.n_expert, len(self.layers)))
+
+
+@dataclass(frozen=True)
+class OutputCopy:
+    """The output matrix's in-RAM copy a memory budget computes every logit from (FORMAT.md, output.pi2_copy), as the
+    plugin's load quantizes it (native.output_copy)."""
+    qtype: int  # a ggml type of fmt.OPTIONAL_TENSORS' output.pi2_copy
+    rows: np.ndarray  # [n_vocab, row bytes] uint8
 
 
 def _f32(v: Any) -> float:
@@ -242,11 +250,22 @@ def write_failure(e: OSError, tmp: Path) -> str:
 
 
 def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarray],
-          progress: Callable[[int], None] | None = None) -> Path:
+          progress: Callable[[int], None] | None = None, output_copy: OutputCopy | None = None) -> Path:
     """Writes the sidecar atomically (temp file beside it, then rename). bundles(layer) returns that
-    layer's [n_bundles, bundle size] uint8 array."""
+    layer's [n_bundles, bundle size] uint8 array; output_copy, where given, is written as output.pi2_copy (a sidecar
+    that records output rows)."""
     out = Path(path)
     kv = _key_values(meta)
+    if output_copy is not None:
+        types, _ = fmt.OPTIONAL_TENSORS[fmt.OUTPUT_COPY_TENSOR]
+        qt = GGMLQuantizationType(output_copy.qtype)
+        rows = output_copy.rows
+        if (qt.name not in types or rows.dtype != np.uint8 or rows.ndim != 2
+                or rows.shape[1] != fmt.row_size(qt, meta.n_embd)):
+            raise ValueError(f"output copy {qt.name} {rows.dtype} {rows.shape} is not {', '.join(types)} rows of "
+                             f"n_embd = {meta.n_embd}")
+        if not meta.output_rows:
+            raise ValueError("an output copy belongs to a sidecar that records output rows")
     required = set(kv) - set(fmt.OPTIONAL_KEYS)
     if required != set(fmt.keys_of(meta.method)):
         raise AssertionError(f"writer keys differ from the format: {sorted(required ^ set(fmt.keys_of(meta.method)))}")
@@ -271,6 +290,10 @@ def write(path: str | Path, meta: SidecarMeta, bundles: Callable[[int], np.ndarr
             shape = (ld.n_bundles, ld.bundle_size)
             w.add_tensor_info(name, shape, np.dtype(np.int8), ld.n_bundles * ld.bundle_size)
             order.append((il, name, None))
+        if output_copy is not None:
+            w.add_tensor_info(fmt.OUTPUT_COPY_TENSOR, output_copy.rows.shape, output_copy.rows.dtype,
+                              output_copy.rows.nbytes, raw_dtype=GGMLQuantizationType(output_copy.qtype))
+            order.append((-1, fmt.OUTPUT_COPY_TENSOR, output_copy.rows))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

@@ -1,18 +1,22 @@
 #define _DEFAULT_SOURCE // posix_fadvise
 #include "flash/output_rows.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "dense/ffn_exec.h"
 #include "ggml-cpu.h"
 #include "model/model_binding.h"
 #include "core/pi2_context.h"
 #include "core/pi2_log.h"
+#include "flash/bundle_io.h"
+#include "model/sidecar_format.h"
 
 int pi2_output_open(const char * model_path, struct pi2_output ** out, char * err, size_t errlen) {
     *out = NULL;
@@ -37,15 +41,43 @@ int pi2_output_open(const char * model_path, struct pi2_output ** out, char * er
     o->table          = t;
     o->proxy_type     = proxy;
     o->proxy_row_size = ggml_row_size(proxy, t->n_embd);
+    o->copy_fd        = -1;
     atomic_init(&o->built, 0);
     *out = o;
     return 1;
+}
+
+static void pi2_output_drop_sidecar_copy(struct pi2_output * o) {
+    if (o->copy_fd >= 0) {
+        close(o->copy_fd);
+        o->copy_fd = -1;
+    }
+}
+
+int pi2_output_use_sidecar_copy(struct pi2_output * o, const char * sidecar_path, uint64_t offset, enum ggml_type type,
+                                int64_t n_rows, char * err, size_t errlen) {
+    if (n_rows != o->table->n_rows) {
+        snprintf(err, errlen, "sidecar %.300s: its %s has %" PRId64 " rows; the model's %s has %" PRId64 " (was it made for "
+                 "another model?)", sidecar_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY, n_rows, o->table->name, o->table->n_rows);
+        return -1;
+    }
+    pi2_output_drop_sidecar_copy(o);
+    o->copy_fd = open(sidecar_path, O_RDONLY | O_CLOEXEC);
+    if (o->copy_fd < 0) {
+        snprintf(err, errlen, "sidecar %.300s: cannot open it: %s", sidecar_path, strerror(errno));
+        return -1;
+    }
+    o->copy_offset = offset;
+    o->copy_type   = type;
+    snprintf(o->copy_path, sizeof(o->copy_path), "%s", sidecar_path);
+    return 0;
 }
 
 void pi2_output_free(struct pi2_output * o) {
     if (o == NULL) {
         return;
     }
+    pi2_output_drop_sidecar_copy(o);
     pi2_embedding_free(o->table);
     free(o->proxy);
     free(o);
@@ -58,6 +90,78 @@ bool pi2_output_matches(const struct pi2_output * o, const struct ggml_tensor * 
 static void pi2_output_fail(struct pi2_output * o, const char * what) {
     snprintf(o->error, sizeof(o->error), "%s", what);
     atomic_store(&o->built, -1);
+}
+
+// rows [0, n) of src (the matrix's rows, in the model's type) into n rows of `type` at dst, on every core: the copy as
+// ggml's quantizer makes it (at load ~20 ns a value for Q3_K, 57 for Q2_K here). false when out of memory.
+static bool pi2_output_quantize(const struct pi2_embedding * t, const void * src, int64_t n, enum ggml_type type, uint8_t * dst) {
+    const ggml_to_float_t   to_float   = ggml_get_type_traits(t->type)->to_float;
+    const ggml_from_float_t from_float = ggml_get_type_traits_cpu(type)->from_float;
+    const size_t dst_row = ggml_row_size(type, t->n_embd);
+    bool oom = false;
+    #pragma omp parallel if (n > 1)
+    {
+        float * row = malloc((size_t) t->n_embd * sizeof(float));
+        if (row == NULL) {
+            #pragma omp atomic write
+            oom = true;
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; ++r) {
+                const char * s = (const char *) src + (size_t) r * t->row_size;
+                if (t->type == GGML_TYPE_F32) {
+                    memcpy(row, s, t->row_size);
+                } else {
+                    to_float(s, row, t->n_embd);
+                }
+                from_float(row, dst + (size_t) r * dst_row, t->n_embd);
+            }
+            free(row);
+        }
+    }
+    return !oom;
+}
+
+// rows r0 .. r0 + n of the copy read from the sidecar into o->proxy; a few of them (every n_rows / 64th and the
+// last) quantized from the upload and compared. 0; 1 where one differs (another quantizer made the copy: the caller
+// quantizes instead); -1 with o's error set where the read fails.
+static int pi2_output_read_copy(struct pi2_output * o, int64_t r0, int64_t n, const void * data) {
+    const struct pi2_embedding * t = o->table;
+    uint8_t * dst = o->proxy + (size_t) r0 * o->proxy_row_size;
+    const uint64_t off = o->copy_offset + (uint64_t) r0 * o->proxy_row_size;
+    const int e = pi2_read_exact(o->copy_fd, dst, (size_t) n * o->proxy_row_size, off);
+    if (e != 0) {
+        char msg[sizeof(o->error)];
+        snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
+                 e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
+        pi2_output_fail(o, msg);
+        return -1;
+    }
+    // held in RAM from now on: its pages need not stay cached
+    (void) posix_fadvise(o->copy_fd, (off_t) off, (off_t) ((size_t) n * o->proxy_row_size), POSIX_FADV_DONTNEED);
+    uint8_t * mine = malloc(o->proxy_row_size);
+    if (mine == NULL) {
+        pi2_output_fail(o, "out of memory checking the sidecar's output matrix copy");
+        return -1;
+    }
+    const int64_t stride = t->n_rows / 64 > 1 ? t->n_rows / 64 : 1;
+    int rc = 0;
+    for (int64_t r = r0; rc == 0 && r < r0 + n; ++r) {
+        if (r % stride != 0 && r != r0 + n - 1) {
+            continue;
+        }
+        if (!pi2_output_quantize(t, (const char *) data + (size_t) (r - r0) * t->row_size, 1, o->proxy_type, mine)) {
+            pi2_output_fail(o, "out of memory checking the sidecar's output matrix copy");
+            rc = -1;
+        } else if (memcmp(mine, o->proxy + (size_t) r * o->proxy_row_size, o->proxy_row_size) != 0) {
+            PI2_LOG_WARN("pi2: sidecar %s: row %" PRId64 " of its %s differs from ggml's %s of the model's %s (made by "
+                         "another build?): quantizing the matrix at load instead\n", o->copy_path, r,
+                         PI2_OPTIONAL_TENSOR_OUTPUT_COPY, ggml_type_name(o->proxy_type), t->name);
+            rc = 1;
+        }
+    }
+    free(mine);
+    return rc;
 }
 
 void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size) {
@@ -88,38 +192,83 @@ void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const
             pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");
             return;
         }
+        if (o->copy_fd >= 0 && o->copy_type != o->proxy_type) { // PI2_OUTPUT_COPY asks for another type than convert's
+            PI2_LOG_INFO("pi2: the sidecar's %s is %s, the copy %s: quantizing the output matrix at load\n",
+                         PI2_OPTIONAL_TENSOR_OUTPUT_COPY, ggml_type_name(o->copy_type), ggml_type_name(o->proxy_type));
+            pi2_output_drop_sidecar_copy(o);
+        }
     }
     o->n_exact = n_exact < t->n_rows ? n_exact : t->n_rows;
     const int64_t r0 = (int64_t) (offset / t->row_size), n = (int64_t) (size / t->row_size);
-    const ggml_to_float_t   to_float   = ggml_get_type_traits(t->type)->to_float;
-    const ggml_from_float_t from_float = ggml_get_type_traits_cpu(o->proxy_type)->from_float;
-    bool oom = false;
-    // at load, on every core: Q3_K quantization takes ~20 ns a value (3 s for Qwen2.5-1.5B's matrix here)
-    #pragma omp parallel
-    {
-        float * row = malloc((size_t) t->n_embd * sizeof(float));
-        if (row == NULL) {
-            #pragma omp atomic write
-            oom = true;
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; ++r) {
-                const char * src = (const char *) data + (size_t) r * t->row_size;
-                if (t->type == GGML_TYPE_F32) {
-                    memcpy(row, src, t->row_size);
-                } else {
-                    to_float(src, row, t->n_embd);
-                }
-                from_float(row, o->proxy + (size_t) (r0 + r) * o->proxy_row_size, t->n_embd);
-            }
-            free(row);
-        }
-    }
-    if (oom) {
-        pi2_output_fail(o, "out of memory making the output matrix's in-RAM copy");
+    const int from_sidecar = o->copy_fd >= 0 ? pi2_output_read_copy(o, r0, n, data) : 1;
+    if (from_sidecar < 0) {
         return;
     }
-    atomic_fetch_add(&o->built, (long long) n);
+    if (from_sidecar > 0) {
+        pi2_output_drop_sidecar_copy(o);
+        if (!pi2_output_quantize(t, data, n, o->proxy_type, o->proxy + (size_t) r0 * o->proxy_row_size)) {
+            pi2_output_fail(o, "out of memory making the output matrix's in-RAM copy");
+            return;
+        }
+    }
+    if (atomic_fetch_add(&o->built, (long long) n) + n == t->n_rows) {
+        pi2_output_drop_sidecar_copy(o); // every row is in RAM
+    }
+}
+
+int pi2_output_copy_make(const char * model_path, int small, int32_t * type, int64_t * n_rows, size_t * row_size,
+                         void * dst, size_t dst_size, char * err, size_t errlen) {
+    char buf[512];
+    if (err == NULL || errlen == 0) {
+        err = buf;
+        errlen = sizeof(buf);
+    }
+    struct pi2_output * o = NULL;
+    const int rc = pi2_output_open(model_path, &o, err, errlen);
+    if (rc <= 0) {
+        return rc;
+    }
+    const struct pi2_embedding * t = o->table;
+    const enum ggml_type copy = pi2_output_copy_type(t->type, t->n_embd, small != 0);
+    if (copy == GGML_TYPE_COUNT) {
+        pi2_output_free(o);
+        return 0;
+    }
+    *type     = (int32_t) copy;
+    *n_rows   = t->n_rows;
+    *row_size = ggml_row_size(copy, t->n_embd);
+    if (dst == NULL) {
+        pi2_output_free(o);
+        return 1;
+    }
+    if (dst_size / *row_size < (size_t) t->n_rows) {
+        snprintf(err, errlen, "model %.300s: its output matrix's copy takes %" PRId64 " rows of %zu bytes, more than the "
+                 "%zu given", model_path, t->n_rows, *row_size, dst_size);
+        pi2_output_free(o);
+        return -1;
+    }
+    // in slices of the file's rows, each quantized on every core (the same routine as a load)
+    const int64_t step = (int64_t) ((16u << 20) / t->row_size) + 1;
+    void * rows = malloc((size_t) step * t->row_size);
+    int ret = rows != NULL ? 1 : -1;
+    if (rows == NULL) {
+        snprintf(err, errlen, "model %.300s: out of memory reading its output matrix", model_path);
+    }
+    for (int64_t r0 = 0; ret > 0 && r0 < t->n_rows; r0 += step) {
+        const int64_t n = t->n_rows - r0 < step ? t->n_rows - r0 : step;
+        const int e = pi2_read_exact(t->fd, rows, (size_t) n * t->row_size, t->offset + (uint64_t) r0 * t->row_size);
+        if (e != 0) {
+            snprintf(err, errlen, "model %.300s: reading %s failed: %s", model_path, t->name,
+                     e == PI2_READ_EOF ? "the file is shorter than its header says" : strerror(e));
+            ret = -1;
+        } else if (!pi2_output_quantize(t, rows, n, copy, (uint8_t *) dst + (size_t) r0 * *row_size)) {
+            snprintf(err, errlen, "model %.300s: out of memory quantizing its output matrix", model_path);
+            ret = -1;
+        }
+    }
+    free(rows);
+    pi2_output_free(o);
+    return ret;
 }
 
 bool pi2_output_ready(struct pi2_output * o) {

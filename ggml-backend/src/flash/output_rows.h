@@ -34,6 +34,11 @@ struct pi2_output {
     uint8_t *              proxy;      // [n_rows] rows of proxy_type, made from llama's upload
     int64_t                n_exact;    // rows per token read and computed in the model's type
     atomic_llong           built;      // rows of the copy made so far; -1 after an upload that could not be used
+    // the sidecar's copy (output.pi2_copy), read instead of quantizing the upload where it has the copy's type
+    int                    copy_fd;    // -1: none, or no longer needed
+    uint64_t               copy_offset;
+    enum ggml_type         copy_type;
+    char                   copy_path[1024];
     char                   error[512];
 };
 
@@ -42,11 +47,18 @@ struct pi2_output {
 int  pi2_output_open(const char * model_path, struct pi2_output ** out, char * err, size_t errlen);
 void pi2_output_free(struct pi2_output * o);
 
+// The sidecar's copy of the matrix (output.pi2_copy: type, n_rows, its file offset): where its type is the one the
+// first upload picks, the copy's rows are read from the sidecar instead of quantized from the upload (a few rows of
+// each upload are quantized and compared; where they differ, the upload is quantized). 0, or -1 with err set where it
+// copies another matrix (its rows) or the sidecar cannot be opened.
+int pi2_output_use_sidecar_copy(struct pi2_output * o, const char * sidecar_path, uint64_t offset, enum ggml_type type,
+                                int64_t n_rows, char * err, size_t errlen);
+
 // The tensor llama holds is this output matrix (name, type and shape).
 bool pi2_output_matches(const struct pi2_output * o, const struct ggml_tensor * t);
 
-// llama uploads whole rows of the matrix: compared with the file, then turned into the in-RAM copy and
-// dropped. n_exact: this model's PI2_OUTPUT_ROWS; small: its PI2_OUTPUT_COPY (the copy's type is fixed by the
+// llama uploads whole rows of the matrix: compared with the file, then turned into the in-RAM copy (or checked
+// against the sidecar's) and dropped. n_exact: this model's PI2_OUTPUT_ROWS; small: its PI2_OUTPUT_COPY (the copy's type is fixed by the
 // first upload).
 void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size);
 

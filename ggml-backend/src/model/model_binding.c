@@ -176,6 +176,12 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
         pi2_binding_destroy(b);
         return NULL;
     }
+    if (b->output != NULL && b->sc->out_copy_type != GGML_TYPE_COUNT &&
+        pi2_output_use_sidecar_copy(b->output, sidecar_path, b->sc->out_copy_offset, b->sc->out_copy_type,
+                                    b->sc->out_copy_rows, err, errlen) != 0) {
+        pi2_binding_destroy(b);
+        return NULL;
+    }
     if (flash && model_path != NULL && (b->model_path = strdup(model_path)) == NULL) {
         snprintf(err, errlen, "sidecar %s: out of memory", sidecar_path);
         pi2_binding_destroy(b);

@@ -694,6 +694,30 @@ static int pi2_read_tensors(struct pi2_reader * rd, struct pi2_sidecar * sc) {
     return 0;
 }
 
+// output.pi2_copy where the sidecar has it: a 2-D matrix of n_embd columns in one of the copy types; its bytes stay on
+// disk (a load reads them once, flash/output_rows.c)
+static int pi2_read_output_copy(struct pi2_reader * rd, struct pi2_sidecar * sc) {
+    sc->out_copy_type = GGML_TYPE_COUNT;
+    const int64_t id = gguf_find_tensor(rd->file.gguf, PI2_OPTIONAL_TENSOR_OUTPUT_COPY);
+    if (id < 0) {
+        return 0;
+    }
+    const enum ggml_type type = gguf_get_tensor_type(rd->file.gguf, id);
+    if (type != GGML_TYPE_Q3_K && type != GGML_TYPE_Q2_K && type != GGML_TYPE_Q4_0) {
+        return pi2_fail(rd, "tensor %s is %s, expected %s, %s or %s", PI2_OPTIONAL_TENSOR_OUTPUT_COPY, ggml_type_name(type),
+                        ggml_type_name(GGML_TYPE_Q3_K), ggml_type_name(GGML_TYPE_Q2_K), ggml_type_name(GGML_TYPE_Q4_0));
+    }
+    const int64_t * ne = gguf_get_tensor_ne(rd->file.gguf, id);
+    if (ne[0] != (int64_t) sc->n_embd || ne[1] < 1 || ne[2] != 1 || ne[3] != 1) {
+        return pi2_fail(rd, "tensor %s has shape (%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "), expected (n_embd, n_vocab) "
+                        "with n_embd = %" PRIu32, PI2_OPTIONAL_TENSOR_OUTPUT_COPY, ne[0], ne[1], ne[2], ne[3], sc->n_embd);
+    }
+    sc->out_copy_type   = type;
+    sc->out_copy_rows   = ne[1];
+    sc->out_copy_offset = gguf_get_data_offset(rd->file.gguf) + gguf_get_tensor_offset(rd->file.gguf, id); // in the file: checked at open
+    return 0;
+}
+
 //
 // public entry points
 //
@@ -750,7 +774,8 @@ static int pi2_sidecar_read(struct pi2_reader * rd, struct pi2_sidecar * sc) {
         return pi2_fail(rd, "out of memory");
     }
     sc->n_layer = n_layer; // only once layer[] exists: pi2_sidecar_free walks it
-    if (pi2_read_globals(rd, sc) != 0 || pi2_read_layers(rd, sc) != 0 || pi2_read_tensors(rd, sc) != 0) {
+    if (pi2_read_globals(rd, sc) != 0 || pi2_read_layers(rd, sc) != 0 || pi2_read_tensors(rd, sc) != 0 ||
+        pi2_read_output_copy(rd, sc) != 0) {
         return -1;
     }
     return 0;

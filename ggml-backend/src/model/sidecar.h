@@ -81,6 +81,11 @@ struct pi2_sidecar {
     char *   source_name;
     int32_t  output_rows; // pi2.budget.output_rows, -1 where the sidecar records none
     int32_t  output_copy; // pi2.budget.output_copy as PI2_OUTPUT_COPY's value (1: q2_k, 0: q3_k), -1 where none
+    // output.pi2_copy (FORMAT.md, "Optional tensor"): its type (GGML_TYPE_COUNT where the sidecar has none), rows and
+    // absolute file offset; which output matrix it copies is checked where the model's is known (model_binding.c)
+    enum ggml_type out_copy_type;
+    int64_t        out_copy_rows;
+    uint64_t       out_copy_offset;
     uint32_t n_expert;    // pi2.moe.expert_count: layers are (MoE layer, expert) and dense FFN layers; 0: dense
     bool     experts_whole; // pi2.moe.expert_reads = model: routed experts are read whole from the model file
     bool     dense_whole;   // pi2.dense_reads = model: a dense model's FFN layers are read whole from the model file

@@ -85,6 +85,10 @@
 #define PI2_TENSOR_ORDER   "pi2_order"   // I32 (n_ff)
 #define PI2_TENSOR_BUNDLES "pi2_bundles" // I8 (bundle size, n_bundles)
 
+// the optional tensor (FORMAT.md, "Optional tensor"): the output matrix's in-RAM copy a memory budget computes
+// every logit from (flash/output_rows.h), made by convert so that a load reads it instead of quantizing
+#define PI2_OPTIONAL_TENSOR_OUTPUT_COPY "output.pi2_copy" // Q3_K|Q2_K|Q4_0 (n_embd, n_vocab)
+
 // fingerprint (FORMAT.md "Fingerprint"): FNV-1a 64 over a header and 16 samples of the tensor's bytes
 #define PI2_FP_OFFSET_BASIS  0xcbf29ce484222325ULL
 #define PI2_FP_PRIME         0x100000001b3ULL
