@@ -477,7 +477,7 @@ def _down_columns(planned: _Planned, il: int) -> bundles_mod.DownColumns:
 
 class _OutputCopies:
     """The output matrix's in-RAM copy a sidecar with output rows carries (output.pi2_copy), so that a budget's load
-    reads it instead of quantizing the matrix (Qwen2.5-1.5B: 6.5 of a load's 8 s here): made once per type by the
+    reads it instead of quantizing the matrix (Qwen2.5-1.5B: 7.4 of a load's 9.3 s here): made once per type by the
     plugin's own routine (native.output_copy), for every sidecar convert writes, candidates included."""
 
     def __init__(self, model: Path) -> None:
