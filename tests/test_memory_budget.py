@@ -494,6 +494,42 @@ def test_output_matrix_stays_in_the_model_file(relu_model: tuple[Path, Path, lis
         assert 0.0 < rel < 0.3, rel
 
 
+def test_tied_embedding_output_rows(relu_model: tuple[Path, Path, list], relu_rows16: Path) -> None:
+    """A tied embedding (no output.weight: llama multiplies by a duplicate of token_embd.weight, uploaded separately)
+    under PI2_OUTPUT_ROWS=16 is split as a separate output matrix is: the duplicate is not kept, a Q3_K copy gives every
+    logit and each token's 16 largest are computed from the file's rows, equal to the in-RAM run's, so greedy decoding
+    follows the same tokens. The budget's floor counts the copy instead of the table; convert --output-rows stores the
+    tied table's copy in the sidecar."""
+    from pi2_gguf.runtime import native
+
+    model, sidecar, _ = relu_model
+    tensors = {t.name: t for t in GGUFReader(model).tensors}
+    assert "output.weight" not in tensors
+    embd = tensors["token_embd.weight"]
+    ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
+    want = _steps(ram)
+    ram.close()
+    flash = _load_small_cache(model, sidecar, settings={"output_rows": OUTPUT_ROWS, **FLASH_SAME_ENGINE})
+    pi2_gguf.reset_counters()
+    got = _steps(flash)
+    c = pi2_gguf.read_counters()
+    info = flash.cache_info()
+    flash.close()
+    row_bytes = int(embd.n_bytes) // int(embd.shape[1])
+    assert c.output_rows == OUTPUT_ROWS * (len(got) + 1) and c.output_bytes == c.output_rows * row_bytes
+    assert 0 < info.output_copy_bytes < int(embd.n_bytes) // 4  # F32 rows -> Q3_K
+    for w, g in zip(want, got):
+        exact = np.abs(g - w) <= 1e-5 * np.abs(w).max()
+        assert np.argmax(g) == np.argmax(w) and exact[np.argmax(w)]
+        assert exact.sum() >= OUTPUT_ROWS
+        rel = np.linalg.norm(g[~exact] - w[~exact]) / np.linalg.norm(w[~exact])
+        assert 0.0 < rel < 0.3, rel
+    without, with_rows = native.budget_floor(model, sidecar, 0), native.budget_floor(model, sidecar, OUTPUT_ROWS)
+    assert without.non_ffn - with_rows.non_ffn == int(embd.n_bytes) - info.output_copy_bytes
+    made = native.output_copy(model, True)
+    assert made is not None and np.array_equal(_copy_rows(relu_rows16)[1], made[1])
+
+
 def test_output_matrix_left_in_the_file_gives_its_ram_to_the_cache(relu_model: tuple[Path, Path, list],
                                                                   tmp_path: Path) -> None:
     """Under the same budget the neuron cache gets what the output matrix no longer takes, less its copy (up to

@@ -225,7 +225,7 @@ struct pi2_model_summary {
     int32_t  activation;      // the FFN activation the model states (<arch>.ffn_activation: silu 0, gelu 1,
                               // gelu_erf 2, relu 3, drelu 4, fatrelu 5), or -1 when it states none
     float    activation_threshold; // <arch>.ffn_activation_threshold (FATReLU), else 0
-    uint64_t output_bytes;      // output.weight, a tensor of its own, else 0
+    uint64_t output_bytes;      // the output matrix: output.weight, or a tied token_embd.weight (counted once)
     uint64_t output_copy_bytes; // the in-RAM copy PI2_OUTPUT_ROWS keeps of it instead (0: none would be smaller)
     int32_t  experts_native;    // 1: llama.cpp's MoE graph for this architecture computes the stated activation of the
                                 // routed experts itself (smallthinker's ReLU experts), so PI2 need not hold them

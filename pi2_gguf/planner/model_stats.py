@@ -259,7 +259,7 @@ def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | No
                 continue
         if name == "output.weight" or (tied and name == "token_embd.weight"):
             add(ram, t.qtype, t.n_bytes)
-            if rows > 0 and not tied:
+            if rows > 0:  # a tied table too: the output MUL_MAT's duplicate is read row by row as well
                 n_vocab_out = t.shape[1] if len(t.shape) > 1 else 0
                 ctype = GGMLQuantizationType.Q2_K if copy == "q2_k" else GGMLQuantizationType.Q3_K
                 if n_embd % 256:

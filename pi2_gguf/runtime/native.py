@@ -28,7 +28,7 @@ class ModelSummary:
     activation: int       # the FFN activation the model states (<arch>.ffn_activation): index into
                           # sidecar.format.ACTIVATIONS, or -1 when it states none
     activation_threshold: float  # <arch>.ffn_activation_threshold (FATReLU), else 0
-    output_bytes: int = 0       # output.weight, a tensor of its own, else 0
+    output_bytes: int = 0       # the output matrix: output.weight, or a tied token_embd.weight (counted once)
     output_copy_bytes: int = 0  # its in-RAM copy under PI2_OUTPUT_ROWS (0: none would be smaller, it stays in RAM)
     experts_native: int = 0     # 1: llama.cpp's MoE graph computes the stated expert activation itself (smallthinker ReLU)
 

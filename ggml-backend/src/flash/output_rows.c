@@ -21,7 +21,11 @@
 int pi2_output_open(const char * model_path, struct pi2_output ** out, char * err, size_t errlen) {
     *out = NULL;
     struct pi2_embedding * t = NULL;
-    const int rc = pi2_table_open(model_path, PI2_OUTPUT_NAME, &t, err, errlen);
+    int rc = pi2_table_open(model_path, PI2_OUTPUT_NAME, &t, err, errlen);
+    const bool tied = rc == 0; // no output.weight: llama multiplies by the token embedding's table
+    if (tied) {
+        rc = pi2_table_open(model_path, PI2_EMBD_NAME, &t, err, errlen);
+    }
     if (rc <= 0) {
         return rc;
     }
@@ -39,6 +43,7 @@ int pi2_output_open(const char * model_path, struct pi2_output ** out, char * er
         return -1;
     }
     o->table          = t;
+    o->tied           = tied;
     o->proxy_type     = proxy;
     o->proxy_row_size = ggml_row_size(proxy, t->n_embd);
     o->copy_fd        = -1;

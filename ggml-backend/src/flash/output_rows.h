@@ -4,7 +4,9 @@
 // 100 MB there: the rest goes to the neuron cache); then the n_exact rows with the largest logits are read
 // from the file and computed in the model's own type, so those logits are exactly the full matrix's and
 // the others are the copy's. Greedy decoding and top-k sampling (k <= n_exact) see exact values.
-// Only for a separate output matrix (PI2_OUTPUT_ROWS > 0); a tied embedding stays in RAM.
+// Under PI2_OUTPUT_ROWS > 0. A tied embedding too (no output.weight: the output MUL_MAT multiplies by a duplicate of
+// token_embd.weight, which llama makes the table itself where both are placed here): then the matrix read row by row
+// is the token embedding's table.
 #pragma once
 
 #include <stdatomic.h>
@@ -28,7 +30,8 @@ static inline enum ggml_type pi2_output_copy_type(enum ggml_type type, int64_t n
 }
 
 struct pi2_output {
-    struct pi2_embedding * table;      // output.weight in the model file (read row by row)
+    struct pi2_embedding * table;      // output.weight in the model file (read row by row), or token_embd.weight if tied
+    bool                   tied;       // the table is the token embedding's (the model has no output.weight)
     enum ggml_type         proxy_type; // of the in-RAM copy
     size_t                 proxy_row_size;
     uint8_t *              proxy;      // [n_rows] rows of proxy_type, made from llama's upload
@@ -42,8 +45,8 @@ struct pi2_output {
     char                   error[512];
 };
 
-// Opens model_path's output matrix. 1 with *out set; 0 when the model has none (a tied embedding) or no
-// smaller type fits its rows (nothing to gain); -1 with err set when the file cannot be read.
+// Opens model_path's output matrix: output.weight, else a tied token_embd.weight. 1 with *out set; 0 when the model
+// has neither or no smaller type fits its rows (nothing to gain); -1 with err set when the file cannot be read.
 int  pi2_output_open(const char * model_path, struct pi2_output ** out, char * err, size_t errlen);
 void pi2_output_free(struct pi2_output * o);
 

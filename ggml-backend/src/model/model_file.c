@@ -215,9 +215,11 @@ static int pi2_summarize_layers(const struct pi2_gguf_file * f, const char * pat
     if (embd >= 0 && output >= 0) {
         out->embedding_bytes = gguf_get_tensor_size(f->gguf, embd);
     }
-    const struct ggml_tensor * ot = output >= 0 ? ggml_get_tensor(f->meta, PI2_OUTPUT_NAME) : NULL;
+    // the output matrix: output.weight, or a tied token_embd.weight (llama multiplies by a duplicate of it)
+    const int64_t oid = output >= 0 ? output : embd;
+    const struct ggml_tensor * ot = oid >= 0 ? ggml_get_tensor(f->meta, output >= 0 ? PI2_OUTPUT_NAME : PI2_EMBD_NAME) : NULL;
     if (ot != NULL && ggml_n_dims(ot) == 2) {
-        out->output_bytes = gguf_get_tensor_size(f->gguf, output);
+        out->output_bytes = gguf_get_tensor_size(f->gguf, oid);
         const enum ggml_type copy = pi2_output_copy_type(ot->type, ot->ne[0], false); // the larger copy: a bound
         out->output_copy_bytes = copy != GGML_TYPE_COUNT ? ggml_row_size(copy, ot->ne[0]) * (uint64_t) ot->ne[1] : 0;
     }
