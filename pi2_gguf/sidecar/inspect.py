@@ -78,6 +78,14 @@ def _disk_line(sc: Sidecar) -> str:
             + f"rankings, frequencies and 4 KiB alignment {(size - bundles - predictors - copy) / 1e6:.1f} MB)")
 
 
+def _copy_type(sc: Sidecar) -> str:
+    """The output matrix's copy's type: the stored copy's, else PI2_OUTPUT_COPY's as recorded (a load picks Q4_0 instead
+    where a row is not whole 256-value blocks)."""
+    if fmt.OUTPUT_COPY_TENSOR in sc.tensors:
+        return str(sc.tensors[fmt.OUTPUT_COPY_TENSOR].tensor_type.name)
+    return str(sc.kv.get(Key.BUDGET_OUTPUT_COPY, fmt.OUTPUT_COPIES[0])).upper()
+
+
 def _sparsity_lines(kv: dict, target: float) -> list[str]:
     return [f"sparsity       {kv[Key.SPARSITY_METHOD]}"
             + (f", target {target:.2f}" if target >= 0 else ", fixed threshold")
@@ -108,7 +116,7 @@ def summary(sc: Sidecar) -> str:
         _quality_line(kv, sparse),
         *(["choice         " + kv[Key.QUALITY_CHOICE]] if Key.QUALITY_CHOICE in kv else []),
         *([f"memory budget  output matrix left in the model file, {kv[Key.BUDGET_OUTPUT_ROWS]} exact rows a token, "
-           f"the rest from a {kv.get(Key.BUDGET_OUTPUT_COPY, 'q3_k').upper()} copy in RAM (PI2_OUTPUT_ROWS, "
+           f"the rest from a {_copy_type(sc)} copy in RAM (PI2_OUTPUT_ROWS, "
            f"PI2_OUTPUT_COPY; the environment or a model setting overrides them)"
            + ("; the copy is stored here (a load reads it)" if fmt.OUTPUT_COPY_TENSOR in sc.tensors else
               "; a load makes the copy (convert again to store it here)")]

@@ -14,6 +14,7 @@
 #include "flash/bundle_io.h"
 #include "flash/expert_file.h"
 #include "ggml-pi2.h"
+#include "flash/output_rows.h"
 #include "flash/pipeline.h"
 #include "graph/placement.h"
 #include "sparse/predictor.h"
@@ -343,6 +344,11 @@ bool pi2_binding_has_cache(struct pi2_binding * b) {
 int pi2_binding_size_cache(struct pi2_binding * b, uint64_t budget, uint64_t reserved, char * err, size_t errlen) {
     if (!b->flash) {
         snprintf(err, errlen, "sidecar %s: the model was loaded without a memory budget", b->sc->path);
+        return -1;
+    }
+    // the output matrix's copy stored in the sidecar is in RAM before the resident memory is measured
+    if (b->output != NULL && pi2_output_finish(b->output) != 0) {
+        snprintf(err, errlen, "%s", b->output->error);
         return -1;
     }
     pthread_mutex_lock(&b->cache_lock);

@@ -127,38 +127,35 @@ static bool pi2_output_quantize(const struct pi2_embedding * t, const void * src
     return !oom;
 }
 
-// rows r0 .. r0 + n of the copy read from the sidecar into o->proxy; a few of them (every n_rows / 64th and the
-// last) quantized from the upload and compared. 0; 1 where one differs (another quantizer made the copy: the caller
-// quantizes instead); -1 with o's error set where the read fails.
-static int pi2_output_read_copy(struct pi2_output * o, int64_t r0, int64_t n, const void * data) {
+// a few rows of the upload r0 .. r0 + n (every n_rows / 64th and the last) quantized and compared with the sidecar's
+// copy of them; the copy itself is read later (pi2_output_finish), once llama's staging of the upload is gone, so a
+// load never holds both. 0; 1 where one differs (another quantizer made the copy: the caller quantizes instead); -1
+// with o's error set where a read fails.
+static int pi2_output_check_copy(struct pi2_output * o, int64_t r0, int64_t n, const void * data) {
     const struct pi2_embedding * t = o->table;
-    uint8_t * dst = o->proxy + (size_t) r0 * o->proxy_row_size;
-    const uint64_t off = o->copy_offset + (uint64_t) r0 * o->proxy_row_size;
-    const int e = pi2_read_exact(o->copy_fd, dst, (size_t) n * o->proxy_row_size, off);
-    if (e != 0) {
-        char msg[sizeof(o->error)];
-        snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
-                 e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
-        pi2_output_fail(o, msg);
-        return -1;
-    }
-    // held in RAM from now on: its pages need not stay cached
-    (void) posix_fadvise(o->copy_fd, (off_t) off, (off_t) ((size_t) n * o->proxy_row_size), POSIX_FADV_DONTNEED);
-    uint8_t * mine = malloc(o->proxy_row_size);
+    uint8_t * mine = malloc(2 * o->proxy_row_size);
     if (mine == NULL) {
         pi2_output_fail(o, "out of memory checking the sidecar's output matrix copy");
         return -1;
     }
+    uint8_t * theirs = mine + o->proxy_row_size;
     const int64_t stride = t->n_rows / 64 > 1 ? t->n_rows / 64 : 1;
     int rc = 0;
     for (int64_t r = r0; rc == 0 && r < r0 + n; ++r) {
         if (r % stride != 0 && r != r0 + n - 1) {
             continue;
         }
-        if (!pi2_output_quantize(t, (const char *) data + (size_t) (r - r0) * t->row_size, 1, o->proxy_type, mine)) {
+        const int e = pi2_read_exact(o->copy_fd, theirs, o->proxy_row_size, o->copy_offset + (uint64_t) r * o->proxy_row_size);
+        if (e != 0) {
+            char msg[sizeof(o->error)];
+            snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
+                     e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
+            pi2_output_fail(o, msg);
+            rc = -1;
+        } else if (!pi2_output_quantize(t, (const char *) data + (size_t) (r - r0) * t->row_size, 1, o->proxy_type, mine)) {
             pi2_output_fail(o, "out of memory checking the sidecar's output matrix copy");
             rc = -1;
-        } else if (memcmp(mine, o->proxy + (size_t) r * o->proxy_row_size, o->proxy_row_size) != 0) {
+        } else if (memcmp(mine, theirs, o->proxy_row_size) != 0) {
             PI2_LOG_WARN("pi2: sidecar %s: row %" PRId64 " of its %s differs from ggml's %s of the model's %s (made by "
                          "another build?): quantizing the matrix at load instead\n", o->copy_path, r,
                          PI2_OPTIONAL_TENSOR_OUTPUT_COPY, ggml_type_name(o->proxy_type), t->name);
@@ -167,6 +164,42 @@ static int pi2_output_read_copy(struct pi2_output * o, int64_t r0, int64_t n, co
     }
     free(mine);
     return rc;
+}
+
+// rows [0, n) of the copy from the sidecar into o->proxy (allocated here); 0, or -1 with o's error set
+static int pi2_output_read_copy(struct pi2_output * o, int64_t n) {
+    if (o->proxy == NULL && (o->proxy = malloc((size_t) o->table->n_rows * o->proxy_row_size)) == NULL) {
+        pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");
+        return -1;
+    }
+    const size_t bytes = (size_t) n * o->proxy_row_size;
+    const int e = pi2_read_exact(o->copy_fd, o->proxy, bytes, o->copy_offset);
+    if (e != 0) {
+        char msg[sizeof(o->error)];
+        snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
+                 e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
+        pi2_output_fail(o, msg);
+        return -1;
+    }
+    // held in RAM from now on: its pages need not stay cached
+    (void) posix_fadvise(o->copy_fd, (off_t) o->copy_offset, (off_t) bytes, POSIX_FADV_DONTNEED);
+    return 0;
+}
+
+int pi2_output_finish(struct pi2_output * o) {
+    const long long built = atomic_load(&o->built);
+    if (built < 0) {
+        return -1;
+    }
+    if (o->copy_fd >= 0 && o->proxy == NULL && built > 0) {
+        if (pi2_output_read_copy(o, built) != 0) {
+            return -1;
+        }
+        if (built == o->table->n_rows) {
+            pi2_output_drop_sidecar_copy(o);
+        }
+    }
+    return 0;
 }
 
 void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size) {
@@ -186,16 +219,11 @@ void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const
         pi2_output_fail(o, msg);
         return;
     }
-    if (o->proxy == NULL) {
+    if (atomic_load(&o->built) == 0 && o->proxy == NULL) { // the first upload fixes the copy's type
         const enum ggml_type proxy = pi2_output_copy_type(t->type, t->n_embd, small);
         if (proxy != GGML_TYPE_COUNT) {
             o->proxy_type     = proxy;
             o->proxy_row_size = ggml_row_size(proxy, t->n_embd);
-        }
-        o->proxy = malloc((size_t) t->n_rows * o->proxy_row_size);
-        if (o->proxy == NULL) {
-            pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");
-            return;
         }
         if (o->copy_fd >= 0 && o->copy_type != o->proxy_type) { // PI2_OUTPUT_COPY asks for another type than convert's
             PI2_LOG_INFO("pi2: the sidecar's %s is %s, the copy %s: quantizing the output matrix at load\n",
@@ -205,20 +233,27 @@ void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const
     }
     o->n_exact = n_exact < t->n_rows ? n_exact : t->n_rows;
     const int64_t r0 = (int64_t) (offset / t->row_size), n = (int64_t) (size / t->row_size);
-    const int from_sidecar = o->copy_fd >= 0 ? pi2_output_read_copy(o, r0, n, data) : 1;
+    const int from_sidecar = o->copy_fd >= 0 ? pi2_output_check_copy(o, r0, n, data) : 1;
     if (from_sidecar < 0) {
         return;
     }
     if (from_sidecar > 0) {
+        // rows accepted from the sidecar before this upload are read now; the rest are made from the uploads
+        const long long before = atomic_load(&o->built);
+        if (o->copy_fd >= 0 && before > 0 && pi2_output_read_copy(o, before) != 0) {
+            return;
+        }
         pi2_output_drop_sidecar_copy(o);
+        if (o->proxy == NULL && (o->proxy = malloc((size_t) t->n_rows * o->proxy_row_size)) == NULL) {
+            pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");
+            return;
+        }
         if (!pi2_output_quantize(t, data, n, o->proxy_type, o->proxy + (size_t) r0 * o->proxy_row_size)) {
             pi2_output_fail(o, "out of memory making the output matrix's in-RAM copy");
             return;
         }
     }
-    if (atomic_fetch_add(&o->built, (long long) n) + n == t->n_rows) {
-        pi2_output_drop_sidecar_copy(o); // every row is in RAM
-    }
+    atomic_fetch_add(&o->built, (long long) n);
 }
 
 int pi2_output_copy_make(const char * model_path, int small, int32_t * type, int64_t * n_rows, size_t * row_size,
@@ -277,6 +312,9 @@ int pi2_output_copy_make(const char * model_path, int small, int32_t * type, int
 }
 
 bool pi2_output_ready(struct pi2_output * o) {
+    if (pi2_output_finish(o) != 0) {
+        return false;
+    }
     const long long built = atomic_load(&o->built);
     if (built < 0) {
         return false;

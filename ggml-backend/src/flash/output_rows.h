@@ -65,6 +65,11 @@ bool pi2_output_matches(const struct pi2_output * o, const struct ggml_tensor * 
 // first upload).
 void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const void * data, size_t offset, size_t size);
 
+// Reads the copy's rows the uploads accepted from the sidecar into RAM, if not yet: after the load (a budget's cache
+// is sized after it), so that llama's staging of the upload and the copy are never held at once. 0, or -1 with
+// o->error set.
+int pi2_output_finish(struct pi2_output * o);
+
 // The whole matrix was uploaded, matched the file and has its copy; otherwise false with o->error set.
 bool pi2_output_ready(struct pi2_output * o);
 
