@@ -468,44 +468,10 @@ def test_embedding_stays_in_the_model_file(relu_model: tuple[Path, Path, list], 
 OUTPUT_ROWS = 16
 
 
-def test_output_matrix_stays_in_the_model_file(relu_model: tuple[Path, Path, list], tmp_path: Path) -> None:
-    """PI2_OUTPUT_ROWS=16: the output matrix is not kept; a Q3_K copy gives every logit and each token's 16
-    largest are read from the model file and computed in its type. Those equal the in-RAM run's, so greedy
-    decoding follows the same tokens; the rest are the copy's, close to them; the counters count the rows."""
-    model, sidecar, _ = relu_model
-    untied = _untied_copy(model, tmp_path / "untied.gguf")
-    ram = pi2_gguf.Llama(str(untied), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
-    want = _steps(ram)
-    ram.close()
-    flash = _load_small_cache(untied, sidecar, settings={"output_rows": OUTPUT_ROWS, **FLASH_SAME_ENGINE})
-    pi2_gguf.reset_counters()
-    got = _steps(flash)
-    c = pi2_gguf.read_counters()
-    flash.close()
-    out = next(t for t in GGUFReader(untied).tensors if t.name == "output.weight")
-    row_bytes = int(out.n_bytes) // int(out.shape[1])
-    # one output per eval: the prompt's last token, then each step's token (the last step's logits unread)
-    assert c.output_rows == OUTPUT_ROWS * (len(got) + 1) and c.output_bytes == c.output_rows * row_bytes
-    for w, g in zip(want, got):
-        exact = np.abs(g - w) <= 1e-5 * np.abs(w).max()  # the copy's values are ~15% off: never this close
-        assert np.argmax(g) == np.argmax(w) and exact[np.argmax(w)]
-        assert exact.sum() >= OUTPUT_ROWS
-        rel = np.linalg.norm(g[~exact] - w[~exact]) / np.linalg.norm(w[~exact])
-        assert 0.0 < rel < 0.3, rel
-
-
-def test_tied_embedding_output_rows(relu_model: tuple[Path, Path, list], relu_rows16: Path) -> None:
-    """A tied embedding (no output.weight: llama multiplies by a duplicate of token_embd.weight, uploaded separately)
-    under PI2_OUTPUT_ROWS=16 is split as a separate output matrix is: the duplicate is not kept, a Q3_K copy gives every
-    logit and each token's 16 largest are computed from the file's rows, equal to the in-RAM run's, so greedy decoding
-    follows the same tokens. The budget's floor counts the copy instead of the table; convert --output-rows stores the
-    tied table's copy in the sidecar."""
-    from pi2_gguf.runtime import native
-
-    model, sidecar, _ = relu_model
-    tensors = {t.name: t for t in GGUFReader(model).tensors}
-    assert "output.weight" not in tensors
-    embd = tensors["token_embd.weight"]
+def _rows_against_ram(model: Path, sidecar: Path, table: str) -> CacheInfo:
+    """Greedy steps in RAM, then under a budget with PI2_OUTPUT_ROWS=16: the counters count 16 rows of `table` a token,
+    the top rows equal the in-RAM logits (so greedy decoding follows the same tokens), the rest are the copy's, close
+    to them. Returns the budget run's cache info."""
     ram = pi2_gguf.Llama(str(model), sidecar=sidecar, n_ctx=256, n_threads=2, verbose=False, settings=SAME_ENGINE)
     want = _steps(ram)
     ram.close()
@@ -515,15 +481,40 @@ def test_tied_embedding_output_rows(relu_model: tuple[Path, Path, list], relu_ro
     c = pi2_gguf.read_counters()
     info = flash.cache_info()
     flash.close()
-    row_bytes = int(embd.n_bytes) // int(embd.shape[1])
+    out = next(t for t in GGUFReader(model).tensors if t.name == table)
+    row_bytes = int(out.n_bytes) // int(out.shape[1])
+    # one output per eval: the prompt's last token, then each step's token (the last step's logits unread)
     assert c.output_rows == OUTPUT_ROWS * (len(got) + 1) and c.output_bytes == c.output_rows * row_bytes
-    assert 0 < info.output_copy_bytes < int(embd.n_bytes) // 4  # F32 rows -> Q3_K
     for w, g in zip(want, got):
-        exact = np.abs(g - w) <= 1e-5 * np.abs(w).max()
+        exact = np.abs(g - w) <= 1e-5 * np.abs(w).max()  # the copy's values are ~15% off: never this close
         assert np.argmax(g) == np.argmax(w) and exact[np.argmax(w)]
         assert exact.sum() >= OUTPUT_ROWS
         rel = np.linalg.norm(g[~exact] - w[~exact]) / np.linalg.norm(w[~exact])
         assert 0.0 < rel < 0.3, rel
+    return info
+
+
+def test_output_matrix_stays_in_the_model_file(relu_model: tuple[Path, Path, list], tmp_path: Path) -> None:
+    """PI2_OUTPUT_ROWS=16: the output matrix is not kept; a Q3_K copy gives every logit and each token's 16
+    largest are read from the model file and computed in its type. Those equal the in-RAM run's, so greedy
+    decoding follows the same tokens; the rest are the copy's, close to them; the counters count the rows."""
+    model, sidecar, _ = relu_model
+    _rows_against_ram(_untied_copy(model, tmp_path / "untied.gguf"), sidecar, "output.weight")
+
+
+def test_tied_embedding_output_rows(relu_model: tuple[Path, Path, list], relu_rows16: Path) -> None:
+    """A tied embedding (no output.weight: llama multiplies by token_embd.weight, the table tensor itself once both
+    uses are placed in PI2's flash buffer type) under PI2_OUTPUT_ROWS=16 is split as a separate output matrix is: a Q3_K
+    copy gives every logit and each token's 16 largest are computed from the file's rows, equal to the in-RAM run's.
+    The budget's floor counts the copy instead of the table; convert --output-rows stores the tied table's copy."""
+    from pi2_gguf.runtime import native
+
+    model, sidecar, _ = relu_model
+    tensors = {t.name: t for t in GGUFReader(model).tensors}
+    assert "output.weight" not in tensors
+    embd = tensors["token_embd.weight"]
+    info = _rows_against_ram(model, sidecar, "token_embd.weight")
+    assert 0 < info.output_copy_bytes < int(embd.n_bytes) // 4  # F32 rows -> Q3_K
     without, with_rows = native.budget_floor(model, sidecar, 0), native.budget_floor(model, sidecar, OUTPUT_ROWS)
     assert without.non_ffn - with_rows.non_ffn == int(embd.n_bytes) - info.output_copy_bytes
     made = native.output_copy(model, True)
