@@ -166,7 +166,7 @@ static int pi2_output_check_copy(struct pi2_output * o, int64_t r0, int64_t n, c
     return rc;
 }
 
-// rows [0, n) of the copy from the sidecar into o->proxy (allocated here); 0, or -1 with o's error set
+// rows [0, n) of the copy from the sidecar into o->proxy (allocated here if not yet); 0, or -1 with o's error set
 static int pi2_output_read_copy(struct pi2_output * o, int64_t n) {
     if (o->proxy == NULL && (o->proxy = malloc((size_t) o->table->n_rows * o->proxy_row_size)) == NULL) {
         pi2_output_fail(o, "out of memory for the output matrix's in-RAM copy");
@@ -191,13 +191,11 @@ int pi2_output_finish(struct pi2_output * o) {
     if (built < 0) {
         return -1;
     }
-    if (o->copy_fd >= 0 && o->proxy == NULL && built > 0) {
-        if (pi2_output_read_copy(o, built) != 0) {
+    if (o->copy_fd >= 0 && o->proxy == NULL && built > 0) { // every row (an upload left short fails ready's count)
+        if (pi2_output_read_copy(o, o->table->n_rows) != 0) {
             return -1;
         }
-        if (built == o->table->n_rows) {
-            pi2_output_drop_sidecar_copy(o);
-        }
+        pi2_output_drop_sidecar_copy(o);
     }
     return 0;
 }
@@ -238,9 +236,9 @@ void pi2_output_upload(struct pi2_output * o, int64_t n_exact, bool small, const
         return;
     }
     if (from_sidecar > 0) {
-        // rows accepted from the sidecar before this upload are read now; the rest are made from the uploads
-        const long long before = atomic_load(&o->built);
-        if (o->copy_fd >= 0 && before > 0 && pi2_output_read_copy(o, before) != 0) {
+        // rows accepted from the sidecar before this upload (in whatever order llama sent them) are read now, with
+        // the whole copy; this upload's and later ones' rows are made from the uploads over it
+        if (o->copy_fd >= 0 && atomic_load(&o->built) > 0 && pi2_output_read_copy(o, t->n_rows) != 0) {
             return;
         }
         pi2_output_drop_sidecar_copy(o);
