@@ -235,8 +235,8 @@ GGML_BACKEND_API int pi2_model_summary(const char * path, struct pi2_model_summa
 // The in-RAM copy of model_path's output matrix a memory budget computes every logit from (PI2_OUTPUT_ROWS > 0;
 // small: PI2_OUTPUT_COPY=q2_k), as the load would make it, for convert to store in the sidecar (FORMAT.md,
 // output.pi2_copy). Sets *type (enum ggml_type), *n_rows and *row_size; with dst not NULL also writes the copy there
-// (n_rows rows of row_size bytes; dst_size must hold them). 1, 0 where a load makes no copy (a tied embedding, or no
-// smaller type), -1 with err set.
+// (n_rows rows of row_size bytes; dst_size must hold them). The output matrix is output.weight, else a tied
+// token_embd.weight. 1, 0 where a load makes no copy (neither, or no smaller type), -1 with err set.
 GGML_BACKEND_API int pi2_output_copy_make(const char * model_path, int small, int32_t * type, int64_t * n_rows,
                                           size_t * row_size, void * dst, size_t dst_size, char * err, size_t errlen);
 

@@ -104,7 +104,8 @@ def dense_whole_layers(model: Pathish, sidecar: Pathish, cache_bytes: int) -> tu
 def output_copy(model: Pathish, small: bool) -> tuple[int, np.ndarray] | None:
     """(ggml type, [n_vocab, row bytes] uint8): the output matrix's in-RAM copy a memory budget with output rows keeps
     (small: PI2_OUTPUT_COPY=q2_k), made by the plugin's own routine, so a load that reads it from the sidecar has the
-    bytes it would have made; None where a load makes none (a tied embedding, or no smaller type)."""
+    bytes it would have made (of output.weight, else of a tied token_embd.weight); None where a load makes none (no
+    such matrix, or no smaller type)."""
     err = capi.err_buffer()
     lib = capi.lib()
     qtype, n_rows, row_size = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_size_t()

@@ -38,15 +38,15 @@ void pi2_flash_set_tensor(const struct pi2_buffer_ctx * bc, struct ggml_tensor *
                                  size_t size) {
     int layer = -1;
     enum pi2_matrix m;
-    if (bc->binding != NULL && pi2_embedding_matches(bc->binding->embd, tensor)) {
+    // a tied embedding under PI2_OUTPUT_ROWS: the output MUL_MAT multiplies by the same tensor (llama reuses the table
+    // for its duplicate where both are placed in this buffer type), and the output shares the embedding's table
+    // (pi2_output_share_embedding), so the output's upload below checks it once and makes the copy
+    const bool tied_rows = bc->binding != NULL && bc->binding->output != NULL &&
+                           bc->binding->output->table == bc->binding->embd &&
+                           pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS) > 0;
+    if (bc->binding != NULL && !tied_rows && pi2_embedding_matches(bc->binding->embd, tensor)) {
         atomic_store(&bc->binding->uploading, true);
         pi2_embedding_check_upload(bc->binding->embd, data, offset, size);
-        // a tied embedding under PI2_OUTPUT_ROWS: the output MUL_MAT multiplies by the same tensor (llama reuses the
-        // table for its duplicate where both are placed in this buffer type), so the upload also makes the copy
-        if (pi2_output_matches(bc->binding->output, tensor) && pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS) > 0) {
-            pi2_output_upload(bc->binding->output, (int64_t) pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_ROWS),
-                              pi2_binding_setting(bc->binding, PI2_SET_OUTPUT_COPY) > 0, data, offset, size);
-        }
         return;
     }
     if (bc->binding != NULL && pi2_output_matches(bc->binding->output, tensor)) {

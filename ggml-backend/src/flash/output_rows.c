@@ -78,12 +78,22 @@ int pi2_output_use_sidecar_copy(struct pi2_output * o, const char * sidecar_path
     return 0;
 }
 
+void pi2_output_share_embedding(struct pi2_output * o, struct pi2_embedding * embd) {
+    if (o->tied && !o->borrowed && embd != NULL && strcmp(embd->name, o->table->name) == 0) {
+        pi2_embedding_free(o->table);
+        o->table    = embd;
+        o->borrowed = true;
+    }
+}
+
 void pi2_output_free(struct pi2_output * o) {
     if (o == NULL) {
         return;
     }
     pi2_output_drop_sidecar_copy(o);
-    pi2_embedding_free(o->table);
+    if (!o->borrowed) {
+        pi2_embedding_free(o->table);
+    }
     free(o->proxy);
     free(o);
 }
@@ -127,6 +137,19 @@ static bool pi2_output_quantize(const struct pi2_embedding * t, const void * src
     return !oom;
 }
 
+// bytes of the sidecar's copy at its offset + off into dst; 0, or -1 with o's error set naming the sidecar
+static int pi2_output_pread_copy(struct pi2_output * o, void * dst, size_t bytes, uint64_t off) {
+    const int e = pi2_read_exact(o->copy_fd, dst, bytes, o->copy_offset + off);
+    if (e != 0) {
+        char msg[sizeof(o->error)];
+        snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
+                 e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
+        pi2_output_fail(o, msg);
+        return -1;
+    }
+    return 0;
+}
+
 // a few rows of the upload r0 .. r0 + n (every n_rows / 64th and the last) quantized and compared with the sidecar's
 // copy of them; the copy itself is read later (pi2_output_finish), once llama's staging of the upload is gone, so a
 // load never holds both. 0; 1 where one differs (another quantizer made the copy: the caller quantizes instead); -1
@@ -145,12 +168,7 @@ static int pi2_output_check_copy(struct pi2_output * o, int64_t r0, int64_t n, c
         if (r % stride != 0 && r != r0 + n - 1) {
             continue;
         }
-        const int e = pi2_read_exact(o->copy_fd, theirs, o->proxy_row_size, o->copy_offset + (uint64_t) r * o->proxy_row_size);
-        if (e != 0) {
-            char msg[sizeof(o->error)];
-            snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
-                     e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
-            pi2_output_fail(o, msg);
+        if (pi2_output_pread_copy(o, theirs, o->proxy_row_size, (uint64_t) r * o->proxy_row_size) != 0) {
             rc = -1;
         } else if (!pi2_output_quantize(t, (const char *) data + (size_t) (r - r0) * t->row_size, 1, o->proxy_type, mine)) {
             pi2_output_fail(o, "out of memory checking the sidecar's output matrix copy");
@@ -173,12 +191,7 @@ static int pi2_output_read_copy(struct pi2_output * o, int64_t n) {
         return -1;
     }
     const size_t bytes = (size_t) n * o->proxy_row_size;
-    const int e = pi2_read_exact(o->copy_fd, o->proxy, bytes, o->copy_offset);
-    if (e != 0) {
-        char msg[sizeof(o->error)];
-        snprintf(msg, sizeof(msg), "sidecar %.300s: reading %s failed: %s", o->copy_path, PI2_OPTIONAL_TENSOR_OUTPUT_COPY,
-                 e == PI2_READ_EOF ? "the file is shorter than when it was opened" : strerror(e));
-        pi2_output_fail(o, msg);
+    if (pi2_output_pread_copy(o, o->proxy, bytes, 0) != 0) {
         return -1;
     }
     // held in RAM from now on: its pages need not stay cached

@@ -32,6 +32,7 @@ static inline enum ggml_type pi2_output_copy_type(enum ggml_type type, int64_t n
 struct pi2_output {
     struct pi2_embedding * table;      // output.weight in the model file (read row by row), or token_embd.weight if tied
     bool                   tied;       // the table is the token embedding's (the model has no output.weight)
+    bool                   borrowed;   // the table is the binding's token embedding (pi2_output_share_embedding): not freed here
     enum ggml_type         proxy_type; // of the in-RAM copy
     size_t                 proxy_row_size;
     uint8_t *              proxy;      // [n_rows] rows of proxy_type, made from llama's upload
@@ -56,6 +57,10 @@ void pi2_output_free(struct pi2_output * o);
 // copies another matrix (its rows) or the sidecar cannot be opened.
 int pi2_output_use_sidecar_copy(struct pi2_output * o, const char * sidecar_path, uint64_t offset, enum ggml_type type,
                                 int64_t n_rows, char * err, size_t errlen);
+
+// A tied output matrix takes the binding's token embedding embd (the same tensor of the same file) as its table, so that
+// the one upload llama makes of it is checked against the file once, by pi2_output_upload. Nothing where not tied.
+void pi2_output_share_embedding(struct pi2_output * o, struct pi2_embedding * embd);
 
 // The tensor llama holds is this output matrix (name, type and shape).
 bool pi2_output_matches(const struct pi2_output * o, const struct ggml_tensor * t);

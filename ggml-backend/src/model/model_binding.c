@@ -176,6 +176,9 @@ struct pi2_binding * pi2_binding_create(int id, const char * sidecar_path, enum 
         pi2_binding_destroy(b);
         return NULL;
     }
+    if (b->output != NULL) {
+        pi2_output_share_embedding(b->output, b->embd);
+    }
     if (b->output != NULL && b->sc->out_copy_type != GGML_TYPE_COUNT &&
         pi2_output_use_sidecar_copy(b->output, sidecar_path, b->sc->out_copy_offset, b->sc->out_copy_type,
                                     b->sc->out_copy_rows, err, errlen) != 0) {
