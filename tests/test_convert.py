@@ -543,6 +543,7 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
     perplexity tool measures for that file. SmolLM2 (n_embd 576: no Q3_K rows) lands within +3%."""
     from pi2_gguf.bench.perplexity import perplexity
     from pi2_gguf.converter.convert import HIGHER_DOWN_TYPE, QUALITY_CHUNKS, QUALITY_CTX, TARGET_STEPS, convert
+    from pi2_gguf.converter.options import DEFAULT_OUTPUT_ROWS
 
     prof = smol_profile.save(tmp_path / "smol.npz")
     res = convert(smollm2, tmp_path / "b.pi2.gguf", profile=prof, ranks=[64], progress=False, perplexity_budget=0.03)
@@ -558,10 +559,13 @@ def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profil
         assert target == pytest.approx(TARGET_STEPS[-1]) and "every layer's predictor" in choice
     if target < sparsity.DEFAULT_SPARSITY:
         assert any(f"sparsity {target:.2f} chosen" in n or "no sparsity target" in n for n in res.notes), res.notes
+    # SmolLM2's tied Q8_0 table: output rows by default, scored with every candidate, and its Q4_0 copy stored
+    assert kv["pi2.budget.output_rows"] == DEFAULT_OUTPUT_ROWS and "(the tied token embedding)" in choice
+    copy = sidecar.read(res.path).tensors[fmt.OUTPUT_COPY_TENSOR]
+    assert copy.tensor_type == QT.Q4_0 and [int(x) for x in copy.shape] == [576, 49152]
     if "down columns against Q8_0" in choice:  # the columns keep Q8_0's error, a fifth of Q4_1's or less
         assert any(f"measured against {HIGHER_DOWN_TYPE.name}" in n for n in res.notes)
         assert max(kv["pi2.bundle.down_error"]) < 0.03
-    assert "pi2.budget.output_rows" not in kv  # SmolLM2's output matrix is its token embedding
     # its down matrices are stored as its gate and up (Q4_1): no lower down columns to try, even where convert
     # raised them to Q8_0's error
     assert not any("rows' type" in n for n in res.notes), res.notes
@@ -625,6 +629,39 @@ def test_down_columns_swapped_keep_the_plan_a_pass_against_them_makes(smollm2: P
     _same_layer(swapped.layers[5], direct.layers[5])
     assert swapped.types[5] == direct.types[5] and QT(swapped.types[5][2]) == QT.Q8_0
     np.testing.assert_array_equal(swapped.downs[5].data, direct.downs[5].data)
+
+
+@pytest.mark.parametrize("table, pays", [(None, True), (QT.Q8_0, True), (QT.Q4_K, False)])
+def test_tied_embedding_gets_output_rows_where_its_copy_pays(relu_model: tuple[Path, Path, list], tmp_path: Path,
+                                                              table: QT | None, pays: bool) -> None:
+    """A tied token embedding (the synthetic model has no output.weight) gets output rows by default where its
+    in-RAM copy takes at most TIED_COPY_SHARE of the table: its F32 and Q8_0 tables (Q3_K copies of 0.11 and 0.40),
+    not a Q4_K one (a Q3_K copy of 0.76). A model's own output matrix gets them whatever its type."""
+    from gguf_copy import copy_gguf
+
+    from pi2_gguf.converter.convert import TIED_COPY_SHARE, _OutputCopies
+    from pi2_gguf.runtime import native
+
+    model = relu_model[0]
+    if table is not None:
+        model = copy_gguf(model, tmp_path / "t.gguf", quantize=lambda name: table if name == "token_embd.weight" else None)
+    m = ModelFfn(model)
+    assert not m.has_output
+    got = native.output_copy_size(model, False)
+    assert got is not None and (got[1] <= TIED_COPY_SHARE * m.output_bytes) == pays
+    assert _OutputCopies(model).rows_pay(m) == pays
+    untied = copy_gguf(model, tmp_path / "u.gguf",
+                       extra=lambda name, data: [("output.weight", data)] if name == "token_embd.weight" else [])
+    assert _OutputCopies(untied).rows_pay(ModelFfn(untied))
+
+
+def test_copy_lever_only_where_q2_k_makes_another_copy(relu_model: tuple[Path, Path, list], smollm2: Path) -> None:
+    """PI2_OUTPUT_COPY=q2_k is a lever convert measures only where it changes the copy: rows of whole 256-value
+    blocks (the synthetic model's 256: Q2_K against Q3_K), not SmolLM2's 576 (Q4_0 either way)."""
+    from pi2_gguf.converter.convert import _OutputCopies
+
+    assert _OutputCopies(relu_model[0]).small_differs()
+    assert not _OutputCopies(smollm2).small_differs()
 
 
 @pytest.fixture(scope="module")

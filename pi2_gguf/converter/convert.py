@@ -65,6 +65,12 @@ HIGHER_DOWN_TYPE = QT.Q8_0
 # Where both apply they are measured together first (the step's name below), on the first target before it is scored
 # alone (where they hold, it holds); each alone only where together they miss the budget.
 BOTH_LEVERS = "output copy and downs at the rows' type"
+# A tied token embedding (no output.weight: the output layer multiplies by the table) gets output rows by default only
+# where its in-RAM copy takes at most this share of the table: gemma-3-270m's 178 MB Q8_0 table has a 94 MB Q4_0
+# copy (0.53), and under 340 MB the sidecar with rows decoded 1.94x the one without (MEASUREMENTS.md, 2026-12-07); a
+# table already in 4 bits gets a copy about as large (Q4_0), which would only add the exact rows' reads. A model's
+# own output matrix gets them whatever its type (Q4_K_M's Q6_K: a Q3_K copy of 0.52).
+TIED_COPY_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -484,6 +490,22 @@ class _OutputCopies:
         self.model = model
         self._made: dict[bool, OutputCopy | None] = {}
 
+    def rows_pay(self, model: ModelFfn) -> bool:
+        """Whether output rows are recorded by default: a model's own output matrix, or a tied embedding whose copy
+        is small enough (TIED_COPY_SHARE)."""
+        from ..runtime import native
+        if model.has_output:
+            return True
+        got = native.output_copy_size(self.model, False)
+        return got is not None and got[1] <= TIED_COPY_SHARE * model.output_bytes
+
+    def small_differs(self) -> bool:
+        """Whether PI2_OUTPUT_COPY=q2_k makes another copy than the default (not where rows are not whole K-quant
+        blocks: both are Q4_0), so that measuring it as a lever can change anything."""
+        from ..runtime import native
+        small, default = native.output_copy_size(self.model, True), native.output_copy_size(self.model, False)
+        return small is not None and default is not None and small[0] != default[0]
+
     def of(self, meta: SidecarMeta) -> OutputCopy | None:
         if not meta.output_rows:
             return None
@@ -797,12 +819,12 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
         raise Pi2Error(f"profile has {prof.n_layer} layers of width {prof.n_embd}; the model's FFN has "
                        f"{model.n_layer} of width {model.n_embd}")
 
+    copies = _OutputCopies(model.path)
     rows = o.output_rows if o.output_rows is not None else \
-        DEFAULT_OUTPUT_ROWS if model.has_output and o.perplexity_budget is not None else None
+        DEFAULT_OUTPUT_ROWS if o.perplexity_budget is not None and copies.rows_pay(model) else None
     rows = rows or None  # 0: nothing recorded, the plugin's default (the matrix in RAM)
     copy = o.output_copy if rows is not None else None
     down_cache: dict[int, bundles_mod.DownColumns] = {}
-    copies = _OutputCopies(model.path)
     choice: list[str] = []
 
     planned_at: dict[float | None, _Planned] = {}
@@ -842,7 +864,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
     precision_free = (adaptive or (budget_on and not sparse_layers)) and bundle_qt is None and down_qt is None
     # the levers a held budget measures (they are dropped again where it does not hold): both together where both
     # apply, each alone where only one does (or together they miss the budget, decided then)
-    copy_lever = precision_free and rows is not None and o.output_rows is None and o.output_copy is None
+    copy_lever = precision_free and rows is not None and o.output_rows is None and o.output_copy is None and \
+        copies.small_differs()
     down_lever = precision_free and bool(_lower_downs(model, planned))
     for lever, on in ((BOTH_LEVERS, copy_lever and down_lever), ("output copy", copy_lever and not down_lever),
                       ("downs at the rows' type", down_lever and not copy_lever)):
@@ -1041,7 +1064,8 @@ def _convert_work(o: ConvertOptions, model: ModelFfn, out: Path, notes: list[str
                              f"{rel(ppl) if ppl is not None else 'not measured'}, beyond the budget; the model's kept")
 
     if rows is not None:
-        choice.append(f"output matrix left in the model file under a memory budget, {rows} exact rows a token"
+        choice.append(f"output matrix {'' if model.has_output else '(the tied token embedding) '}left in the model "
+                      f"file under a memory budget, {rows} exact rows a token"
                       + (f", the rest from a {copy.upper()} copy" if copy is not None else ""))
 
     if best is None:  # not measured: the last candidate written stands, without quality keys

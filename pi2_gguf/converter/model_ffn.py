@@ -114,6 +114,9 @@ class ModelFfn:
         # an output matrix of its own (not tied to the token embedding): under a memory budget the plugin can
         # leave it in the file and read a token's top rows (PI2_OUTPUT_ROWS)
         self.has_output = "output.weight" in tensors
+        # the bytes of the matrix the output layer multiplies by: its own, else the tied token embedding
+        table = tensors.get("output.weight" if self.has_output else "token_embd.weight")
+        self.output_bytes = int(table.n_bytes) if table is not None else 0
 
     def _check_shapes(self, layer: dict[str, FfnTensor], what: str) -> None:
         g, u, d = layer["gate"], layer["up"], layer["down"]

@@ -197,8 +197,8 @@ class ConvertOptions:
         "--output-rows", type=argtypes.count(0, fmt.MAX_OUTPUT_ROWS), metavar="N",
         help="under a memory budget, leave the output matrix in the model file and read a token's N most "
              "likely rows exactly (recorded in the sidecar as PI2_OUTPUT_ROWS, which overrides it; 0: "
-             f"none). Default {DEFAULT_OUTPUT_ROWS} where the model has an output matrix of its own "
-             "and the perplexity budget measures it"))
+             f"none). Default {DEFAULT_OUTPUT_ROWS} where the model has an output matrix of its own, or a tied "
+             "token embedding whose in-RAM copy takes at most 3/4 of it, and the perplexity budget measures it"))
     output_copy: str | None = field(default=None, metadata=flag(
         "--output-copy", choices=fmt.OUTPUT_COPIES,
         help="the type of the output matrix's in-RAM copy under output rows (recorded as PI2_OUTPUT_COPY; "
