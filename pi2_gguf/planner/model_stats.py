@@ -259,12 +259,11 @@ def model_stats(model: Path, sidecar: Path, ctx: int, cost: Sequence[float] | No
                 continue
         if name == "output.weight" or (tied and name == "token_embd.weight"):
             add(ram, t.qtype, t.n_bytes)
-            if rows > 0:  # a tied table too: the output MUL_MAT's duplicate is read row by row as well
-                n_vocab_out = t.shape[1] if len(t.shape) > 1 else 0
-                ctype = GGMLQuantizationType.Q2_K if copy == "q2_k" else GGMLQuantizationType.Q3_K
-                if n_embd % 256:
-                    ctype = GGMLQuantizationType.Q4_0
-                add(budget, int(ctype), n_vocab_out * fmt.row_size(int(ctype), n_embd))
+            # a tied table too: the output MUL_MAT's duplicate is read row by row as well; the copy as the plugin
+            # makes it (none where no type is smaller: the matrix stays in RAM)
+            got = native.output_copy_size(model, copy == "q2_k") if rows > 0 else None
+            if got is not None:
+                add(budget, got[0], got[1])
                 read_extra += rows * fmt.row_size(t.qtype, n_embd)
             else:
                 add(budget, t.qtype, t.n_bytes)
