@@ -702,6 +702,22 @@ def test_budget_levers_are_measured_and_kept_within_the_budget(mixed_silu: Path,
         res.notes
 
 
+def _expected_at_scores(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, set[str]]]:
+    """(the perplexity step, the steps the time left counts then) at each score convert begins."""
+    from pi2_gguf.converter import eta
+
+    seen: list[tuple[str, set[str]]] = []
+    begin = eta.Progress.begin
+
+    def spy(self: eta.Progress, step: str, label: str | None) -> None:
+        if step.startswith("perplexity"):
+            seen.append((step, set(self.steps)))
+        begin(self, step, label)
+
+    monkeypatch.setattr(eta.Progress, "begin", spy)
+    return seen
+
+
 def test_budget_levers_beyond_the_budget_are_dropped(mixed_silu: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The same choice with the measurements scripted (dense 10.0; both levers together on the first target 10.6, the
@@ -712,8 +728,12 @@ def test_budget_levers_beyond_the_budget_are_dropped(mixed_silu: Path, tmp_path:
 
     measured = iter([10.0, 10.6, 10.1, 10.5, 10.2])
     monkeypatch.setattr(convert_mod, "_perplexity", lambda *a, **k: next(measured))
+    seen = _expected_at_scores(monkeypatch)
     res = convert_mod.convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256,
                               progress=False, perplexity_budget=0.03)
+    # the time left counts the target alone only once the levers together miss, then counts it (and times it)
+    target = next(step for step, _ in seen if step.startswith("perplexity sparsity"))
+    assert [target in steps for step, steps in seen] == [False, False, True, True, True], seen
     kv = sidecar.read(res.path).kv
     assert "pi2.budget.output_copy" not in kv and kv["pi2.budget.output_rows"] == convert_mod.DEFAULT_OUTPUT_ROWS
     assert all(bundles.bits_per_weight(QT(t)) <= bundles.bits_per_weight(QT.Q4_K) for t in kv["pi2.bundle.down_type"])
@@ -733,6 +753,7 @@ def test_budget_levers_held_together_spare_the_target_alone(mixed_silu: Path, tm
 
     measured = iter([10.0, 10.2])
     monkeypatch.setattr(convert_mod, "_perplexity", lambda *a, **k: next(measured))
+    seen = _expected_at_scores(monkeypatch)
     res = convert_mod.convert(mixed_silu, tmp_path / "m.pi2.gguf", train_tokens=1024, heldout_tokens=256,
                               progress=False, perplexity_budget=0.03)
     kv = sidecar.read(res.path).kv
@@ -744,6 +765,9 @@ def test_budget_levers_held_together_spare_the_target_alone(mixed_silu: Path, tm
     assert any("together: +2.0%, within the budget, both kept (the target without them was not scored" in n
                for n in res.notes), res.notes
     assert next(measured, None) is None
+    # nor did the time left count it: the dense score and the levers' were all it expected of the scores
+    assert [step for step, _ in seen] == ["perplexity dense", "perplexity output copy and downs at the rows' type"]
+    assert all({st for st in steps if st.startswith("perplexity")} == {step for step, _ in seen} for _, steps in seen), seen
 
 
 def test_explicit_target_is_kept_and_measured(smol_sidecar: Path) -> None:
