@@ -649,6 +649,8 @@ def test_tied_embedding_gets_output_rows_where_its_copy_pays(relu_model: tuple[P
     assert not m.has_output
     got = native.output_copy_size(model, False)
     assert got is not None and (got[1] <= TIED_COPY_SHARE * m.output_bytes) == pays
+    made = native.output_copy(model, False)  # the size query names the copy a load (and convert) makes
+    assert made is not None and (made[0], made[1].nbytes) == got
     assert _OutputCopies(model).rows_pay(m) == pays
     untied = copy_gguf(model, tmp_path / "u.gguf",
                        extra=lambda name, data: [("output.weight", data)] if name == "token_embd.weight" else [])
