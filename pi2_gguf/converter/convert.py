@@ -489,21 +489,27 @@ class _OutputCopies:
     def __init__(self, model: Path) -> None:
         self.model = model
         self._made: dict[bool, OutputCopy | None] = {}
+        self._sizes: dict[bool, tuple[int, int] | None] = {}
+
+    def size(self, small: bool) -> tuple[int, int] | None:
+        """(ggml type, bytes) of the copy of that kind (native.output_copy_size, asked once)."""
+        if small not in self._sizes:
+            from ..runtime import native
+            self._sizes[small] = native.output_copy_size(self.model, small)
+        return self._sizes[small]
 
     def rows_pay(self, model: ModelFfn) -> bool:
         """Whether output rows are recorded by default: a model's own output matrix, or a tied embedding whose copy
         is small enough (TIED_COPY_SHARE)."""
-        from ..runtime import native
         if model.has_output:
             return True
-        got = native.output_copy_size(self.model, False)
+        got = self.size(False)
         return got is not None and got[1] <= TIED_COPY_SHARE * model.output_bytes
 
     def small_differs(self) -> bool:
         """Whether PI2_OUTPUT_COPY=q2_k makes another copy than the default (not where rows are not whole K-quant
         blocks: both are Q4_0), so that measuring it as a lever can change anything."""
-        from ..runtime import native
-        small, default = native.output_copy_size(self.model, True), native.output_copy_size(self.model, False)
+        small, default = self.size(True), self.size(False)
         return small is not None and default is not None and small[0] != default[0]
 
     def of(self, meta: SidecarMeta) -> OutputCopy | None:

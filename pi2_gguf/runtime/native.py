@@ -104,27 +104,8 @@ def dense_whole_layers(model: Pathish, sidecar: Pathish, cache_bytes: int) -> tu
 def output_copy_size(model: Pathish, small: bool) -> tuple[int, int] | None:
     """(ggml type, bytes) of the copy output_copy(model, small) makes, from the model's header alone (nothing is
     quantized); None where a load makes none."""
-    got = _output_copy_call(model, small, False)
-    return (got[0], got[1] * got[2]) if got is not None else None
-
-
-def _output_copy_call(model: Pathish, small: bool, make: bool) -> tuple[int, int, int, np.ndarray | None] | None:
-    """(type, n_rows, row bytes, the rows where make) from the tool entry pi2_output_copy_make; None: no copy."""
-    err = capi.err_buffer()
-    lib = capi.lib()
-    qtype, n_rows, row_size = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_size_t()
-    args = (os.fsencode(model), int(small), ctypes.byref(qtype), ctypes.byref(n_rows), ctypes.byref(row_size))
-    rc = lib.pi2_output_copy_make(*args, None, 0, err, capi.ERR_LEN)
-    if rc > 0 and not make:
-        return int(qtype.value), int(n_rows.value), int(row_size.value), None
-    if rc > 0:
-        rows = np.empty((n_rows.value, row_size.value), np.uint8)
-        rc = lib.pi2_output_copy_make(*args, rows.ctypes.data, rows.nbytes, err, capi.ERR_LEN)
-        if rc > 0:
-            return int(qtype.value), int(n_rows.value), int(row_size.value), rows
-    if rc < 0:
-        raise ModelFileError(capi.err_text(err))
-    return None
+    shape = _output_copy_shape(model, small)
+    return (shape[0], shape[1] * shape[2]) if shape is not None else None
 
 
 def output_copy(model: Pathish, small: bool) -> tuple[int, np.ndarray] | None:
@@ -132,8 +113,28 @@ def output_copy(model: Pathish, small: bool) -> tuple[int, np.ndarray] | None:
     (small: PI2_OUTPUT_COPY=q2_k), made by the plugin's own routine, so a load that reads it from the sidecar has the
     bytes it would have made (of output.weight, else of a tied token_embd.weight); None where a load makes none (no
     such matrix, or no smaller type)."""
-    got = _output_copy_call(model, small, True)
-    return (got[0], got[3]) if got is not None and got[3] is not None else None
+    shape = _output_copy_shape(model, small)
+    if shape is None:
+        return None
+    err = capi.err_buffer()
+    qtype, n_rows, row_size = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_size_t()
+    rows = np.empty(shape[1:], np.uint8)
+    rc = capi.lib().pi2_output_copy_make(os.fsencode(model), int(small), ctypes.byref(qtype), ctypes.byref(n_rows),
+                                         ctypes.byref(row_size), rows.ctypes.data, rows.nbytes, err, capi.ERR_LEN)
+    if rc < 0:
+        raise ModelFileError(capi.err_text(err))
+    return (int(qtype.value), rows) if rc > 0 else None
+
+
+def _output_copy_shape(model: Pathish, small: bool) -> tuple[int, int, int] | None:
+    """(type, n_rows, row bytes) of the copy, from the tool entry pi2_output_copy_make's size query; None: no copy."""
+    err = capi.err_buffer()
+    qtype, n_rows, row_size = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_size_t()
+    rc = capi.lib().pi2_output_copy_make(os.fsencode(model), int(small), ctypes.byref(qtype), ctypes.byref(n_rows),
+                                         ctypes.byref(row_size), None, 0, err, capi.ERR_LEN)
+    if rc < 0:
+        raise ModelFileError(capi.err_text(err))
+    return (int(qtype.value), int(n_rows.value), int(row_size.value)) if rc > 0 else None
 
 
 def _raw_bytes(data: np.ndarray | bytes) -> np.ndarray:
