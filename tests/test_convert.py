@@ -535,6 +535,31 @@ def test_training_free_predictor_is_the_best_rank_k_fit_and_reaches_its_recall(s
     assert fitted.heldout.recall >= 0.97 and fitted.predictor.rank == 64
 
 
+def test_decoded_directions_give_each_width_s_predictor_as_decode_holds_it(smollm2: Path,
+                                                                          smol_profile: Profile) -> None:
+    """The widths' training-free predictors built from directions rounded once (DecodedDirections) are the ones
+    rrr_init and as_decoded make width by width: the same rounded weights, and the same validation outputs up to the
+    order of float sums; widths whose W1 rows round to F16 (rank 36: no multiple of 32) and to Q8_0 alike, tried
+    narrowest first and then one narrower again."""
+    from pi2_gguf.converter import predictor as pm
+
+    model = ModelFfn(smollm2)
+    il = 7
+    gate = model.layers[il]["gate"].dequantized()
+    x = smol_profile.train[il].astype(np.float32)
+    x_fit, x_val = x[:-256], x[-256:]
+    basis = pm.rrr_basis(x_fit, gate, 144)
+    order = np.random.default_rng(0).permutation(gate.shape[0]).astype(np.int32)
+    dirs = pm.DecodedDirections(basis, gate, x_val, order, "q4_0", None)
+    for rank in (36, 64, 96, 288, 64):
+        got, z = dirs.predictor(rank)
+        want = pm.rrr_init(x_fit, gate, rank, basis).as_decoded(order, "q4_0")
+        for a, b in ((got.w1, want.w1), (got.b1, want.b1), (got.w2, want.w2), (got.b2, want.b2)):
+            assert a.shape == b.shape and np.array_equal(a, b), rank
+        ref = want.outputs(x_val)
+        assert np.abs(z - ref).max() <= 1e-5 * np.abs(ref).max(), rank
+
+
 def test_default_target_follows_the_perplexity_budget(smollm2: Path, smol_profile: Profile, tmp_path: Path) -> None:
     """Without --sparsity convert writes the default target, measures held-out perplexity as decode computes it
     (predicted mode under a budget) and chooses within the budget: where every layer's predictor reads every
