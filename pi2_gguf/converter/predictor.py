@@ -102,19 +102,28 @@ class Quality:
 def rrr_basis(x: np.ndarray, gate_w: np.ndarray, k: int | None = None) -> np.ndarray:
     """The principal directions of g = x gate^T over the data, strongest first [min(n_embd, n_ff, k), n_ff] (k: the
     most a caller uses; None: all).
-    With x^T x = R R^T (Cholesky; an eigendecomposition where x^T x is singular), g^T g = M^T M for M = R^T gate^T
-    (n_embd x n_ff): g's directions are the eigenvectors of M M^T = R^T (gate^T gate) R (n_embd x n_embd) carried over
-    by M, v = u^T R^T gate^T / sqrt(mu). Every product is n_embd x n_embd or has the k directions kept on one side, so
-    M itself is never formed (on Qwen2.5-1.5B's layers 0.9 s against 1.4 s; float32 BLAS, the factor and the
-    eigenproblem in float64); ~45x faster than SVDs of x and M."""
+    With x^T x = R R^T (Cholesky, of x^T x formed in float64 where float32's does not factor; an eigendecomposition
+    where x^T x is singular), g^T g = M^T M for M = R^T gate^T (n_embd x n_ff): g's directions are the eigenvectors
+    of M M^T = R^T (gate^T gate) R (n_embd x n_embd) carried over by M, v = u^T R^T gate^T / sqrt(mu). Every product
+    is n_embd x n_embd or has the k directions kept on one side, so M itself is never formed (on Qwen2.5-1.5B's layers
+    0.9 s against 1.4 s; float32 BLAS, the factor and the eigenproblem in float64); ~45x faster than SVDs of x and M."""
     xf = np.asarray(x, dtype=np.float32)
     gw = np.asarray(gate_w, dtype=np.float32)
     c = (xf.T @ xf).astype(np.float64)
     try:
         r = np.linalg.cholesky(c)
-    except np.linalg.LinAlgError:  # x spans fewer than n_embd dimensions (fewer tokens than that, say)
-        lam, q = np.linalg.eigh(c)
-        r = q * np.sqrt(np.maximum(lam, 0.0))  # r r^T = c as well
+    except np.linalg.LinAlgError:
+        # a nearly rank-deficient x (a synthetic 7B-shaped model's first layer: 1,225 of 4,096 eigenvalues under 1e-10
+        # of the largest) rounds in float32 to an x^T x with negative eigenvalues; in float64 it may still factor (2.6 s
+        # there, against 6 s for the eigendecomposition)
+        x64 = xf.astype(np.float64)
+        c = x64.T @ x64
+        del x64
+        try:
+            r = np.linalg.cholesky(c)
+        except np.linalg.LinAlgError:  # x spans fewer than n_embd dimensions (fewer tokens than that, say)
+            lam, q = np.linalg.eigh(c)
+            r = q * np.sqrt(np.maximum(lam, 0.0))  # r r^T = c as well
     rf = r.astype(np.float32)
     mmt = rf.T @ (gw.T @ gw) @ rf  # M M^T
     mu, u = np.linalg.eigh(mmt.astype(np.float64))
