@@ -66,16 +66,26 @@ class Predictor:
         then in Q8_0 and W2's (one per hidden unit, over the neurons in bundle-slot order: order[s] is slot s's
         neuron; None: model order) in w2_type, where the widths allow (format.predictor_decode_types). A cutoff
         calibrated on these is the one decode meets (Q4_0's rounding moves scores by a few percent)."""
-        w1 = self.w1.astype(np.float16).astype(np.float32)
-        w2 = self.w2.astype(np.float16).astype(np.float32)  # [n_ff, rank]
-        t1, t2 = fmt.predictor_decode_types(w1.shape[1], w2.shape[0], self.rank, w2_type)
-        if t1 != GGMLQuantizationType.F16:
-            w1 = quants.dequantize(quants.quantize(w1, t1), t1)
-        if t2 != GGMLQuantizationType.F16:
-            slots = np.arange(w2.shape[0]) if order is None else np.asarray(order)
-            rows = np.ascontiguousarray(w2[slots].T)  # [rank, n_ff], neurons in slot order
-            w2[slots] = quants.dequantize(quants.quantize(rows, t2), t2).T
-        return Predictor(w1, self.b1.astype(np.float32), w2, self.b2.astype(np.float32), self.cutoff)
+        t1, t2 = fmt.predictor_decode_types(self.w1.shape[1], self.w2.shape[0], self.rank, w2_type)
+        slots = np.arange(self.w2.shape[0]) if order is None else np.asarray(order)
+        return Predictor(decoded_w1(self.w1, t1), self.b1.astype(np.float32), decoded_w2(self.w2, slots, t2),
+                         self.b2.astype(np.float32), self.cutoff)
+
+
+def decoded_w1(w1: np.ndarray, t1: GGMLQuantizationType) -> np.ndarray:
+    """W1 rows [r, n_embd] as decode holds them: F16 (the sidecar's), then t1 per row."""
+    w = np.asarray(w1).astype(np.float16).astype(np.float32)
+    return w if t1 == GGMLQuantizationType.F16 else quants.dequantize(quants.quantize(w, t1), t1)
+
+
+def decoded_w2(w2: np.ndarray, slots: np.ndarray, t2: GGMLQuantizationType) -> np.ndarray:
+    """W2 [n_ff, r] as decode holds it: F16, then t2 per hidden unit's row over the neurons in slot order (slots[s]:
+    slot s's neuron)."""
+    w = np.asarray(w2).astype(np.float16).astype(np.float32)
+    if t2 != GGMLQuantizationType.F16:
+        rows = np.ascontiguousarray(w[slots].T)  # [r, n_ff], neurons in slot order
+        w[slots] = quants.dequantize(quants.quantize(rows, t2), t2).T
+    return w
 
 
 def score_fn(method: str, act: Activation) -> Callable[[np.ndarray], np.ndarray]:
@@ -177,18 +187,13 @@ class DecodedDirections:
     def _rows_a(self, t1: GGMLQuantizationType, k: int) -> np.ndarray:
         a = self.a.get(t1, np.zeros((0, self.n_embd), np.float32))
         if a.shape[0] < k:
-            new = (self.basis[a.shape[0]:k].astype(np.float32) @ self.gate_w).astype(np.float16).astype(np.float32)
-            if t1 != GGMLQuantizationType.F16:
-                new = quants.dequantize(quants.quantize(new, t1), t1)
+            new = decoded_w1(self.basis[a.shape[0]:k].astype(np.float32) @ self.gate_w, t1)
             a = self.a[t1] = np.concatenate([a, new])
         return a[:k]
 
     def _cols_v(self, t2: GGMLQuantizationType, k: int) -> np.ndarray:
         if self.v.shape[1] < k:
-            new = self.basis[self.v.shape[1]:k].astype(np.float32).T.astype(np.float16).astype(np.float32)  # [n_ff, dk]
-            if t2 != GGMLQuantizationType.F16:
-                rows = np.ascontiguousarray(new[self.slots].T)  # [dk, n_ff], neurons in slot order
-                new[self.slots] = quants.dequantize(quants.quantize(rows, t2), t2).T
+            new = decoded_w2(self.basis[self.v.shape[1]:k].astype(np.float32).T, self.slots, t2)  # [n_ff, dk]
             self.v = np.concatenate([self.v, new], axis=1)
         return self.v[:, :k]
 
