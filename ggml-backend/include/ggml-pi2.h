@@ -188,6 +188,14 @@ GGML_BACKEND_API int pi2_columns_add(int type, int64_t n, float * y, int64_t n_c
 GGML_BACKEND_API int pi2_columns_add_batch(int type, int64_t n, int64_t n_tokens, float * y, int64_t n_cols,
                                            const float * a, const void * const * cols);
 
+// out[t * n_rows + r] = row r . token t, as a prompt batch computes gate and up rows: the n_rows rows of n values of
+// a ggml type (rows: n_rows rows of its bytes) against n_tokens f32 tokens (x: [n_tokens][n], converted to the type's
+// vec_dot_type here), with the several-token kernel where kernel != 0 and this build has one for the type, else
+// ggml-cpu's vec_dot a token at a time. 1 if the kernel computed groups of tokens, 0 if vec_dot all, -1 for a type
+// without a dot product or an n that is not whole blocks.
+GGML_BACKEND_API int pi2_dot_rows_tokens(int type, int64_t n, int64_t n_rows, const void * rows, int64_t n_tokens,
+                                         const float * x, float * out, int kernel);
+
 // Planning (pi2-gguf plan): weight bytes a second of PI2's dense decode product (one token) on this machine, on
 // n_rows random rows of k values of a ggml type with `threads` threads for about `seconds`. 0, or -1 for a type
 // without a dot product or one that needs an importance matrix to quantize, or a k that is not whole blocks.

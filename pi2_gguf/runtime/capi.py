@@ -153,6 +153,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pi2_struct_size": (c_size_t, [c_char_p]),
     "pi2_columns_add": (c_int, [c_int, c_int64, c_void_p, c_int64, c_void_p, c_void_p]),
     "pi2_columns_add_batch": (c_int, [c_int, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_void_p]),
+    "pi2_dot_rows_tokens": (c_int, [c_int, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int]),
     "pi2_time_dense_rows": (c_int, [c_int, c_int64, c_int64, c_int, ctypes.c_double, POINTER(ctypes.c_double)]),
     "pi2_sidecar_validate": (c_int, [c_char_p, *_ERR]),
     "pi2_sidecar_summary": (c_int, [c_char_p, POINTER(c_uint32), POINTER(c_uint64), *_ERR]),

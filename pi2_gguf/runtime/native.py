@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import ModelFileError, SidecarError
 from . import capi
@@ -199,6 +201,25 @@ def columns_add(qtype: int, y: np.ndarray, a: np.ndarray, columns: np.ndarray) -
     ptrs = (ctypes.c_void_p * len(a))(*[columns[c].ctypes.data for c in range(len(a))])
     if capi.lib().pi2_columns_add(int(qtype), y.size, y.ctypes.data, len(a), a.ctypes.data, ptrs) != 0:
         raise ValueError(f"no column kernel for type {qtype} and length {y.size}")
+
+
+def dot_rows_tokens(qtype: int, rows: np.ndarray, x: np.ndarray, kernel: bool = True) -> tuple[np.ndarray, bool]:
+    """([n_tokens, n_rows] float32 products of every row with every token, whether the several-token kernel computed
+    them) as a prompt batch computes gate and up rows. rows: [n_rows, row bytes] uint8 of a ggml type; x: [n_tokens, n]
+    float32, converted to the type's vec_dot_type by ggml. kernel False: ggml-cpu's vec_dot a token at a time. For tests."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or rows.ndim != 2:
+        raise ValueError("rows must be [n_rows, row bytes] and x [n_tokens, n]")
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if x.shape[1] % block != 0 or rows.shape[1] != x.shape[1] // block * nbytes:
+        raise ValueError(f"rows of {rows.shape[1]} bytes are not rows of {x.shape[1]} values of type {qtype}")
+    out = np.zeros((x.shape[0], rows.shape[0]), dtype=np.float32)
+    rc = capi.lib().pi2_dot_rows_tokens(int(qtype), x.shape[1], rows.shape[0], rows.ctypes.data, x.shape[0],
+                                        x.ctypes.data, out.ctypes.data, int(kernel))
+    if rc < 0:
+        raise ValueError(f"no dot product for type {qtype} and rows of {x.shape[1]}")
+    return out, rc == 1
 
 
 def columns_add_batch(qtype: int, y: np.ndarray, a: np.ndarray, columns: list[np.ndarray | None]) -> None:

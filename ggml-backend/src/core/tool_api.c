@@ -1,10 +1,12 @@
 // Entry points for tools and tests (ggml-pi2.h): the device's counters, build information, struct sizes
 // for FFI checks, and the down-column kernels on their own.
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/build_info.h"
+#include "dense/dot_tokens.h"
 #include "dense/ffn_exec.h"
 #include "sparse/column_axpy.h"
 #include "ggml-pi2.h"
@@ -72,6 +74,44 @@ int pi2_columns_add_batch(int type, int64_t n, int64_t n_tokens, float * y, int6
     free(colf);
     free(tmp);
     return rc;
+}
+
+int pi2_dot_rows_tokens(int type, int64_t n, int64_t n_rows, const void * rows, int64_t n_tokens, const float * x,
+                        float * out, int kernel) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || n <= 0 || n > INT32_MAX || n_rows < 0 || n_tokens < 0 ||
+        n_tokens > INT32_MAX || n % ggml_blck_size((enum ggml_type) type) != 0) {
+        return -1;
+    }
+    ggml_cpu_init(); // ggml-cpu's conversion tables, where no llama.cpp backend has made them yet (idempotent)
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu((enum ggml_type) type);
+    const struct ggml_type_traits_cpu * tv = ggml_get_type_traits_cpu(tt->vec_dot_type);
+    if (tt->vec_dot == NULL || (tt->vec_dot_type != GGML_TYPE_F32 && tv->from_float == NULL)) {
+        return -1;
+    }
+    const size_t row = ggml_row_size((enum ggml_type) type, n), xrow = ggml_row_size(tt->vec_dot_type, n);
+    char * xq = malloc(xrow * (size_t) (n_tokens > 0 ? n_tokens : 1));
+    int32_t * idx = malloc(sizeof(int32_t) * (size_t) (n_tokens > 0 ? n_tokens : 1));
+    float * s = malloc(sizeof(float) * (size_t) (n_tokens > 0 ? n_tokens : 1));
+    int rc = xq != NULL && idx != NULL && s != NULL ? 0 : -1;
+    const pi2_dot_tokens_t k = rc == 0 && kernel ? pi2_dot_tokens_for((enum ggml_type) type, tt->vec_dot) : NULL;
+    for (int64_t t = 0; rc == 0 && t < n_tokens; ++t) {
+        if (tt->vec_dot_type == GGML_TYPE_F32) {
+            memcpy(xq + (size_t) t * xrow, x + t * n, xrow);
+        } else {
+            tv->from_float(x + t * n, xq + (size_t) t * xrow, n);
+        }
+        idx[t] = (int32_t) t;
+    }
+    for (int64_t r = 0; rc == 0 && r < n_rows; ++r) {
+        pi2_dot_listed(k, tt->vec_dot, (int) n, (const char *) rows + (size_t) r * row, xq, xrow, idx, n_tokens, s);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            out[t * n_rows + r] = s[t];
+        }
+    }
+    free(s);
+    free(idx);
+    free(xq);
+    return rc < 0 ? rc : k != NULL && n_tokens >= PI2_DOT_TOKENS ? 1 : 0;
 }
 
 int pi2_time_dense_rows(int type, int64_t k, int64_t n_rows, int threads, double seconds, double * bytes_per_s) {

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "ggml-cpu.h"
+#include "dense/dot_tokens.h"
 
 struct pi2_dense_args {
     const char *   w;          // weight rows
@@ -19,6 +20,7 @@ struct pi2_dense_args {
     float *        dst;        // dst[t*dst_stride + r]
     int64_t        dst_stride; // floats between tokens in dst
     ggml_vec_dot_t vec_dot;
+    pi2_dot_tokens_t dot_tokens; // several tokens a call (pi2_dot_tokens_for), or NULL: vec_dot alone
 };
 
 void pi2_dense_rows(const struct pi2_dense_args * a, int64_t r0, int64_t r1);

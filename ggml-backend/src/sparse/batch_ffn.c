@@ -18,7 +18,8 @@ _Static_assert(PI2_COLUMNS_MAX >= PI2_CLUSTER, "a cluster's columns fit one pi2_
 // each token adds the cluster's active down columns (in L2 by then) to the thread's partial sum of that token. The
 // partial sums are added in thread order at the end.
 //
-// Workspace (sparse_ffn.c): p->y holds nth * n_tokens rows of n_embd, p->acts nth * n_tokens * PI2_CLUSTER values.
+// Workspace (sparse_ffn.c): p->y holds nth * n_tokens rows of n_embd, p->acts nth * n_tokens * PI2_CLUSTER values,
+// p->tok and p->tok_vals nth * 2 * n_tokens (a neuron's tokens and their dot products).
 static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
     const struct pi2_sidecar_layer * L = p->L;
     const int64_t n_tokens = p->n_tokens, n_embd = p->n_embd;
@@ -27,6 +28,8 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
     float * acts = p->acts + (size_t) ith * (size_t) n_tokens * PI2_CLUSTER; // [n_tokens][PI2_CLUSTER]
     float * tmp  = p->tmp + (size_t) ith * p->tmp_stride;
     float * colf = p->colf + (size_t) ith * PI2_CLUSTER * (size_t) n_embd;
+    int32_t * gate_tok = p->tok + (size_t) ith * 2 * (size_t) n_tokens, * up_tok = gate_tok + n_tokens;
+    float * gate_val = p->tok_vals + (size_t) ith * 2 * (size_t) n_tokens, * up_val = gate_val + n_tokens;
     const uint8_t * bundle[PI2_CLUSTER];
     for (int64_t c = ith; c < p->n_clusters && !atomic_load_explicit(&p->failed, memory_order_relaxed); c += nth) {
         const int64_t s0 = c * PI2_CLUSTER, s1 = s0 + PI2_CLUSTER < p->n_ff ? s0 + PI2_CLUSTER : p->n_ff;
@@ -51,30 +54,38 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
             const uint8_t * gate_row = bundle[j], * up_row = bundle[j] + L->up_offset;
             const int32_t neuron = L->order[s];
             const uint8_t * token_want = p->token_want != NULL ? p->token_want + s : NULL;
+            // the gate row against every token that computes it, then the up row against those whose gate fired:
+            // several tokens a call where a kernel has them (pi2_dot_listed), each token's value as decode computes it
+            int64_t n_gate = 0;
             for (int64_t t = 0; t < n_tokens; ++t) {
-                if (token_want != NULL && token_want[t * p->n_ff] == 0) { // not this token's: its outputs stay 0
-                    continue;
+                if (token_want == NULL || token_want[t * p->n_ff] != 0) { // else not this token's: its outputs stay 0
+                    gate_tok[n_gate++] = (int32_t) t;
                 }
-                st->predicted++;
-                struct pi2_token_rows r = pi2_token_rows(p, ith, t);
-                float g = 0.0f, u = 0.0f, a = 0.0f;
-                p->gate_dot((int) n_embd, &g, 0, gate_row, 0, r.xq, 0, 1);
-                g = pi2_plan_gate(p, g, neuron);
-                r.gate_out[neuron] = g;
+            }
+            st->predicted += n_gate;
+            pi2_dot_listed(p->gate_dot_tokens, p->gate_dot, (int) n_embd, gate_row, p->xq, p->xq_stride, gate_tok, n_gate,
+                           gate_val);
+            int64_t n_up = 0;
+            for (int64_t k = 0; k < n_gate; ++k) {
+                const int32_t t = gate_tok[k];
+                const float g = pi2_plan_gate(p, gate_val[k], neuron);
                 const float act = pi2_act_gate(&p->act, g);
                 if (pi2_fires(p, g, act)) {
-                    p->up_dot((int) n_embd, &u, 0, up_row, 0, r.xqu, 0, 1);
-                    u = pi2_plan_up(p, u, neuron);
-                    r.up_out[neuron] = u;
-                    st->admitted++;
-                    const float v = act * pi2_act_up(&p->act, u);
-                    if (pi2_active(p, v, u)) {
-                        a = v;
-                        r.glu_out[neuron] = a;
-                        st->active++;
-                    }
+                    up_tok[n_up] = t;
+                    gate_val[n_up++] = act; // n_up <= k: entries already read
                 }
-                acts[t * PI2_CLUSTER + j] = a;
+            }
+            pi2_dot_listed(p->up_dot_tokens, p->up_dot, (int) n_embd, up_row, p->xq_up, p->xq_up_stride, up_tok, n_up,
+                           up_val);
+            st->admitted += n_up;
+            for (int64_t k = 0; k < n_up; ++k) {
+                const int32_t t = up_tok[k];
+                const float u = pi2_plan_up(p, up_val[k], neuron);
+                const float v = gate_val[k] * pi2_act_up(&p->act, u);
+                if (pi2_active(p, v, u)) {
+                    st->active++;
+                    acts[t * PI2_CLUSTER + j] = v;
+                }
             }
         }
         if (n_tokens >= PI2_BATCH_FLOAT_DOWN) {
@@ -136,21 +147,19 @@ void pi2_batch_run(struct pi2_sparse_plan * p, int nth) {
         #pragma omp single
         p->nth = omp_get_num_threads();
         const int ith = omp_get_thread_num(), n = p->nth;
-        const int64_t n_tokens = p->n_tokens, n_embd = p->n_embd, n_ff = p->n_ff;
-        // the neurons wanted and every token's input converted, then (llama's allocator may have placed an output over
-        // the input) its outputs cleared, a token to a thread; this thread's sums zeroed
+        const int64_t n_tokens = p->n_tokens, n_embd = p->n_embd;
+        // the neurons wanted and every token's input converted, a token to a thread; this thread's sums zeroed. The
+        // region's gate, up and GLU tensors are not written: the region is computed whole and nothing outside it reads
+        // them (an eval callback that asks for one splits the graph there, and PI2 then computes it alone). Written
+        // token by token at each neuron's place, they were a cache miss per value (Qwen2.5-1.5B: 27 MB a layer
+        // scattered over a chunk of 256 tokens)
         pi2_batch_want(p, ith, n);
         for (int64_t t = ith; t < n_tokens; t += n) {
             pi2_convert_token(p, t);
         }
-        #pragma omp barrier
-        for (int64_t t = ith; t < n_tokens; t += n) {
-            memset((char *) p->gate->data + t * p->gate->nb[1], 0, (size_t) n_ff * sizeof(float));
-            memset((char *) p->up->data + t * p->up->nb[1], 0, (size_t) n_ff * sizeof(float));
-            memset((char *) p->glu->data + t * p->glu->nb[1], 0, (size_t) n_ff * sizeof(float));
-        }
         memset(p->y + (size_t) ith * (size_t) n_tokens * (size_t) n_embd, 0, (size_t) n_tokens * (size_t) n_embd * sizeof(float));
-        // the wanted bundles, once, requested after the clearing above
+        // the wanted bundles, once, requested after every token's input is converted (llama's allocator may have placed
+        // an output over the input)
         #pragma omp barrier
         if (ith == 0) {
             p->submit(p, n_tokens - 1);

@@ -191,6 +191,10 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     p.to_up_vdt   = pi2_converter(tu->vec_dot_type);
     p.to_down_vdt = pi2_converter(td->vec_dot_type);
     p.to_pred_vdt = pi2_converter(tp->vec_dot_type);
+    if (p.batch && p.n_tokens >= PI2_DOT_TOKENS) {
+        p.gate_dot_tokens = pi2_dot_tokens_for(L->gate_type, p.gate_dot);
+        p.up_dot_tokens   = L->up_type == L->gate_type ? p.gate_dot_tokens : pi2_dot_tokens_for(L->up_type, p.up_dot);
+    }
 
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
     p.nth = nth;
@@ -226,6 +230,8 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         alias_gate ? pi2_align64(ggml_nbytes(r->gate)) : 0,
         alias_up ? pi2_align64(ggml_nbytes(r->up)) : 0,
         p.batch ? pi2_align64((size_t) nth * PI2_CLUSTER * (size_t) p.n_embd * sizeof(float)) : 0,
+        p.batch ? pi2_align64((size_t) nth * 2 * (size_t) p.n_tokens * sizeof(int32_t)) : 0,
+        p.batch ? pi2_align64((size_t) nth * 2 * (size_t) p.n_tokens * sizeof(float)) : 0,
     };
     size_t total = 0;
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); ++k) {
@@ -264,7 +270,9 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
         p.up = &up_scratch;
     }
     w += sizes[17];
-    p.colf = p.batch ? (float *) w : NULL;
+    p.colf = p.batch ? (float *) w : NULL;   w += sizes[18];
+    p.tok = p.batch ? (int32_t *) w : NULL;  w += sizes[19];
+    p.tok_vals = p.batch ? (float *) w : NULL;
     memset(p.stats, 0, (size_t) nth * sizeof(struct pi2_thread_stats));
 
     if (b->flash) {

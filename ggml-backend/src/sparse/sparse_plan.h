@@ -12,6 +12,7 @@
 
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "dense/dot_tokens.h"
 #include "model/model_binding.h"
 #include "flash/neuron_cache.h"
 #include "sparse/predictor.h"
@@ -112,6 +113,7 @@ struct pi2_sparse_plan {
 
     // kernels: ggml-cpu's dot products and activation converters per type
     ggml_vec_dot_t    gate_dot, up_dot, pred_dot, down_dot;
+    pi2_dot_tokens_t  gate_dot_tokens, up_dot_tokens; // a batch's rows against several tokens a call, or NULL
     ggml_from_float_t to_gate_vdt, to_up_vdt, to_down_vdt, to_pred_vdt;
 
     // workspace (one arena, sparse_ffn.c)
@@ -123,6 +125,8 @@ struct pi2_sparse_plan {
     float *                   y;           // [n_split][n_embd] partial down sums (batch: [nth][n_tokens][n_embd])
     float *                   acts;        // batch: [nth][n_tokens][PI2_CLUSTER] a cluster's GLU values
     float *                   colf;        // batch: [nth][PI2_CLUSTER][n_embd] a cluster's down columns as floats
+    int32_t *                 tok;         // batch: [nth][2][n_tokens] the tokens a neuron's gate, then up, is dotted with
+    float *                   tok_vals;    // batch: [nth][2][n_tokens] those dot products
     float *                   tmp;         // [max(nth, n_split)][tmp_stride] dequantization scratch
     int64_t                   tmp_stride;
     // the down list in cluster order, whichever thread computed a cluster: cluster c's active neurons are
