@@ -31,19 +31,20 @@ def _rows_and_tokens(n: int, n_rows: int, n_tokens: int, seed: int) -> tuple[np.
     return w, x
 
 
-@pytest.mark.parametrize("n", [256, 1536, 4096])
+@pytest.mark.parametrize(("qtype", "n"), [(QT.Q4_K, 256), (QT.Q4_K, 1536), (QT.Q4_K, 4096), (QT.Q4_1, 576),
+                                          (QT.Q4_1, 1536), (QT.Q4_1, 4096)])
 @pytest.mark.parametrize("n_tokens", [1, 4, 7, 13])
-def test_q4_k_tokens_equal_vec_dot_bit_for_bit(n: int, n_tokens: int) -> None:
+def test_kernel_tokens_equal_vec_dot_bit_for_bit(qtype: QT, n: int, n_tokens: int) -> None:
     w, x = _rows_and_tokens(n, 9, n_tokens, n + n_tokens)
-    q = bundles.quantize_rows(QT.Q4_K, w)
-    got, used = native.dot_rows_tokens(int(QT.Q4_K), q, x, kernel=True)
-    want, used_ref = native.dot_rows_tokens(int(QT.Q4_K), q, x, kernel=False)
+    q = bundles.quantize_rows(qtype, w)
+    got, used = native.dot_rows_tokens(int(qtype), q, x, kernel=True)
+    want, used_ref = native.dot_rows_tokens(int(qtype), q, x, kernel=False)
     assert not used_ref
     # this machine's build has the kernel (x86 with AVX2): it must be the one that ran
     assert used == (_has_avx2() and n_tokens >= 4)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # and a dot product it is: against the rows as gguf-py dequantizes them, the tokens unrounded
-    deq = bundles.dequantize_rows(QT.Q4_K, q, n).astype(np.float64)
+    deq = bundles.dequantize_rows(qtype, q, n).astype(np.float64)
     exact = x.astype(np.float64) @ deq.T
     scale = np.abs(x).max(axis=1, keepdims=True) * np.abs(deq).sum(axis=1)[None, :] + 1e-30
     assert np.all(np.abs(got - exact) <= 2e-2 * scale)

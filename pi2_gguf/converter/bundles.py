@@ -20,7 +20,9 @@ from ..sidecar import format as fmt
 from .model_ffn import FfnTensor
 
 TOLERANCE_SLACK = 1.05
-SAMPLE_COLUMNS = 1024  # columns a smaller type is tried on before all of them
+# columns a smaller type is tried on before all of them, fewest first: most smaller types fail, and the slow ones
+# (IQ4_NL, IQ4_XS: 1.6 s for a Qwen2.5-1.5B layer's 8,960 columns) already on the fewest
+SAMPLE_COLUMNS = (128, 1024)
 # types ggml quantizes without an importance matrix, considered for down columns
 CANDIDATES = (QT.Q2_K, QT.Q3_K, QT.IQ4_XS, QT.Q4_0, QT.IQ4_NL, QT.Q4_K, QT.Q4_1, QT.Q5_0, QT.Q5_K, QT.Q5_1,
               QT.Q6_K, QT.Q8_0, QT.BF16, QT.F16, QT.F32)
@@ -118,15 +120,16 @@ def down_columns(down: FfnTensor, reference: QT | None = None) -> DownColumns:
     ref = reference_type(down.qtype, n_embd) if reference is None else reference
     results: dict[QT, tuple[float, np.ndarray]] = {}
 
-    # a type whose error on a sample of columns already exceeds the tolerance fails on all of them (the
-    # rule takes the largest error): only types that pass the sample are quantized whole
-    sample = cols[:: max(1, cols.shape[0] // SAMPLE_COLUMNS)]
+    # a type whose error on a sample of columns already exceeds the tolerance fails on all of them (the rule takes the
+    # largest error): only types that pass every sample are quantized whole
+    samples = [cols[:: cols.shape[0] // k] for k in SAMPLE_COLUMNS if cols.shape[0] // k > 1]
 
     def attempt(t: QT, tol: float | None = None) -> float:
-        if tol is not None and sample.shape[0] < cols.shape[0]:
-            err = float(rel_rmse(dequantize_rows(t, quantize_rows(t, sample), n_embd), sample).max())
-            if err > tol:
-                return err
+        if tol is not None:
+            for sample in samples:
+                err = float(rel_rmse(dequantize_rows(t, quantize_rows(t, sample), n_embd), sample).max())
+                if err > tol:
+                    return err
         q = quantize_rows(t, cols)
         err = float(rel_rmse(dequantize_rows(t, q, n_embd), cols).max())
         results[t] = (err, q)

@@ -1,5 +1,6 @@
 #include "dense/dot_tokens.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -106,6 +107,47 @@ static void pi2_dot_tokens_q4_K(int n, float * s, const void * row, const void *
     }
 }
 
+// unsigned x signed bytes summed in fours, as floats: ggml's mul_sum_us8_pairs_float (VNNI where the CPU has it)
+static inline __m256 pi2_mul_sum_us8_pairs_float(const __m256i ax, const __m256i sy) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy));
+#elif defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy));
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy)));
+#endif
+}
+
+// ggml_vec_dot_q4_1_q8_1's AVX2 path, for PI2_DOT_TOKENS tokens (its `summs += m * s` compiled as one fused
+// multiply-add, as GCC contracts it in ggml's GNU C: the agreement check says whether it was)
+static void pi2_dot_tokens_q4_1(int n, float * s, const void * row, const void * const * ys) {
+    const block_q4_1 * x = row;
+    const block_q8_1 * y[PI2_DOT_TOKENS];
+    __m256 acc[PI2_DOT_TOKENS];
+    float summs[PI2_DOT_TOKENS];
+    for (int t = 0; t < PI2_DOT_TOKENS; ++t) {
+        y[t]     = ys[t];
+        acc[t]   = _mm256_setzero_ps();
+        summs[t] = 0.0f;
+    }
+    const __m256i low = _mm256_set1_epi8(0xF);
+    for (int ib = 0; ib < n / QK8_1; ++ib) {
+        const float d0 = _cvtsh_ss(x[ib].d), m0 = _cvtsh_ss(x[ib].m);
+        const __m256 d0v = _mm256_set1_ps(d0);
+        const __m128i tmp = _mm_loadu_si128((const __m128i *) x[ib].qs);
+        const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp));
+        for (int t = 0; t < PI2_DOT_TOKENS; ++t) {
+            summs[t] = fmaf(m0, _cvtsh_ss(y[t][ib].s), summs[t]);
+            const __m256 d0d1 = _mm256_mul_ps(d0v, _mm256_set1_ps(_cvtsh_ss(y[t][ib].d)));
+            const __m256 xy = pi2_mul_sum_us8_pairs_float(qx, _mm256_loadu_si256((const __m256i *) y[t][ib].qs));
+            acc[t] = _mm256_fmadd_ps(d0d1, xy, acc[t]);
+        }
+    }
+    for (int t = 0; t < PI2_DOT_TOKENS; ++t) {
+        s[t] = pi2_hsum_float_8(acc[t]) + summs[t];
+    }
+}
+
 #endif // PI2_DOT_TOKENS_X86
 
 // The kernel against vec_dot on rows and tokens of varied magnitudes, bit for bit.
@@ -155,6 +197,8 @@ pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot)
 #ifdef PI2_DOT_TOKENS_X86
     if (type == GGML_TYPE_Q4_K) {
         kernel = pi2_dot_tokens_q4_K;
+    } else if (type == GGML_TYPE_Q4_1) {
+        kernel = pi2_dot_tokens_q4_1;
     }
 #endif
     if (kernel == NULL || vec_dot == NULL || !pi2_dot_tokens_agree(type, kernel, vec_dot)) {
