@@ -635,6 +635,28 @@ def test_one_pass_plans_each_target_as_a_pass_of_its_own(smollm2: Path, smol_pro
     assert joint[0].layers[3].threshold != joint[1].layers[3].threshold  # two targets, not one twice
 
 
+def test_layers_planned_side_by_side_equal_layers_planned_one_at_a_time(smollm2: Path, smol_profile: Profile,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers planned at once, numpy's BLAS on one thread each, make the plans one layer at a time makes, each in
+    its place (three layers planned, the others left to the model file)."""
+    from pi2_gguf.converter import convert as cm
+
+    model = ModelFfn(smollm2)
+    skip = frozenset(range(model.n_layer)) - {2, 9, 20}
+    plan = sparsity.SparsityPlan.for_activation(model.activation, 0.5, None, "product")
+
+    def planned(workers: int) -> object:
+        monkeypatch.setattr(cm, "_plan_workers", lambda *_: workers)
+        return cm._plan_layers(model, smol_profile, [plan], [32, 64], 0.99, 0, "svd", {}, {}, None, None, None, False,
+                               skip)[0]
+
+    one, two = planned(1), planned(2)
+    for il in (2, 9, 20):
+        _same_layer(one.layers[il], two.layers[il])
+    assert one.layers[2].threshold != one.layers[9].threshold  # three layers of their own, in their places
+    assert cm._plan_workers(model, smol_profile, 3) == (2 if (os.cpu_count() or 1) >= 2 else 1)
+
+
 def test_down_columns_swapped_keep_the_plan_a_pass_against_them_makes(smollm2: Path, smol_profile: Profile) -> None:
     """convert's Q8_0 lever re-quantizes a plan's down columns (_with_downs) instead of planning again: the layers
     equal those of a pass whose down columns are measured against Q8_0 (a predictor's width does not depend on the

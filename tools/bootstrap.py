@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "pytest>=8", "mypy>=1.10", "scikit-build-core>=0.10",
+PY_DEPS = ["numpy>=1.26,<3", "gguf>=0.17", "tqdm>=4.66", "threadpoolctl>=3.5", "pytest>=8", "mypy>=1.10", "scikit-build-core>=0.10",
            "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3",
            "matplotlib>=3.7",
            # pi2-gguf serve: llama-cpp-python's `server` extra (its pyproject.toml), and the client tests use

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +217,36 @@ def parse_layers(spec: str, n_layer: int, flag: str) -> frozenset[int]:
     return frozenset(out)
 
 
+# a layer's planning holds about this many float32 arrays of [profiled tokens, n_ff] at once (gate, activation,
+# magnitude, up, product and their held-out rows, with numpy's temporaries)
+_PLAN_ARRAYS = 8
+
+
+def _plan_workers(model: ModelFfn, prof: Profile, n_planned: int) -> int:
+    """Layers planned side by side: two where the machine has two cores or more and two layers' arrays take at most
+    a quarter of its memory, else one. A function of the machine and the model alone, not of the memory free at the
+    moment: a layer's predictor weights can differ in their last bits with numpy's BLAS on one thread or two, and a
+    convert resumed on the same machine writes the bytes an uninterrupted one writes."""
+    if (os.cpu_count() or 1) < 2 or n_planned < 2:
+        return 1
+    n_ff = max(model.n_ff(il) for il in range(model.n_layer))
+    layer = _PLAN_ARRAYS * (prof.n_train + prof.n_heldout) * n_ff * 4 + 2 * n_ff * model.n_embd * 4
+    return 2 if 2 * layer <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 else 1
+
+
+@contextlib.contextmanager
+def _blas_threads(n: int | None) -> Iterator[None]:
+    """numpy's BLAS limited to n threads inside (None: as it is): threadpoolctl, which knows each BLAS numpy may
+    be built with (its OpenBLAS has no thread-count API of numpy's own)."""
+    if n is None:
+        yield
+        return
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield
+
+
 def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], ranks: list[int], recall: float,
                  epochs: int, predictor: str, shipped: dict[int, pred_mod.Predictor],
                  down_cache: dict[int, bundles_mod.DownColumns], bundle_type: QT | None, down_type: QT | None,
@@ -241,20 +273,11 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
     method = plans[0].method
     score = pred_mod.score_fn(method, act)
     out = [_Planned([], [], [], [], [], []) for _ in plans]
-    bar = tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress)
-    for il in bar:
-        if work is not None:
-            work.progress.advance(step, 0, timed=False)  # the time since the last layer was not this step's
-            bar.set_postfix_str(work.progress.postfix(), refresh=False)
+
+    def job(il: int) -> tuple[bundles_mod.DownColumns, str, list[dict[str, Any]], dict[int, tuple[LayerData, str, float | None]]]:
+        """Layer il's down columns (their key) and each plan's (LayerData, predictor source, seconds if taken from
+        the work directory), made or taken from there; what is made is kept there."""
         t_layer = time.monotonic()
-        ffn = model.layers[il]
-        if il in whole:
-            qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
-            for pl in out:
-                pl.add(LayerData.whole(model.n_ff(il), *qt), None, qt, "whole", "whole", None)
-            if work is not None:  # not a unit of the step (its units are the layers planned): the mark moves on
-                work.progress.advance(step, 0, timed=False)
-            continue
         layer_type, ref = _layer_types(il, bundle_type, bundle_layers, down_type)
         dkey = ""
         if work is not None:
@@ -263,7 +286,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
             else:
                 dkey = key_hash(work.down_key(il, ref))
         elif il not in down_cache:
-            down_cache[il] = bundles_mod.down_columns(ffn["down"], ref)
+            down_cache[il] = bundles_mod.down_columns(model.layers[il]["down"], ref)
         down = down_cache[il]
         lkeys: list[dict[str, Any]] = []
         done: dict[int, tuple[LayerData, str, float | None]] = {}  # plan index -> what the work directory holds
@@ -282,22 +305,52 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
             made = _plan_layer(model, prof, il, [p for k, p in enumerate(plans) if k not in done], score, act, ranks,
                                recall, epochs, predictor, shipped.get(il), layer_type, down, w2_type)
             todo = [k for k in range(len(plans)) if k not in done]
-            seconds = (time.monotonic() - t_layer) / len(todo)
+            # a layer's share of the step's time: layers planned side by side share it
+            seconds = (time.monotonic() - t_layer) / len(todo) / workers
             for k, (ld, src) in zip(todo, made):
                 done[k] = (ld, src, None)
                 if work is not None:
                     values, arrays = _layer_piece(ld, src)
                     work.dir.save("layer", lkeys[k], {**values, "seconds": seconds}, arrays, layer=il)
-        for k, pl in enumerate(out):
-            ld, src, _ = done[k]
-            pl.add(ld, down, (ld.gate_type, ld.up_type, ld.down_type), src,
-                   key_hash(lkeys[k]) if work is not None else "", dkey if work is not None else None)
-        if work is not None:
-            if all(s is not None for _, _, s in done.values()):  # every plan taken from the work directory
-                work.progress.advance(step, 1, timed=False)
-                work.progress.seed("layer", done[0][2], 1)
-            else:
-                work.progress.advance(step, 1)
+        return down, dkey, lkeys, done
+
+    planned = [il for il in range(model.n_layer) if il not in whole]
+    workers = _plan_workers(model, prof, len(planned))
+    bar = tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress)
+    with _blas_threads(1 if workers > 1 else None), ThreadPoolExecutor(workers) as pool:
+        # layers are planned `workers` at a time, each on one BLAS thread (numpy's elementwise work, about half of a
+        # layer's, runs on one core, so two layers side by side use both), and taken in order
+        ahead = {il: pool.submit(job, il) for il in planned[:workers]}
+        try:
+            for il in bar:
+                if work is not None:
+                    work.progress.advance(step, 0, timed=False)  # the time since the last layer was not this step's
+                    bar.set_postfix_str(work.progress.postfix(), refresh=False)
+                ffn = model.layers[il]
+                if il in whole:
+                    qt = (int(ffn["gate"].qtype), int(ffn["up"].qtype), int(ffn["down"].qtype))
+                    for pl in out:
+                        pl.add(LayerData.whole(model.n_ff(il), *qt), None, qt, "whole", "whole", None)
+                    if work is not None:  # not a unit of the step (its units are the layers planned): the mark moves on
+                        work.progress.advance(step, 0, timed=False)
+                    continue
+                down, dkey, lkeys, done = ahead.pop(il).result()
+                at = planned.index(il) + workers
+                if at < len(planned):
+                    ahead[planned[at]] = pool.submit(job, planned[at])
+                for k, pl in enumerate(out):
+                    ld, src, _ = done[k]
+                    pl.add(ld, down, (ld.gate_type, ld.up_type, ld.down_type), src,
+                           key_hash(lkeys[k]) if work is not None else "", dkey if work is not None else None)
+                if work is not None:
+                    if all(s is not None for _, _, s in done.values()):  # every plan taken from the work directory
+                        work.progress.advance(step, 1, timed=False)
+                        work.progress.seed("layer", done[0][2], 1)
+                    else:
+                        work.progress.advance(step, 1)
+        finally:
+            for f in ahead.values():  # stopped (Ctrl-C, an error): layers not begun are not planned
+                f.cancel()
     return out
 
 
