@@ -55,6 +55,9 @@ struct pi2_backend_ctx {
     // for its scratch: [n_sub], made on first use
     struct pi2_backend_ctx * sub;
     int                      n_sub;
+    // per ggml type, whether the several-token dot kernel gives vec_dot's values (dense/dot_tokens.h: 0 not checked
+    // yet, 1 it does, -1 it does not or there is none): checked once, not at every batch (~0.1 ms for Q4_K)
+    int8_t                   dot_tokens_checked[GGML_TYPE_COUNT];
 };
 
 // ctx->work with at least size bytes (64-byte aligned), or NULL when memory runs out

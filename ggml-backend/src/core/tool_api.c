@@ -93,7 +93,7 @@ int pi2_dot_rows_tokens(int type, int64_t n, int64_t n_rows, const void * rows, 
     int32_t * idx = malloc(sizeof(int32_t) * (size_t) (n_tokens > 0 ? n_tokens : 1));
     float * s = malloc(sizeof(float) * (size_t) (n_tokens > 0 ? n_tokens : 1));
     int rc = xq != NULL && idx != NULL && s != NULL ? 0 : -1;
-    const pi2_dot_tokens_t k = rc == 0 && kernel ? pi2_dot_tokens_for((enum ggml_type) type, tt->vec_dot) : NULL;
+    const pi2_dot_tokens_t k = rc == 0 && kernel ? pi2_dot_tokens_for((enum ggml_type) type, tt->vec_dot, NULL) : NULL;
     for (int64_t t = 0; rc == 0 && t < n_tokens; ++t) {
         if (tt->vec_dot_type == GGML_TYPE_F32) {
             memcpy(xq + (size_t) t * xrow, x + t * n, xrow);

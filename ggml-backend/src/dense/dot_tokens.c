@@ -192,7 +192,7 @@ static bool pi2_dot_tokens_agree(enum ggml_type type, pi2_dot_tokens_t kernel, g
     return true;
 }
 
-pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot) {
+pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot, int8_t * checked) {
     pi2_dot_tokens_t kernel = NULL;
 #ifdef PI2_DOT_TOKENS_X86
     if (type == GGML_TYPE_Q4_K) {
@@ -201,10 +201,17 @@ pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot)
         kernel = pi2_dot_tokens_q4_1;
     }
 #endif
-    if (kernel == NULL || vec_dot == NULL || !pi2_dot_tokens_agree(type, kernel, vec_dot)) {
+    if (kernel == NULL || vec_dot == NULL) {
         return NULL;
     }
-    return kernel;
+    if (checked == NULL || *checked == 0) {
+        const bool agree = pi2_dot_tokens_agree(type, kernel, vec_dot);
+        if (checked == NULL) {
+            return agree ? kernel : NULL;
+        }
+        *checked = agree ? 1 : -1;
+    }
+    return *checked > 0 ? kernel : NULL;
 }
 
 void pi2_dot_listed(pi2_dot_tokens_t kernel, ggml_vec_dot_t vec_dot, int n, const void * row, const char * x,

@@ -16,9 +16,10 @@
 typedef void (*pi2_dot_tokens_t)(int n, float * s, const void * row, const void * const * ys);
 
 // The kernel for rows of `type`, or NULL where this build has none for it, or where its results differ from vec_dot's
-// (ggml-cpu's dot product for the type, built for another instruction set): checked on a few rows at every call, which
-// costs microseconds, so callers ask once per batch.
-pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot);
+// (ggml-cpu's dot product for the type, built for another instruction set), checked on a few rows (~0.1 ms for Q4_K,
+// whose reference quantizer makes them). checked: the caller's memo of that check for this type (0: not made yet; the
+// outcome is stored there), or NULL to check now.
+pi2_dot_tokens_t pi2_dot_tokens_for(enum ggml_type type, ggml_vec_dot_t vec_dot, int8_t * checked);
 
 // out[k] = row . token idx[k] for k < m, the tokens x_stride bytes apart from x: the kernel for groups of
 // PI2_DOT_TOKENS, vec_dot for the rest (kernel NULL: vec_dot for all)

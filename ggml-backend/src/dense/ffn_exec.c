@@ -101,8 +101,10 @@ static enum ggml_status pi2_run_spans(struct pi2_backend_ctx * ctx, const struct
 }
 
 // the several-token kernel for a batch of rows of `type`, where the batch has that many tokens
-static pi2_dot_tokens_t pi2_batch_dot_tokens(enum ggml_type type, int64_t n_tokens) {
-    return n_tokens >= PI2_DOT_TOKENS ? pi2_dot_tokens_for(type, ggml_get_type_traits_cpu(type)->vec_dot) : NULL;
+static pi2_dot_tokens_t pi2_batch_dot_tokens(struct pi2_backend_ctx * ctx, enum ggml_type type, int64_t n_tokens) {
+    return n_tokens >= PI2_DOT_TOKENS && type >= 0 && type < GGML_TYPE_COUNT
+               ? pi2_dot_tokens_for(type, ggml_get_type_traits_cpu(type)->vec_dot, &ctx->dot_tokens_checked[type])
+               : NULL;
 }
 
 static void pi2_mul_mat_span(void * arg, const char * xq, size_t xq_stride, int64_t r0, int64_t r1) {
@@ -125,7 +127,7 @@ enum ggml_status pi2_exec_mul_mat_with(struct pi2_backend_ctx * ctx, struct ggml
         .dst        = (float *) node->data,
         .dst_stride = (int64_t) (node->nb[1] / sizeof(float)),
         .vec_dot    = tt->vec_dot,
-        .dot_tokens = pi2_batch_dot_tokens(type, x->ne[1]),
+        .dot_tokens = pi2_batch_dot_tokens(ctx, type, x->ne[1]),
     };
     return pi2_run_spans(ctx, x, tt->vec_dot_type, w->ne[1], pi2_mul_mat_span, &args);
 }
@@ -247,11 +249,11 @@ enum ggml_status pi2_exec_gate_up_act(struct pi2_backend_ctx * ctx, const struct
         .gate = { .w = (const char *) wg->data, .w_stride = wg->nb[1], .k = wg->ne[0], .n_tokens = x->ne[1],
                   .dst = (float *) gate->data, .dst_stride = (int64_t) (gate->nb[1] / sizeof(float)),
                   .vec_dot = ggml_get_type_traits_cpu(wg->type)->vec_dot,
-                  .dot_tokens = pi2_batch_dot_tokens(wg->type, x->ne[1]) },
+                  .dot_tokens = pi2_batch_dot_tokens(ctx, wg->type, x->ne[1]) },
         .up   = { .w = (const char *) wu->data, .w_stride = wu->nb[1], .k = wu->ne[0], .n_tokens = x->ne[1],
                   .dst = (float *) up->data, .dst_stride = (int64_t) (up->nb[1] / sizeof(float)),
                   .vec_dot = ggml_get_type_traits_cpu(wu->type)->vec_dot,
-                  .dot_tokens = pi2_batch_dot_tokens(wu->type, x->ne[1]) },
+                  .dot_tokens = pi2_batch_dot_tokens(ctx, wu->type, x->ne[1]) },
         .tables = &ctx->dev->glu,
         .r      = r,
     };

@@ -39,7 +39,7 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
             for (int64_t t = 0; t < n_tokens; ++t) {
                 acts[t * PI2_CLUSTER + j] = 0.0f;
             }
-            if (p->want[s] == 0) { // no token's predictor chose it: not read, its outputs stay 0
+            if (p->want[s] == 0) { // no token's predictor chose it: not read, it adds nothing
                 continue;
             }
             if ((bundle[j] = pi2_plan_bundle(p, s, st)) == NULL) {
@@ -58,7 +58,7 @@ static void pi2_batch_clusters(struct pi2_sparse_plan * p, int ith, int nth) {
             // several tokens a call where a kernel has them (pi2_dot_listed), each token's value as decode computes it
             int64_t n_gate = 0;
             for (int64_t t = 0; t < n_tokens; ++t) {
-                if (token_want == NULL || token_want[t * p->n_ff] != 0) { // else not this token's: its outputs stay 0
+                if (token_want == NULL || token_want[t * p->n_ff] != 0) { // else not this token's: it adds nothing
                     gate_tok[n_gate++] = (int32_t) t;
                 }
             }

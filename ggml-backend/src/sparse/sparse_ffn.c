@@ -192,8 +192,8 @@ enum ggml_status pi2_exec_sparse_ffn_split(struct pi2_backend_ctx * ctx, struct 
     p.to_down_vdt = pi2_converter(td->vec_dot_type);
     p.to_pred_vdt = pi2_converter(tp->vec_dot_type);
     if (p.batch && p.n_tokens >= PI2_DOT_TOKENS) {
-        p.gate_dot_tokens = pi2_dot_tokens_for(L->gate_type, p.gate_dot);
-        p.up_dot_tokens   = L->up_type == L->gate_type ? p.gate_dot_tokens : pi2_dot_tokens_for(L->up_type, p.up_dot);
+        p.gate_dot_tokens = pi2_dot_tokens_for(L->gate_type, p.gate_dot, &ctx->dot_tokens_checked[L->gate_type]);
+        p.up_dot_tokens   = pi2_dot_tokens_for(L->up_type, p.up_dot, &ctx->dot_tokens_checked[L->up_type]);
     }
 
     const int nth = ctx->n_threads > 0 ? ctx->n_threads : 1;
