@@ -274,7 +274,9 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
     score = pred_mod.score_fn(method, act)
     out = [_Planned([], [], [], [], [], []) for _ in plans]
 
-    def job(il: int) -> tuple[bundles_mod.DownColumns, str, list[dict[str, Any]], dict[int, tuple[LayerData, str, float | None]]]:
+    Done = dict[int, tuple[LayerData, str, float | None]]  # plan index -> (plan, predictor source, seconds if taken)
+
+    def job(il: int) -> tuple[bundles_mod.DownColumns, str, list[dict[str, Any]], Done]:
         """Layer il's down columns (their key) and each plan's (LayerData, predictor source, seconds if taken from
         the work directory), made or taken from there; what is made is kept there."""
         t_layer = time.monotonic()
@@ -289,7 +291,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
             down_cache[il] = bundles_mod.down_columns(model.layers[il]["down"], ref)
         down = down_cache[il]
         lkeys: list[dict[str, Any]] = []
-        done: dict[int, tuple[LayerData, str, float | None]] = {}  # plan index -> what the work directory holds
+        done: Done = {}
         if work is not None:
             for k, plan in enumerate(plans):
                 lkeys.append(work.layer_key(il, plan, layer_type, ref, shipped.get(il)))
@@ -315,6 +317,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
         return down, dkey, lkeys, done
 
     planned = [il for il in range(model.n_layer) if il not in whole]
+    place = {il: k for k, il in enumerate(planned)}
     workers = _plan_workers(model, prof, len(planned))
     bar = tqdm(range(model.n_layer), desc="layers", unit="layer", disable=not progress)
     with _blas_threads(1 if workers > 1 else None), ThreadPoolExecutor(workers) as pool:
@@ -335,7 +338,7 @@ def _plan_layers(model: ModelFfn, prof: Profile, plans: list[sp.SparsityPlan], r
                         work.progress.advance(step, 0, timed=False)
                     continue
                 down, dkey, lkeys, done = ahead.pop(il).result()
-                at = planned.index(il) + workers
+                at = place[il] + workers
                 if at < len(planned):
                     ahead[planned[at]] = pool.submit(job, planned[at])
                 for k, pl in enumerate(out):
